@@ -1,0 +1,117 @@
+"""SwitchBackConfig: which SwitchBack variant to use and which linears get it.
+
+Config is data: a frozen dataclass, validated on construction so a bad value fails where it is written,
+not deep inside a kernel during the first training step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+WEIGHT_SCALINGS = ("tensor", "row")
+PRECISIONS = ("int8", "fp8")
+BACKENDS = ("auto", "triton", "torch")
+FP8_GRAD_FORMATS = ("e4m3", "e5m2")
+
+# Every linear inside the CLIP text and vision transformer layers (HF module names).
+DEFAULT_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2")
+# The projections into the joint embedding space are small and sit right before the contrastive logits,
+# where quantization noise costs the most accuracy for the least speed: keep them 16-bit, as the paper does.
+DEFAULT_EXCLUDE_MODULES = ("visual_projection", "text_projection")
+
+
+def _as_target(value: str | list[str] | tuple[str, ...] | None, field_name: str):
+    """Normalize a PEFT-style target spec: str stays a regex, sequences become tuples of names."""
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, (list, tuple, set, frozenset)):
+        names = tuple(value)
+        bad = [n for n in names if not isinstance(n, str) or not n]
+        if bad:
+            raise ValueError(f"SwitchBackConfig.{field_name}: every entry must be a non-empty str, got {bad!r}")
+        return names
+    raise TypeError(
+        f"SwitchBackConfig.{field_name} must be a str (regex, full match), a list of module names / dotted "
+        f"suffixes, or None; got {type(value).__name__}"
+    )
+
+
+@dataclass(frozen=True)
+class SwitchBackConfig:
+    """How to quantize. Field names are part of the public API (docs, tests, config.json use them)."""
+
+    # "tensor": one scale for the whole weight (bitsandbytes' SwitchBackLinearGlobal): cheapest to quantize.
+    # "row": one scale per output channel in forward and per input channel for the transposed weight in
+    # grad-input (SwitchBackLinearVectorwise): tighter scales, more robust to outlier channels.
+    weight_scaling: str = "tensor"
+    # Save the 8-bit input (+ its row scales) for backward instead of the 16-bit input: about half the
+    # activation memory of every swapped linear, at the cost of an 8-bit-accurate grad-weight.
+    memory_efficient: bool = False
+    # "int8": symmetric absmax int8 (the paper). "fp8": e4m3 forward, `fp8_grad_format` for gradients.
+    precision: str = "int8"
+    # fp8 only: format of the output gradient in grad-input. e4m3 keeps 3 mantissa bits and suffices with a
+    # per-row scale (the scale handles range); e5m2 trades a mantissa bit for range.
+    fp8_grad_format: str = "e4m3"
+    # Which linears to swap. str: regex full match on the dotted module name. list: exact names or dotted
+    # suffixes (PEFT semantics). None: the CLIP encoder defaults above.
+    target_modules: str | tuple[str, ...] | None = DEFAULT_TARGET_MODULES
+    # Same matching rules; wins over target_modules.
+    exclude_modules: str | tuple[str, ...] | None = DEFAULT_EXCLUDE_MODULES
+    # "auto": triton when CUDA and triton are usable, else torch (logged once). "triton": require the GPU
+    # kernels (error at apply time if absent). "torch": the reference path (CPU, or GPU for debugging).
+    backend: str = "auto"
+    # Batches with fewer rows (tokens) than this run the plain 16-bit matmul: at small sizes quantization
+    # overhead is larger than the 8-bit speed-up. 0 disables the fallback (always quantize).
+    min_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        _check_choice("weight_scaling", self.weight_scaling, WEIGHT_SCALINGS)
+        _check_choice("precision", self.precision, PRECISIONS)
+        _check_choice("backend", self.backend, BACKENDS)
+        _check_choice("fp8_grad_format", self.fp8_grad_format, FP8_GRAD_FORMATS)
+        if not isinstance(self.memory_efficient, bool):
+            raise TypeError(
+                f"SwitchBackConfig.memory_efficient must be a bool, got {type(self.memory_efficient).__name__}"
+            )
+        if not isinstance(self.min_tokens, int) or isinstance(self.min_tokens, bool) or self.min_tokens < 0:
+            raise ValueError(f"SwitchBackConfig.min_tokens must be an int >= 0, got {self.min_tokens!r}")
+        object.__setattr__(self, "target_modules", _as_target(self.target_modules, "target_modules"))
+        object.__setattr__(self, "exclude_modules", _as_target(self.exclude_modules, "exclude_modules"))
+        if self.target_modules is None:
+            object.__setattr__(self, "target_modules", DEFAULT_TARGET_MODULES)
+
+    @property
+    def variant(self) -> str:
+        """Short human name, e.g. 'int8/tensor/mem-efficient' (used in repr and logs)."""
+        name = f"{self.precision}/{self.weight_scaling}"
+        return name + ("/mem-efficient" if self.memory_efficient else "")
+
+    def replace(self, **changes: Any) -> SwitchBackConfig:
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready dict (tuples become lists)."""
+        out = {}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            out[f.name] = list(value) if isinstance(value, tuple) else value
+        return out
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> SwitchBackConfig:
+        """Inverse of to_dict. Unknown keys are an error (a typo must not silently select a default)."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"SwitchBackConfig.from_dict: unknown keys {unknown}; known keys are {sorted(known)}")
+        return cls(**data)
+
+
+def _check_choice(name: str, value: Any, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ValueError(f"SwitchBackConfig.{name} must be one of {allowed}, got {value!r}")
+
+
+__all__ = ["DEFAULT_EXCLUDE_MODULES", "DEFAULT_TARGET_MODULES", "SwitchBackConfig"]

@@ -1,0 +1,109 @@
+"""apply_switchback / remove_switchback: swap nn.Linear <-> SwitchBackLinear in place.
+
+Target matching follows PEFT, which users already know: a str is a regex that must fully match the dotted
+module name; a list matches exact names or dotted suffixes ("fc1" matches "...mlp.fc1"). Everything is
+validated before the first module is replaced, so a failure never leaves a model half converted.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Callable
+
+from torch import nn
+
+from .config import SwitchBackConfig
+from .kernels.backends import check_backend
+from .modules import SwitchBackLinear
+
+logger = logging.getLogger(__name__)
+
+FilterFn = Callable[[str, nn.Module], bool]
+
+
+def name_matches(name: str, spec: str | tuple[str, ...] | None) -> bool:
+    """PEFT semantics: str -> re.fullmatch; sequence -> exact name or dotted suffix; None -> nothing."""
+    if spec is None:
+        return False
+    if isinstance(spec, str):
+        return re.fullmatch(spec, name) is not None
+    return any(name == t or name.endswith("." + t) for t in spec)
+
+
+def _set_submodule(model: nn.Module, name: str, module: nn.Module) -> None:
+    parent_name, _, child = name.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    setattr(parent, child, module)
+
+
+def find_targets(model: nn.Module, config: SwitchBackConfig, filter_fn: FilterFn | None = None) -> list[str]:
+    """Dotted names of the nn.Linear modules `config` (and filter_fn) select, in model order.
+
+    Already-swapped SwitchBackLinear modules are included (so applying twice is idempotent); raise
+    ValueError naming some of the linears seen when nothing matches.
+    """
+    linear_names, selected = [], []
+    for name, module in model.named_modules():
+        if not isinstance(module, nn.Linear):
+            continue
+        linear_names.append(name)
+        if not name_matches(name, config.target_modules) or name_matches(name, config.exclude_modules):
+            continue
+        if filter_fn is not None and not filter_fn(name, module):
+            continue
+        selected.append(name)
+    if not selected:
+        seen = ", ".join(linear_names[:8]) + (", ..." if len(linear_names) > 8 else "")
+        raise ValueError(
+            f"apply_switchback: no nn.Linear matched target_modules={config.target_modules!r} "
+            f"(exclude_modules={config.exclude_modules!r}). The model has {len(linear_names)} linear layers"
+            + (f", e.g. {seen}" if linear_names else "")
+            + ". Pass SwitchBackConfig(target_modules=[...]) with names or dotted suffixes from that list."
+        )
+    return selected
+
+
+def apply_switchback(
+    model: nn.Module, config: SwitchBackConfig | None = None, *, filter_fn: FilterFn | None = None
+) -> nn.Module:
+    """Replace the selected nn.Linear layers of `model` by SwitchBackLinear, in place; returns `model`.
+
+    config defaults to SwitchBackConfig() (every q/k/v/out_proj, fc1, fc2 of a CLIP model; projections
+    excluded). filter_fn(name, module) -> bool narrows the selection further. Parameters are reused, not
+    copied. Layers already swapped get the new config (no double wrapping).
+    """
+    config = config or SwitchBackConfig()
+    if not isinstance(config, SwitchBackConfig):
+        raise TypeError(f"apply_switchback: config must be a SwitchBackConfig, got {type(config).__name__}")
+    check_backend(config.backend)
+    targets = find_targets(model, config, filter_fn)
+
+    swapped = 0
+    for name in targets:
+        module = model.get_submodule(name)
+        if isinstance(module, SwitchBackLinear):
+            module.switchback_config = config
+            continue
+        _set_submodule(model, name, SwitchBackLinear.from_linear(module, config))
+        swapped += 1
+    logger.info("hf_switchback: %d linear layers use SwitchBack %s", len(targets), config.variant)
+    return model
+
+
+def remove_switchback(model: nn.Module) -> nn.Module:
+    """Turn every SwitchBackLinear of `model` back into nn.Linear with the same Parameters; returns `model`."""
+    names = [name for name, m in model.named_modules() if isinstance(m, SwitchBackLinear)]
+    if isinstance(model, SwitchBackLinear):
+        raise TypeError("remove_switchback: call .to_linear() on a bare SwitchBackLinear")
+    for name in names:
+        _set_submodule(model, name, model.get_submodule(name).to_linear())
+    return model
+
+
+def switchback_modules(model: nn.Module) -> dict[str, SwitchBackLinear]:
+    """The SwitchBackLinear modules of `model` by dotted name."""
+    return {name: m for name, m in model.named_modules() if isinstance(m, SwitchBackLinear)}
+
+
+__all__ = ["apply_switchback", "find_targets", "name_matches", "remove_switchback", "switchback_modules"]

@@ -1,0 +1,1 @@
+"""Kernels: `reference` (torch, any device) and `ops` (Triton, CUDA), picked through `backends`."""

@@ -1,0 +1,75 @@
+"""Choose between the torch reference kernels and the Triton kernels.
+
+A kernel set is a module exposing the functions of `kernels/reference.py` with the same signatures
+(quantize_rowwise, quantize_tensorwise, quantize_rowwise_transposed, quantize_tensorwise_transposed,
+scaled_matmul). The Triton set lives in `kernels/ops.py` and is imported lazily, so nothing on the CPU
+path ever imports triton.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import logging
+from types import ModuleType
+
+import torch
+
+from . import reference
+
+logger = logging.getLogger(__name__)
+
+TRITON_MODULE = "hf_switchback.kernels.ops"
+
+
+@functools.cache
+def triton_unavailable_reason() -> str | None:
+    """None when the Triton kernels can run here, else a sentence saying why not."""
+    if not torch.cuda.is_available():
+        return "CUDA is not available"
+    try:
+        importlib.import_module("triton")
+    except ImportError as err:
+        return f"triton is not installed ({err}); pip install 'hf_switchback[triton]'"
+    try:
+        importlib.import_module(TRITON_MODULE)
+    except ImportError as err:
+        return f"the Triton kernels could not be imported ({err})"
+    return None
+
+
+def check_backend(backend: str) -> None:
+    """Fail early (at apply time) when backend='triton' cannot run on this machine."""
+    if backend == "triton":
+        reason = triton_unavailable_reason()
+        if reason is not None:
+            raise RuntimeError(
+                f"SwitchBackConfig.backend='triton' but {reason}. Use backend='auto' to fall back to the "
+                "torch reference kernels, or backend='torch'."
+            )
+
+
+@functools.cache
+def _warn_fallback_once(reason: str) -> None:
+    logger.info("hf_switchback: backend='auto' uses the torch reference kernels (%s).", reason)
+
+
+def get_kernels(backend: str, device: torch.device) -> ModuleType:
+    """The kernel module to use for a tensor on `device` under config.backend."""
+    if backend == "torch":
+        return reference
+    if device.type != "cuda":
+        if backend == "triton":
+            raise RuntimeError(
+                f"SwitchBackConfig.backend='triton' needs CUDA tensors, got a tensor on {device}. "
+                "Move the model to the GPU or use backend='auto'."
+            )
+        _warn_fallback_once(f"input on {device.type}")
+        return reference
+    reason = triton_unavailable_reason()
+    if reason is None:
+        return importlib.import_module(TRITON_MODULE)
+    if backend == "triton":
+        check_backend(backend)
+    _warn_fallback_once(reason)
+    return reference

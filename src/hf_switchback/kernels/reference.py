@@ -1,0 +1,130 @@
+"""Torch reference kernels: the CPU path, and the oracle every Triton kernel is tested against.
+
+Every function here has a Triton twin with the same name and signature in `kernels/ops.py`; the functional
+layer only ever calls them through `kernels.backends.get_kernels(name)`, so the two are interchangeable.
+
+Conventions (shared with the Triton twins, tests rely on them):
+- Symmetric absmax quantization: scale = absmax / QMAX (float32), q = round_half_even(x / scale) clipped to
+  [-QMAX, QMAX]; an all-zero row (or tensor) gets scale 0 and q 0, never NaN.
+- 2-D operands only; the caller flattens leading dimensions. Matmul operands are "K-major": a is (M, K),
+  b is (N, K), out = a @ b.T, exactly the layout of x and nn.Linear's weight.
+- Dequantize epilogue: out = float32(acc) * a_scale[:, None] * b_scale[None, :] (+ float32 bias), then cast.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# Largest representable magnitude of each 8-bit format: the "127" of absmax scaling.
+QMAX = {
+    torch.int8: 127.0,
+    torch.float8_e4m3fn: 448.0,
+    torch.float8_e5m2: 57344.0,
+}
+
+
+def _check_qdtype(qdtype: torch.dtype) -> float:
+    if qdtype not in QMAX:
+        raise ValueError(f"unsupported quantized dtype {qdtype}; expected one of {list(QMAX)}")
+    return QMAX[qdtype]
+
+
+def _to_qdtype(scaled: torch.Tensor, qdtype: torch.dtype, qmax: float) -> torch.Tensor:
+    # clamp before the cast: float8_e4m3fn has no inf, an out-of-range value would become NaN.
+    if qdtype == torch.int8:
+        return torch.round(scaled).clamp_(-qmax, qmax).to(torch.int8)
+    return scaled.clamp(-qmax, qmax).to(qdtype)
+
+
+def quantize_rowwise(x: torch.Tensor, qdtype: torch.dtype = torch.int8) -> tuple[torch.Tensor, torch.Tensor]:
+    """(M, K) float -> (q (M, K) qdtype, scale (M,) float32), one scale per row (per token)."""
+    qmax = _check_qdtype(qdtype)
+    xf = x.float()
+    scale = xf.abs().amax(dim=1) / qmax if xf.shape[1] > 0 else xf.new_zeros(xf.shape[0])
+    safe = torch.where(scale == 0, torch.ones_like(scale), scale)
+    return _to_qdtype(xf / safe[:, None], qdtype, qmax), scale
+
+
+def quantize_tensorwise(x: torch.Tensor, qdtype: torch.dtype = torch.int8) -> tuple[torch.Tensor, torch.Tensor]:
+    """(M, K) float -> (q (M, K) qdtype, scale () float32), one scale for the whole tensor."""
+    qmax = _check_qdtype(qdtype)
+    xf = x.float()
+    scale = xf.abs().amax() / qmax if xf.numel() > 0 else xf.new_zeros(())
+    safe = torch.where(scale == 0, torch.ones_like(scale), scale)
+    return _to_qdtype(xf / safe, qdtype, qmax), scale
+
+
+def quantize_rowwise_transposed(w: torch.Tensor, qdtype: torch.dtype = torch.int8):
+    """(N, K) -> quantize_rowwise(w.T): (K, N) q with one scale per column of w (per input channel).
+
+    This is the weight operand of grad-input for weight_scaling="row" (dX = G @ W, inner dim N).
+    """
+    return quantize_rowwise(w.t(), qdtype)
+
+
+def quantize_tensorwise_transposed(w: torch.Tensor, qdtype: torch.dtype = torch.int8):
+    """(N, K) -> quantize_tensorwise(w.T): the grad-input weight operand for weight_scaling="tensor"."""
+    q, scale = quantize_tensorwise(w, qdtype)
+    return q.t().contiguous(), scale
+
+
+def dequantize_rowwise(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Inverse of quantize_rowwise: (M, K) q, (M,) scale -> (M, K) dtype."""
+    return (q.float() * scale[:, None]).to(dtype)
+
+
+def dequantize_tensorwise(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Inverse of quantize_tensorwise."""
+    return (q.float() * scale).to(dtype)
+
+
+def int8_matmul_int32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Exact int32 accumulation of (M, K) int8 @ (N, K).T int8 -> (M, N) int32."""
+    m, n = a.shape[0], b.shape[0]
+    if m == 0 or n == 0 or a.shape[1] == 0:
+        return a.new_zeros((m, n), dtype=torch.int32)
+    # torch._int_mm is exact on CPU for any shape; on CUDA it needs M > 16 and K, N multiples of 8.
+    if a.device.type == "cpu" or (m > 16 and a.shape[1] % 8 == 0 and n % 8 == 0):
+        return torch._int_mm(a.contiguous(), b.t().contiguous())
+    # float64 holds every partial sum of int8 products exactly (|sum| <= 127^2 * K << 2^53).
+    return (a.double() @ b.double().t()).to(torch.int32)
+
+
+def scaled_matmul(
+    a_q: torch.Tensor,
+    b_q: torch.Tensor,
+    a_scale: torch.Tensor,
+    b_scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """8-bit GEMM with the fused dequantize(+bias) epilogue.
+
+    a_q (M, K) and b_q (N, K), both int8 or both float8; a_scale (M,) float32; b_scale (N,) or () float32;
+    bias (N,) any float dtype or None. Returns (M, N) out_dtype = a_q @ b_q.T * a_scale x b_scale + bias.
+    """
+    if a_q.dtype != b_q.dtype:
+        raise TypeError(f"scaled_matmul: operands must share a dtype, got {a_q.dtype} and {b_q.dtype}")
+    if a_q.dtype == torch.int8:
+        acc = int8_matmul_int32(a_q, b_q).float()
+    else:
+        # fp8 emulation: fp8 values are exact in float32 and so are their pairwise products.
+        acc = a_q.float() @ b_q.float().t()
+    b_scale = b_scale.float()
+    out = acc * a_scale.float()[:, None] * (b_scale[None, :] if b_scale.dim() == 1 else b_scale)
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(out_dtype)
+
+
+__all__ = [
+    "QMAX",
+    "dequantize_rowwise",
+    "dequantize_tensorwise",
+    "int8_matmul_int32",
+    "quantize_rowwise",
+    "quantize_rowwise_transposed",
+    "quantize_tensorwise",
+    "quantize_tensorwise_transposed",
+    "scaled_matmul",
+]

@@ -1,0 +1,66 @@
+"""SwitchBackLinear: a drop-in nn.Linear whose matmuls run in 8-bit."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .config import SwitchBackConfig
+from .functional import switchback_linear
+
+
+class SwitchBackLinear(nn.Linear):
+    """nn.Linear with SwitchBack numerics. Same Parameters, same state_dict keys, same init.
+
+    Being an nn.Linear subclass keeps isinstance checks in transformers/accelerate/PEFT working; the
+    variant lives in `self.switchback_config`.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        device=None,
+        dtype=None,
+        *,
+        config: SwitchBackConfig | None = None,
+    ) -> None:
+        super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
+        self.switchback_config = config or SwitchBackConfig()
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, config: SwitchBackConfig | None = None) -> SwitchBackLinear:
+        """Wrap `linear`, reusing its weight/bias Parameter objects.
+
+        The new layer is built on the meta device (no allocation, no re-init), then takes over the original
+        Parameters: their device, dtype, sharding (FSDP2 DTensors) and the references an already-built
+        optimizer holds all survive the swap.
+        """
+        if not isinstance(linear, nn.Linear):
+            raise TypeError(f"from_linear expects an nn.Linear, got {type(linear).__name__}")
+        with torch.device("meta"):
+            new = cls(linear.in_features, linear.out_features, bias=linear.bias is not None, config=config)
+        new.weight = linear.weight
+        new.bias = linear.bias
+        new.train(linear.training)
+        return new
+
+    def to_linear(self) -> nn.Linear:
+        """A plain nn.Linear holding this layer's Parameters (the inverse of from_linear)."""
+        with torch.device("meta"):
+            linear = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None)
+        linear.weight = self.weight
+        linear.bias = self.bias
+        linear.train(self.training)
+        return linear
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return switchback_linear(x, self.weight, self.bias, self.switchback_config)
+
+    def extra_repr(self) -> str:
+        cfg = self.switchback_config
+        return f"{super().extra_repr()}, switchback={cfg.variant}, backend={cfg.backend}"
+
+
+__all__ = ["SwitchBackLinear"]
