@@ -1,7 +1,7 @@
 """hf_switchback: SwitchBack int8/fp8 quantized training for Hugging Face CLIP models.
 
-    from hf_switchback import SwitchBackConfig, apply_switchback
-    model = apply_switchback(CLIPModel.from_pretrained(...), SwitchBackConfig(weight_scaling="row"))
+from hf_switchback import SwitchBackConfig, apply_switchback
+model = apply_switchback(CLIPModel.from_pretrained(...), SwitchBackConfig(weight_scaling="row"))
 """
 
 # Configuration

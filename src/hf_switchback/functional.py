@@ -45,7 +45,14 @@ class _SwitchBackLinearFn(torch.autograd.Function):
             ctx.save_for_backward(x_q, x_scale, weight)
         else:
             ctx.save_for_backward(x, weight)
-        ctx.config = (weight_scaling, memory_efficient, grad_qdtype, backend, x.dtype, None if bias is None else bias.dtype)
+        ctx.config = (
+            weight_scaling,
+            memory_efficient,
+            grad_qdtype,
+            backend,
+            x.dtype,
+            None if bias is None else bias.dtype,
+        )
         return out
 
     @staticmethod

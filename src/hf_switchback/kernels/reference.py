@@ -45,7 +45,9 @@ def quantize_rowwise(x: torch.Tensor, qdtype: torch.dtype = torch.int8) -> tuple
     return _to_qdtype(xf / safe[:, None], qdtype, qmax), scale
 
 
-def quantize_tensorwise(x: torch.Tensor, qdtype: torch.dtype = torch.int8) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_tensorwise(
+    x: torch.Tensor, qdtype: torch.dtype = torch.int8
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(M, K) float -> (q (M, K) qdtype, scale () float32), one scale for the whole tensor."""
     qmax = _check_qdtype(qdtype)
     xf = x.float()
@@ -68,12 +70,16 @@ def quantize_tensorwise_transposed(w: torch.Tensor, qdtype: torch.dtype = torch.
     return q.t().contiguous(), scale
 
 
-def dequantize_rowwise(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def dequantize_rowwise(
+    q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
     """Inverse of quantize_rowwise: (M, K) q, (M,) scale -> (M, K) dtype."""
     return (q.float() * scale[:, None]).to(dtype)
 
 
-def dequantize_tensorwise(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def dequantize_tensorwise(
+    q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
     """Inverse of quantize_tensorwise."""
     return (q.float() * scale).to(dtype)
 
@@ -105,11 +111,9 @@ def scaled_matmul(
     """
     if a_q.dtype != b_q.dtype:
         raise TypeError(f"scaled_matmul: operands must share a dtype, got {a_q.dtype} and {b_q.dtype}")
-    if a_q.dtype == torch.int8:
-        acc = int8_matmul_int32(a_q, b_q).float()
-    else:
-        # fp8 emulation: fp8 values are exact in float32 and so are their pairwise products.
-        acc = a_q.float() @ b_q.float().t()
+    # fp8 is emulated in float32: fp8 values are exact in float32 and so are their pairwise products.
+    is_int8 = a_q.dtype == torch.int8
+    acc = int8_matmul_int32(a_q, b_q).float() if is_int8 else a_q.float() @ b_q.float().t()
     b_scale = b_scale.float()
     out = acc * a_scale.float()[:, None] * (b_scale[None, :] if b_scale.dim() == 1 else b_scale)
     if bias is not None:
