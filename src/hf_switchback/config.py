@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 WEIGHT_SCALINGS = ("tensor", "row")
 PRECISIONS = ("int8", "fp8")
 BACKENDS = ("auto", "triton", "torch")
 FP8_GRAD_FORMATS = ("e4m3", "e5m2")
+# The name transformers files this method under: config.json's quantization_config.quant_method.
+QUANT_METHOD = "switchback"
 
 # Every linear inside the CLIP text and vision transformer layers (HF module names).
 DEFAULT_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2")
@@ -30,7 +32,9 @@ def _as_target(value: str | list[str] | tuple[str, ...] | None, field_name: str)
         names = tuple(value)
         bad = [n for n in names if not isinstance(n, str) or not n]
         if bad:
-            raise ValueError(f"SwitchBackConfig.{field_name}: every entry must be a non-empty str, got {bad!r}")
+            raise ValueError(
+                f"SwitchBackConfig.{field_name}: every entry must be a non-empty str, got {bad!r}"
+            )
         return names
     raise TypeError(
         f"SwitchBackConfig.{field_name} must be a str (regex, full match), a list of module names / dotted "
@@ -40,7 +44,16 @@ def _as_target(value: str | list[str] | tuple[str, ...] | None, field_name: str)
 
 @dataclass(frozen=True)
 class SwitchBackConfig:
-    """How to quantize. Field names are part of the public API (docs, tests, config.json use them)."""
+    """How to quantize. Field names are part of the public API (docs, tests, config.json use them).
+
+    It is also what transformers holds as the model's quantization config: transformers only reads
+    `quant_method` and calls `to_dict()` on it, and `hf_switchback.quantizer` registers a loader that turns
+    config.json's dict back into this class. So the same object goes to apply_switchback and to
+    `from_pretrained(..., quantization_config=...)`.
+    """
+
+    # Not a field: transformers reads it to pick the quantizer; to_dict writes it to config.json.
+    quant_method: ClassVar[str] = QUANT_METHOD
 
     # "tensor": one scale for the whole weight (bitsandbytes' SwitchBackLinearGlobal): cheapest to quantize.
     # "row": one scale per output channel in forward and per input channel for the transposed weight in
@@ -92,8 +105,8 @@ class SwitchBackConfig:
         return dataclasses.replace(self, **changes)
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-ready dict (tuples become lists)."""
-        out = {}
+        """JSON-ready dict (tuples become lists), plus quant_method="switchback" for config.json."""
+        out: dict[str, Any] = {"quant_method": QUANT_METHOD}
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
             out[f.name] = list(value) if isinstance(value, tuple) else value
@@ -101,11 +114,22 @@ class SwitchBackConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> SwitchBackConfig:
-        """Inverse of to_dict. Unknown keys are an error (a typo must not silently select a default)."""
+        """Inverse of to_dict. Unknown keys are an error (a typo must not silently select a default).
+
+        quant_method is optional, and must be "switchback" when present (the config.json form).
+        """
+        data = dict(data)
+        method = data.pop("quant_method", QUANT_METHOD)
+        if method != QUANT_METHOD:
+            raise ValueError(
+                f"SwitchBackConfig.from_dict: quant_method must be {QUANT_METHOD!r}, got {method!r}"
+            )
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:
-            raise ValueError(f"SwitchBackConfig.from_dict: unknown keys {unknown}; known keys are {sorted(known)}")
+            raise ValueError(
+                f"SwitchBackConfig.from_dict: unknown keys {unknown}; known keys are {sorted(known)}"
+            )
         return cls(**data)
 
 
@@ -114,4 +138,4 @@ def _check_choice(name: str, value: Any, allowed: tuple[str, ...]) -> None:
         raise ValueError(f"SwitchBackConfig.{name} must be one of {allowed}, got {value!r}")
 
 
-__all__ = ["DEFAULT_EXCLUDE_MODULES", "DEFAULT_TARGET_MODULES", "SwitchBackConfig"]
+__all__ = ["DEFAULT_EXCLUDE_MODULES", "DEFAULT_TARGET_MODULES", "QUANT_METHOD", "SwitchBackConfig"]
