@@ -1,0 +1,211 @@
+"""Triton 8-bit GEMM with the SwitchBack dequantize epilogue: out = (a @ b.T) * a_scale x b_scale + bias.
+
+Operands are K-major, a (M, K) and b (N, K), which is what 8-bit tensor-core instructions want for both
+operands (wgmma on Hopper takes 8-bit inputs K-major only). int8 accumulates in int32 (exact), fp8 in float32.
+The epilogue multiplies in the same order as `reference.scaled_matmul` ((acc * a_scale) * b_scale + bias), so
+int8 results match the reference up to an FMA contraction (one fp32 rounding) before the output cast.
+
+Coverage:
+- Hopper (sm90) and Ada (sm89) run fp8 `tl.dot` natively; Ampere (sm80) has no fp8 tensor cores, so fp8 tiles are
+  upcast to fp16 in registers (exact: every e4m3/e5m2 value is an fp16 value) and multiplied in fp16.
+- Any M, N, K: rows and columns past the edge are read modulo M / N (valid addresses, results masked at the
+  store), the K tail is masked with zeros. Any strides. M = 0, N = 0 or K = 0 never reach the kernel.
+- Large M (>= _AUTOTUNE_MIN_M) is autotuned per (M bucket, N, K); small M uses one fixed small-tile config
+  (fast to compile, and autotuning every odd test shape would cost more than it saves).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+_AUTOTUNE_MIN_M = 1024
+
+
+def _configs() -> list[triton.Config]:
+    # 8-bit tiles: BLOCK_K=128 is one 128-byte row per operand line. Shared memory per stage is
+    # (BM + BN) * BK bytes; configs that do not fit (e.g. 4 stages of 128x256 on sm80) are skipped by the tuner.
+    shapes = [
+        (128, 256, 128, 8, 3),
+        (256, 128, 128, 8, 3),
+        (128, 128, 128, 8, 4),
+        (128, 128, 128, 4, 4),
+        (128, 256, 64, 8, 4),
+        (64, 128, 128, 4, 4),
+    ]
+    return [
+        triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8}, num_warps=w, num_stages=s)
+        for bm, bn, bk, w, s in shapes
+    ]
+
+
+@triton.jit
+def _scaled_mm_kernel(
+    a_ptr,
+    b_ptr,
+    c_ptr,
+    as_ptr,
+    bs_ptr,
+    bias_ptr,
+    M,
+    N,
+    K,
+    M_BUCKET,
+    stride_am,
+    stride_ak,
+    stride_bn,
+    stride_bk,
+    stride_cm,
+    stride_cn,
+    B_SCALE_PER_ROW: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    IS_INT: tl.constexpr,
+    UPCAST: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):
+    # Grouped tile order: GROUP_M row-tiles share each column tile of b while it is hot in L2.
+    pid = tl.program_id(0)
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    num_pid_in_group = GROUP_M * num_pid_n
+    group_id = pid // num_pid_in_group
+    first_pid_m = group_id * GROUP_M
+    group_size_m = min(num_pid_m - first_pid_m, GROUP_M)
+    pid_m = first_pid_m + ((pid % num_pid_in_group) % group_size_m)
+    pid_n = (pid % num_pid_in_group) // group_size_m
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    # Modulo instead of masks keeps the main loop's loads unmasked (better pipelining); the store is masked.
+    offs_am = offs_m % M
+    offs_bn = offs_n % N
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + offs_am[:, None].to(tl.int64) * stride_am + offs_k[None, :] * stride_ak
+    b_ptrs = b_ptr + offs_bn[:, None].to(tl.int64) * stride_bn + offs_k[None, :] * stride_bk
+
+    if IS_INT:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, tl.cdiv(K, BLOCK_K)):
+        if EVEN_K:
+            a = tl.load(a_ptrs)
+            b = tl.load(b_ptrs)
+        else:
+            k_left = K - k * BLOCK_K
+            a = tl.load(a_ptrs, mask=offs_k[None, :] < k_left, other=0)
+            b = tl.load(b_ptrs, mask=offs_k[None, :] < k_left, other=0)
+        if UPCAST:
+            a = a.to(tl.float16)
+            b = b.to(tl.float16)
+        if IS_INT:
+            acc = tl.dot(a, tl.trans(b), acc, out_dtype=tl.int32)
+        else:
+            acc = tl.dot(a, tl.trans(b), acc, out_dtype=tl.float32)
+        a_ptrs += BLOCK_K * stride_ak
+        b_ptrs += BLOCK_K * stride_bk
+
+    # Epilogue: dequantize with the row scale of a and the (per-row or single) scale of b, add bias, cast.
+    mask_m = offs_m < M
+    mask_n = offs_n < N
+    a_scale = tl.load(as_ptr + offs_m, mask=mask_m, other=0.0)
+    out = acc.to(tl.float32) * a_scale[:, None]
+    if B_SCALE_PER_ROW:
+        out = out * tl.load(bs_ptr + offs_n, mask=mask_n, other=0.0)[None, :]
+    else:
+        out = out * tl.load(bs_ptr)
+    if HAS_BIAS:
+        out = out + tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+    c_ptrs = c_ptr + offs_m[:, None].to(tl.int64) * stride_cm + offs_n[None, :] * stride_cn
+    tl.store(c_ptrs, out.to(c_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+
+
+_autotuned_kernel = triton.autotune(configs=_configs(), key=["M_BUCKET", "N", "K", "stride_am", "stride_bn"])(
+    _scaled_mm_kernel
+)
+
+
+@functools.cache
+def _needs_fp8_upcast(device_index: int) -> bool:
+    # fp8 tensor cores exist from sm89 (Ada) on.
+    return torch.cuda.get_device_capability(device_index) < (8, 9)
+
+
+def scaled_matmul(
+    a_q: torch.Tensor,
+    b_q: torch.Tensor,
+    a_scale: torch.Tensor,
+    b_scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """a_q (M, K), b_q (N, K) both int8 or both float8; a_scale (M,) float32; b_scale (N,) or () float32;
+    bias (N,) or None -> (M, N) out_dtype. Same contract as `reference.scaled_matmul`."""
+    if a_q.dtype != b_q.dtype:
+        raise TypeError(f"scaled_matmul: operands must share a dtype, got {a_q.dtype} and {b_q.dtype}")
+    m, k = a_q.shape
+    n = b_q.shape[0]
+    if m == 0 or n == 0 or k == 0:
+        out = torch.zeros((m, n), dtype=torch.float32, device=a_q.device)
+        if bias is not None:
+            out = out + bias.float()
+        return out.to(out_dtype)
+    is_int = a_q.dtype == torch.int8
+    c = torch.empty((m, n), dtype=out_dtype, device=a_q.device)
+    a_scale = a_scale.float().contiguous()
+    b_scale = b_scale.float().contiguous()
+    bias = bias.contiguous() if bias is not None else None
+    args = (
+        a_q,
+        b_q,
+        c,
+        a_scale,
+        b_scale,
+        bias if bias is not None else a_scale,  # any valid pointer; unused when HAS_BIAS is False
+        m,
+        n,
+        k,
+        triton.next_power_of_2(m),
+        a_q.stride(0),
+        a_q.stride(1),
+        b_q.stride(0),
+        b_q.stride(1),
+        c.stride(0),
+        c.stride(1),
+    )
+    flags = dict(
+        B_SCALE_PER_ROW=b_scale.dim() == 1,
+        HAS_BIAS=bias is not None,
+        IS_INT=is_int,
+        UPCAST=not is_int and _needs_fp8_upcast(a_q.device.index or 0),
+    )
+    if m >= _AUTOTUNE_MIN_M:
+        # EVEN_K must agree with the tuned BLOCK_K, so it is decided per config (64 divides 128).
+        flags["EVEN_K"] = k % 128 == 0
+        grid = lambda meta: (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)  # noqa: E731
+        _autotuned_kernel[grid](*args, **flags)
+    else:
+        bm, bn, bk = 64, 64, 128
+        grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
+        _scaled_mm_kernel[grid](
+            *args,
+            **flags,
+            EVEN_K=k % bk == 0,
+            BLOCK_M=bm,
+            BLOCK_N=bn,
+            BLOCK_K=bk,
+            GROUP_M=8,
+            num_warps=4,
+            num_stages=3,
+        )
+    return c
+
+
+__all__ = ["scaled_matmul"]

@@ -1,0 +1,148 @@
+"""The Triton kernel set for CUDA tensors, as torch.library custom ops (`torch.ops.hf_switchback.*`).
+
+Same functions, signatures and numerics as `kernels/reference.py` (see there for the conventions);
+`kernels.backends.get_kernels` returns this module for CUDA inputs. Wrapping each kernel in a custom op with a
+fake (meta) implementation lets `torch.compile` trace a SwitchBack model end to end without graph breaks:
+Dynamo and AOTAutograd see opaque ops with known output shapes and never look inside Triton launches.
+Autograd stays in `functional.py`; these ops are never differentiated themselves.
+
+Importing this module imports triton; only the CUDA path does so.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import matmul as _matmul
+from . import quantize as _quantize
+from .reference import QMAX
+
+_LIB = "hf_switchback"
+
+
+@torch.library.custom_op(f"{_LIB}::quantize_rowwise", mutates_args=())
+def _quantize_rowwise(x: torch.Tensor, qdtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    return _quantize.quantize_rowwise(x, qdtype)
+
+
+@_quantize_rowwise.register_fake
+def _(x, qdtype):
+    return x.new_empty(x.shape, dtype=qdtype), x.new_empty((x.shape[0],), dtype=torch.float32)
+
+
+@torch.library.custom_op(f"{_LIB}::quantize_tensorwise", mutates_args=())
+def _quantize_tensorwise(x: torch.Tensor, qdtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    return _quantize.quantize_tensorwise(x, qdtype)
+
+
+@_quantize_tensorwise.register_fake
+def _(x, qdtype):
+    return x.new_empty(x.shape, dtype=qdtype), x.new_empty((), dtype=torch.float32)
+
+
+@torch.library.custom_op(f"{_LIB}::quantize_rowwise_transposed", mutates_args=())
+def _quantize_rowwise_transposed(w: torch.Tensor, qdtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    return _quantize.quantize_rowwise_transposed(w, qdtype)
+
+
+@_quantize_rowwise_transposed.register_fake
+def _(w, qdtype):
+    n, k = w.shape
+    return w.new_empty((k, n), dtype=qdtype), w.new_empty((k,), dtype=torch.float32)
+
+
+@torch.library.custom_op(f"{_LIB}::quantize_tensorwise_transposed", mutates_args=())
+def _quantize_tensorwise_transposed(
+    w: torch.Tensor, qdtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return _quantize.quantize_tensorwise_transposed(w, qdtype)
+
+
+@_quantize_tensorwise_transposed.register_fake
+def _(w, qdtype):
+    n, k = w.shape
+    return w.new_empty((k, n), dtype=qdtype), w.new_empty((), dtype=torch.float32)
+
+
+@torch.library.custom_op(f"{_LIB}::dequantize_rowwise", mutates_args=())
+def _dequantize_rowwise(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return _quantize.dequantize_rowwise(q, scale, dtype)
+
+
+@_dequantize_rowwise.register_fake
+def _(q, scale, dtype):
+    return q.new_empty(q.shape, dtype=dtype)
+
+
+@torch.library.custom_op(f"{_LIB}::scaled_matmul", mutates_args=())
+def _scaled_matmul(
+    a_q: torch.Tensor,
+    b_q: torch.Tensor,
+    a_scale: torch.Tensor,
+    b_scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    return _matmul.scaled_matmul(a_q, b_q, a_scale, b_scale, bias, out_dtype)
+
+
+@_scaled_matmul.register_fake
+def _(a_q, b_q, a_scale, b_scale, bias, out_dtype):
+    if a_q.dtype != b_q.dtype:
+        raise TypeError(f"scaled_matmul: operands must share a dtype, got {a_q.dtype} and {b_q.dtype}")
+    return a_q.new_empty((a_q.shape[0], b_q.shape[0]), dtype=out_dtype)
+
+
+# The public functions: the reference signatures (with their defaults), dispatching to the ops above.
+
+
+def quantize_rowwise(x: torch.Tensor, qdtype: torch.dtype = torch.int8) -> tuple[torch.Tensor, torch.Tensor]:
+    """(M, K) float -> (q (M, K) qdtype, scale (M,) float32)."""
+    return torch.ops.hf_switchback.quantize_rowwise(x, qdtype)
+
+
+def quantize_tensorwise(
+    x: torch.Tensor, qdtype: torch.dtype = torch.int8
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(M, K) float -> (q (M, K) qdtype, scale () float32)."""
+    return torch.ops.hf_switchback.quantize_tensorwise(x, qdtype)
+
+
+def quantize_rowwise_transposed(w: torch.Tensor, qdtype: torch.dtype = torch.int8):
+    """(N, K) -> (q (K, N) qdtype, scale (K,) float32) = quantize_rowwise(w.T)."""
+    return torch.ops.hf_switchback.quantize_rowwise_transposed(w, qdtype)
+
+
+def quantize_tensorwise_transposed(w: torch.Tensor, qdtype: torch.dtype = torch.int8):
+    """(N, K) -> (q (K, N) qdtype, scale () float32) = quantize_tensorwise(w) transposed."""
+    return torch.ops.hf_switchback.quantize_tensorwise_transposed(w, qdtype)
+
+
+def dequantize_rowwise(
+    q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """(M, K) q, (M,) float32 scale -> (M, K) dtype."""
+    return torch.ops.hf_switchback.dequantize_rowwise(q, scale, dtype)
+
+
+def scaled_matmul(
+    a_q: torch.Tensor,
+    b_q: torch.Tensor,
+    a_scale: torch.Tensor,
+    b_scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """(M, K) @ (N, K).T 8-bit GEMM, dequantized by a_scale (M,) x b_scale (N,) or (), + bias -> (M, N) out_dtype."""
+    return torch.ops.hf_switchback.scaled_matmul(a_q, b_q, a_scale, b_scale, bias, out_dtype)
+
+
+__all__ = [
+    "QMAX",
+    "dequantize_rowwise",
+    "quantize_rowwise",
+    "quantize_rowwise_transposed",
+    "quantize_tensorwise",
+    "quantize_tensorwise_transposed",
+    "scaled_matmul",
+]

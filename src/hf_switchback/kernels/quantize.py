@@ -1,0 +1,276 @@
+"""Triton quantize kernels: row-wise, tensor-wise and column-wise (fused transpose), int8 and fp8.
+
+Each public function has the signature and the exact numerics of its twin in `kernels/reference.py`:
+scale = absmax / QMAX and q = x / scale are IEEE-rounded divisions (`tl.div_rn`; Triton's plain `/` on fp32
+is approximate), int8 rounding is round-half-to-even, values are clamped to [-QMAX, QMAX] before the cast
+(float8_e4m3fn has no inf), and an all-zero row, column or tensor gets scale 0 and q 0. The tests check
+the results bitwise against the reference run on the CPU.
+
+Shapes: any (M, K) with any strides (the kernels take strides; the hot path gets contiguous rows), any dtype
+that converts to float32. Empty tensors never reach a kernel. This module imports triton; only
+`kernels/ops.py` imports it, and only on the CUDA path.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .reference import QMAX, _check_qdtype
+
+# Rows up to this length are quantized from registers in one pass; longer rows take two passes over memory.
+_MAX_SINGLE_PASS = 8192
+# Tile of the 2-D (weight-sized) kernels.
+_TILE_M, _TILE_K = 64, 64
+
+_TL_QDTYPE = {
+    torch.int8: tl.int8,
+    torch.float8_e4m3fn: tl.float8e4nv,
+    torch.float8_e5m2: tl.float8e5,
+}
+
+
+@triton.jit
+def _to_q(x, safe_scale, QMAX_C: tl.constexpr, IS_INT: tl.constexpr, Q_DTYPE: tl.constexpr):
+    """float32 x -> q: divide (correctly rounded), round half-even for int8, clamp, cast."""
+    scaled = tl.div_rn(x, safe_scale)
+    if IS_INT:
+        # Adding then subtracting 1.5 * 2**23 rounds |v| < 2**22 to an integer, ties to even, in plain fp32
+        # arithmetic; unlike libdevice.rint it also runs under TRITON_INTERPRET=1.
+        scaled = (scaled + 12582912.0) - 12582912.0
+    scaled = tl.minimum(tl.maximum(scaled, -QMAX_C), QMAX_C)
+    return scaled.to(Q_DTYPE)
+
+
+@triton.jit
+def _rowwise_kernel(
+    x_ptr,
+    q_ptr,
+    s_ptr,
+    K,
+    stride_xm,
+    stride_xk,
+    stride_qm,
+    QMAX_C: tl.constexpr,
+    IS_INT: tl.constexpr,
+    Q_DTYPE: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SINGLE_PASS: tl.constexpr,
+):
+    # One program per row: absmax, scale and q in one launch, the row read once when it fits in registers.
+    row = tl.program_id(0).to(tl.int64)
+    x_row = x_ptr + row * stride_xm
+    q_row = q_ptr + row * stride_qm
+    offs = tl.arange(0, BLOCK_K)
+    if SINGLE_PASS:
+        mask = offs < K
+        x = tl.load(x_row + offs * stride_xk, mask=mask, other=0.0).to(tl.float32)
+        absmax = tl.max(tl.abs(x), axis=0)
+    else:
+        running = tl.zeros([BLOCK_K], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            mask = k0 + offs < K
+            x = tl.load(x_row + (k0 + offs) * stride_xk, mask=mask, other=0.0).to(tl.float32)
+            running = tl.maximum(running, tl.abs(x))
+        absmax = tl.max(running, axis=0)
+    scale = tl.div_rn(absmax, QMAX_C)
+    safe = tl.where(scale == 0.0, 1.0, scale)
+    tl.store(s_ptr + row, scale)
+    if SINGLE_PASS:
+        tl.store(q_row + offs, _to_q(x, safe, QMAX_C, IS_INT, Q_DTYPE), mask=mask)
+    else:
+        for k0 in range(0, K, BLOCK_K):
+            mask = k0 + offs < K
+            x = tl.load(x_row + (k0 + offs) * stride_xk, mask=mask, other=0.0).to(tl.float32)
+            tl.store(q_row + k0 + offs, _to_q(x, safe, QMAX_C, IS_INT, Q_DTYPE), mask=mask)
+
+
+@triton.jit
+def _col_absmax_kernel(
+    x_ptr, part_ptr, M, K, stride_xm, stride_xk, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr
+):
+    # Per-tile column absmax -> part[pid_m, k]; the caller reduces over pid_m (or over everything).
+    pid_m = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+    mask = (offs_m[:, None] < M) & (offs_k[None, :] < K)
+    ptrs = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :] * stride_xk
+    x = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(part_ptr + pid_m * K + offs_k, tl.max(tl.abs(x), axis=0), mask=offs_k < K)
+
+
+@triton.jit
+def _quantize_2d_kernel(
+    x_ptr,
+    q_ptr,
+    absmax_ptr,
+    s_ptr,
+    M,
+    K,
+    stride_xm,
+    stride_xk,
+    stride_qm,
+    stride_qk,
+    PER_COLUMN: tl.constexpr,
+    QMAX_C: tl.constexpr,
+    IS_INT: tl.constexpr,
+    Q_DTYPE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    # Quantize a tile with a known absmax (one per column, or one for the tensor); q may be written
+    # transposed by passing swapped output strides (stride 1 is specialized, so the store stays coalesced).
+    pid_m = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+    kmask = offs_k < K
+    mask = (offs_m[:, None] < M) & kmask[None, :]
+    if PER_COLUMN:
+        absmax = tl.load(absmax_ptr + offs_k, mask=kmask, other=0.0)
+        scale = tl.div_rn(absmax, QMAX_C)
+        if pid_m == 0:
+            tl.store(s_ptr + offs_k, scale, mask=kmask)
+        safe = tl.where(scale == 0.0, 1.0, scale)[None, :]
+    else:
+        scale = tl.div_rn(tl.load(absmax_ptr), QMAX_C)
+        if (pid_m == 0) & (pid_k == 0):
+            tl.store(s_ptr, scale)
+        safe = tl.where(scale == 0.0, 1.0, scale)
+    ptrs = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :] * stride_xk
+    x = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+    q = _to_q(x, safe, QMAX_C, IS_INT, Q_DTYPE)
+    q_ptrs = q_ptr + offs_m[:, None].to(tl.int64) * stride_qm + offs_k[None, :] * stride_qk
+    tl.store(q_ptrs, q, mask=mask)
+
+
+def _qargs(qdtype: torch.dtype) -> dict:
+    return dict(QMAX_C=_check_qdtype(qdtype), IS_INT=qdtype == torch.int8, Q_DTYPE=_TL_QDTYPE[qdtype])
+
+
+def quantize_rowwise(x: torch.Tensor, qdtype: torch.dtype = torch.int8) -> tuple[torch.Tensor, torch.Tensor]:
+    """(M, K) float -> (q (M, K) qdtype contiguous, scale (M,) float32), one scale per row."""
+    m, k = x.shape
+    q = torch.empty((m, k), dtype=qdtype, device=x.device)
+    scale = torch.zeros((m,), dtype=torch.float32, device=x.device)
+    if m == 0 or k == 0:
+        return q, scale
+    block = min(triton.next_power_of_2(k), _MAX_SINGLE_PASS)
+    _rowwise_kernel[(m,)](
+        x,
+        q,
+        scale,
+        k,
+        x.stride(0),
+        x.stride(1),
+        q.stride(0),
+        BLOCK_K=block,
+        SINGLE_PASS=k <= _MAX_SINGLE_PASS,
+        num_warps=max(1, min(16, block // 256)),
+        **_qargs(qdtype),
+    )
+    return q, scale
+
+
+def _absmax_partials(x: torch.Tensor) -> torch.Tensor:
+    """(M, K) -> (cdiv(M, TILE_M), K) float32 column absmax per row tile."""
+    m, k = x.shape
+    grid = (triton.cdiv(m, _TILE_M), triton.cdiv(k, _TILE_K))
+    part = torch.empty((grid[0], k), dtype=torch.float32, device=x.device)
+    _col_absmax_kernel[grid](x, part, m, k, x.stride(0), x.stride(1), BLOCK_M=_TILE_M, BLOCK_K=_TILE_K)
+    return part
+
+
+def _quantize_2d(x, absmax, per_column: bool, transpose: bool, qdtype: torch.dtype):
+    m, k = x.shape
+    q = torch.empty((k, m) if transpose else (m, k), dtype=qdtype, device=x.device)
+    scale = torch.empty((k,) if per_column else (), dtype=torch.float32, device=x.device)
+    q_strides = (q.stride(1), q.stride(0)) if transpose else (q.stride(0), q.stride(1))
+    grid = (triton.cdiv(m, _TILE_M), triton.cdiv(k, _TILE_K))
+    _quantize_2d_kernel[grid](
+        x,
+        q,
+        absmax,
+        scale,
+        m,
+        k,
+        x.stride(0),
+        x.stride(1),
+        *q_strides,
+        PER_COLUMN=per_column,
+        BLOCK_M=_TILE_M,
+        BLOCK_K=_TILE_K,
+        **_qargs(qdtype),
+    )
+    return q, scale
+
+
+def _tensorwise(x: torch.Tensor, qdtype: torch.dtype, transpose: bool):
+    _check_qdtype(qdtype)
+    m, k = x.shape
+    if x.numel() == 0:
+        shape = (k, m) if transpose else (m, k)
+        return torch.zeros(shape, dtype=qdtype, device=x.device), torch.zeros((), device=x.device)
+    absmax = _absmax_partials(x).amax()
+    return _quantize_2d(x, absmax, per_column=False, transpose=transpose, qdtype=qdtype)
+
+
+def quantize_tensorwise(
+    x: torch.Tensor, qdtype: torch.dtype = torch.int8
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(M, K) float -> (q (M, K) qdtype, scale () float32), one scale for the whole tensor."""
+    return _tensorwise(x, qdtype, transpose=False)
+
+
+def quantize_tensorwise_transposed(w: torch.Tensor, qdtype: torch.dtype = torch.int8):
+    """(N, K) -> (q (K, N) contiguous = quantize_tensorwise(w).T, scale ()); transpose fused in the store."""
+    return _tensorwise(w, qdtype, transpose=True)
+
+
+def quantize_rowwise_transposed(w: torch.Tensor, qdtype: torch.dtype = torch.int8):
+    """(N, K) -> (q (K, N) contiguous, scale (K,)) = quantize_rowwise(w.T): one scale per column of w."""
+    _check_qdtype(qdtype)
+    n, k = w.shape
+    if w.numel() == 0:
+        return torch.zeros((k, n), dtype=qdtype, device=w.device), torch.zeros((k,), device=w.device)
+    absmax = _absmax_partials(w).amax(dim=0)
+    return _quantize_2d(w, absmax, per_column=True, transpose=True, qdtype=qdtype)
+
+
+@triton.jit
+def _dequantize_rowwise_kernel(q_ptr, s_ptr, out_ptr, M, K, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    pid_m = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+    mask = (offs_m[:, None] < M) & (offs_k[None, :] < K)
+    offs = offs_m[:, None].to(tl.int64) * K + offs_k[None, :]
+    q = tl.load(q_ptr + offs, mask=mask, other=0).to(tl.float32)
+    s = tl.load(s_ptr + offs_m, mask=offs_m < M, other=0.0)
+    tl.store(out_ptr + offs, (q * s[:, None]).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def dequantize_rowwise(
+    q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """Inverse of quantize_rowwise: (M, K) q, (M,) float32 scale -> (M, K) dtype (same rounding as the twin)."""
+    q = q.contiguous()
+    m, k = q.shape
+    out = torch.empty((m, k), dtype=dtype, device=q.device)
+    if q.numel() == 0:
+        return out
+    grid = (triton.cdiv(m, 16), triton.cdiv(k, 256))
+    _dequantize_rowwise_kernel[grid](q, scale.float().contiguous(), out, m, k, BLOCK_M=16, BLOCK_K=256)
+    return out
+
+
+__all__ = [
+    "QMAX",
+    "dequantize_rowwise",
+    "quantize_rowwise",
+    "quantize_rowwise_transposed",
+    "quantize_tensorwise",
+    "quantize_tensorwise_transposed",
+]
