@@ -1,0 +1,322 @@
+"""Training and eval data: anything `datasets` loads, turned into fixed-size batches of pixels + token ids.
+
+Sources (pick one; the training script maps its flags to `load_source`):
+- the embedded synthetic set (map-style, generated on the fly);
+- CSV / JSON(L) files with an image path column and a caption column (paths relative to the file's folder);
+- `imagefolder` with a metadata.csv/jsonl (file_name + caption);
+- webdataset tar shards, streamed: shards are split across ranks (`split_dataset_by_node`) and across
+  dataloader workers (datasets does that inside each worker), so no sample is read twice within an epoch;
+- any Hub data set by name (streaming or not).
+
+`CaptionStream` is the one iterable all of them go through. It decodes images itself (the `Image` feature is
+cast to `decode=False`), so an unreadable or empty sample is skipped and counted instead of ending the run;
+the count rides along in each batch ("num_skipped"). Batches always have the full batch size: ranks must
+all-gather equal-sized features in the contrastive loss.
+
+Position in the data is (epoch, batches consumed in that epoch), per rank; resuming replays the epoch's
+order and drops the consumed batches, which is exact because order and augmentation depend only on
+(seed, epoch, sample key).
+"""
+
+from __future__ import annotations
+
+import glob
+import io
+import logging
+import os
+import random
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+from PIL import Image
+
+from .transforms import sample_rng
+
+logger = logging.getLogger(__name__)
+
+IMAGE_COLUMNS = ("image", "jpg", "png", "jpeg", "webp", "img")
+CAPTION_COLUMNS = ("caption", "txt", "text", "captions", "sentences")
+
+
+@dataclass
+class DataSource:
+    """A data set plus how to read it. `dataset` is map-style (len + getitem) or a datasets.IterableDataset."""
+
+    dataset: object
+    image_column: str
+    caption_column: str
+    streaming: bool
+    base_dir: str | None = None  # where relative image paths (CSV/JSON) are resolved
+    label_column: str | None = None
+
+
+def _pick_column(columns, wanted: str | None, candidates, what: str) -> str:
+    if wanted is not None:
+        if wanted not in columns:
+            raise ValueError(f"{what} column {wanted!r} not found; the data has columns {sorted(columns)}")
+        return wanted
+    for name in candidates:
+        if name in columns:
+            return name
+    raise ValueError(
+        f"no {what} column found among {sorted(columns)}; pass --{what}_column (looked for {list(candidates)})"
+    )
+
+
+def _columns(dataset) -> list[str]:
+    if getattr(dataset, "column_names", None):
+        return list(dataset.column_names)
+    if getattr(dataset, "features", None):
+        return list(dataset.features)
+    # Streaming sets without declared features (some webdataset shards): peek at the first example.
+    return list(next(iter(dataset)).keys())
+
+
+def from_hf_dataset(dataset, *, image_column=None, caption_column=None, label_column=None, base_dir=None):
+    """Wrap a datasets.Dataset / IterableDataset; turns off its image decoding so we can skip bad samples."""
+    import datasets
+
+    columns = _columns(dataset)
+    image_column = _pick_column(columns, image_column, IMAGE_COLUMNS, "image")
+    caption_column = _pick_column(columns, caption_column, CAPTION_COLUMNS, "caption")
+    streaming = isinstance(dataset, datasets.IterableDataset)
+    features = getattr(dataset, "features", None)
+    if features is not None and image_column in features:
+        if isinstance(features[image_column], datasets.Image):
+            dataset = dataset.cast_column(image_column, datasets.Image(decode=False))
+    elif streaming:
+        dataset = dataset.decode(False)
+    return DataSource(dataset, image_column, caption_column, streaming, base_dir, label_column)
+
+
+def load_source(
+    *,
+    synthetic_samples: int | None = None,
+    synthetic_image_size: int = 64,
+    train_file: str | None = None,
+    data_dir: str | None = None,
+    shards: str | list[str] | None = None,
+    dataset_name: str | None = None,
+    dataset_config: str | None = None,
+    split: str = "train",
+    streaming: bool = False,
+    image_column: str | None = None,
+    caption_column: str | None = None,
+    seed: int = 0,
+) -> DataSource:
+    """Exactly one of synthetic_samples / train_file / data_dir / shards / dataset_name."""
+    given = [synthetic_samples, train_file, data_dir, shards, dataset_name]
+    if sum(x is not None for x in given) != 1:
+        raise ValueError(
+            "pass exactly one data source (synthetic, train_file, data_dir, shards, dataset_name)"
+        )
+    if synthetic_samples is not None:
+        from .synthetic import SyntheticShapes
+
+        data = SyntheticShapes(synthetic_samples, image_size=synthetic_image_size, seed=seed, split="train")
+        return DataSource(data, "image", "caption", streaming=False, label_column="label")
+
+    import datasets
+
+    if train_file is not None:
+        ext = train_file.rsplit(".", 1)[-1].lower()
+        builder = {"csv": "csv", "tsv": "csv", "json": "json", "jsonl": "json"}.get(ext)
+        if builder is None:
+            raise ValueError(f"train file must be .csv, .tsv, .json or .jsonl, got {train_file!r}")
+        kwargs = {"delimiter": "\t"} if ext == "tsv" else {}
+        ds = datasets.load_dataset(
+            builder, data_files=train_file, split="train", streaming=streaming, **kwargs
+        )
+        base_dir = os.path.dirname(os.path.abspath(train_file))
+        return from_hf_dataset(
+            ds, image_column=image_column, caption_column=caption_column, base_dir=base_dir
+        )
+    if data_dir is not None:
+        ds = datasets.load_dataset("imagefolder", data_dir=data_dir, split=split, streaming=streaming)
+        return from_hf_dataset(ds, image_column=image_column, caption_column=caption_column)
+    if shards is not None:
+        files = expand_shards(shards)
+        ds = datasets.load_dataset("webdataset", data_files={"train": files}, split="train", streaming=True)
+        return from_hf_dataset(ds, image_column=image_column, caption_column=caption_column)
+    ds = datasets.load_dataset(dataset_name, dataset_config, split=split, streaming=streaming)
+    return from_hf_dataset(ds, image_column=image_column, caption_column=caption_column)
+
+
+def expand_shards(shards: str | list[str]) -> list[str]:
+    """A glob, a comma-separated list, a folder (all *.tar in it), or a list -> sorted existing files."""
+    if isinstance(shards, str):
+        if os.path.isdir(shards):
+            patterns = [os.path.join(shards, "*.tar")]
+        else:
+            patterns = [p for p in shards.split(",") if p]
+    else:
+        patterns = list(shards)
+    files = sorted({f for p in patterns for f in (glob.glob(p) or ([p] if os.path.exists(p) else []))})
+    if not files:
+        raise FileNotFoundError(f"no webdataset shards match {shards!r}")
+    return files
+
+
+def decode_image(value, base_dir: str | None = None) -> Image.Image:
+    """PIL image / {"bytes", "path"} / raw bytes / path -> fully loaded RGB image. Raises on bad data."""
+    if isinstance(value, Image.Image):
+        image = value
+    elif isinstance(value, dict) and value.get("bytes"):
+        image = Image.open(io.BytesIO(value["bytes"]))
+    elif isinstance(value, (bytes, bytearray)):
+        image = Image.open(io.BytesIO(value))
+    else:
+        path = value.get("path") if isinstance(value, dict) else value
+        if not isinstance(path, str) or not path:
+            raise ValueError(f"no image in {type(value).__name__}")
+        if base_dir is not None and not os.path.isabs(path) and "://" not in path:
+            path = os.path.join(base_dir, path)
+        image = Image.open(path)
+    image.load()  # truncated files fail here, not later in a worker's transform
+    return image.convert("RGB")
+
+
+def pick_caption(value, rng: random.Random) -> str:
+    """A caption string; a list (several captions per image, as COCO) gives one at random."""
+    if isinstance(value, (bytes, bytearray)):
+        value = value.decode("utf-8")
+    if isinstance(value, (list, tuple)):
+        value = rng.choice(value) if value else None
+        if isinstance(value, (bytes, bytearray)):
+            value = value.decode("utf-8")
+    if not isinstance(value, str) or not value.strip():
+        raise ValueError("empty or missing caption")
+    return value.strip()
+
+
+class CaptionStream(torch.utils.data.IterableDataset):
+    """One rank's share of one epoch, as {"pixel_values", "caption", "__key__", "skipped"} samples.
+
+    Map-style sources: a permutation of all indices seeded by (seed, epoch), cut to a multiple of the world
+    size, rank r taking positions r, r+world, ...; dataloader worker w of W takes every W-th of those.
+    Streaming sources: shard-level (and buffer) shuffling by datasets with the same seeds on every rank,
+    then `split_dataset_by_node`; datasets splits shards across workers itself.
+    """
+
+    def __init__(
+        self,
+        source: DataSource,
+        transform: Callable,
+        *,
+        seed: int = 0,
+        rank: int = 0,
+        world_size: int = 1,
+        shuffle: bool = True,
+        shuffle_buffer: int = 1000,
+    ):
+        super().__init__()
+        self.source, self.transform = source, transform
+        self.seed, self.rank, self.world_size = seed, rank, world_size
+        self.shuffle, self.shuffle_buffer = shuffle, shuffle_buffer
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def _raw(self) -> Iterator[tuple[str, dict]]:
+        if self.source.streaming:
+            from datasets.distributed import split_dataset_by_node
+
+            ds = self.source.dataset
+            if self.shuffle:
+                ds = ds.shuffle(seed=self.seed, buffer_size=self.shuffle_buffer)
+            ds.set_epoch(self.epoch)
+            ds = split_dataset_by_node(ds, rank=self.rank, world_size=self.world_size)
+            for i, example in enumerate(ds):
+                yield str(example.get("__key__", f"{self.rank}-{i}")), example
+            return
+        n = len(self.source.dataset)
+        if self.shuffle:
+            generator = torch.Generator().manual_seed(self.seed * 100_003 + self.epoch)
+            order = torch.randperm(n, generator=generator).tolist()
+        else:
+            order = list(range(n))
+        order = order[: n - n % self.world_size][self.rank :: self.world_size]
+        worker = torch.utils.data.get_worker_info()
+        if worker is not None:
+            order = order[worker.id :: worker.num_workers]
+        for index in order:
+            example = self.source.dataset[index]
+            yield str(example.get("__key__", index)), example
+
+    def __iter__(self):
+        skipped = 0
+        for key, example in self._raw():
+            rng = sample_rng(self.seed, self.epoch, key)
+            try:
+                caption = pick_caption(example.get(self.source.caption_column), rng)
+                image = decode_image(example.get(self.source.image_column), self.source.base_dir)
+                pixel_values = self.transform(image, rng)
+            except Exception as err:  # any unreadable sample: skip, count, keep training
+                skipped += 1
+                logger.debug("skipping sample %s: %s", key, err)
+                continue
+            yield {"pixel_values": pixel_values, "caption": caption, "__key__": key, "skipped": skipped}
+            skipped = 0
+
+
+class Collate:
+    """Stack pixels, tokenize captions to a fixed length (every rank gathers same-shaped tensors)."""
+
+    def __init__(self, tokenizer, max_length: int):
+        self.tokenizer, self.max_length = tokenizer, max_length
+
+    def __call__(self, samples: list[dict]) -> dict:
+        tokens = self.tokenizer(
+            [s["caption"] for s in samples],
+            padding="max_length",
+            truncation=True,
+            max_length=self.max_length,
+            return_tensors="pt",
+        )
+        return {
+            "pixel_values": torch.stack([s["pixel_values"] for s in samples]),
+            "input_ids": tokens["input_ids"],
+            "attention_mask": tokens["attention_mask"],
+            "num_skipped": torch.tensor(sum(s["skipped"] for s in samples)),
+            "keys": [s["__key__"] for s in samples],
+        }
+
+
+def epoch_loader(stream: CaptionStream, collate: Collate, batch_size: int, epoch: int, num_workers: int = 0):
+    """A DataLoader over one epoch of `stream`: full batches only (drop_last), order fixed by (seed, epoch)."""
+    stream.set_epoch(epoch)
+    return torch.utils.data.DataLoader(
+        stream,
+        batch_size=batch_size,
+        collate_fn=collate,
+        num_workers=num_workers,
+        drop_last=True,
+        persistent_workers=False,
+    )
+
+
+def load_eval_samples(
+    source: DataSource, max_samples: int
+) -> tuple[list[Image.Image], list[str], list[int] | None]:
+    """The first `max_samples` readable (image, caption[, label]) triples, decoded, for the evaluator."""
+    images, captions, labels = [], [], []
+    rng = random.Random(0)
+    iterator = (
+        iter(source.dataset) if source.streaming else (source.dataset[i] for i in range(len(source.dataset)))
+    )
+    for example in iterator:
+        if len(images) >= max_samples:
+            break
+        try:
+            caption = pick_caption(example.get(source.caption_column), rng)
+            image = decode_image(example.get(source.image_column), source.base_dir)
+        except Exception as err:
+            logger.warning("eval: skipping an unreadable sample: %s", err)
+            continue
+        images.append(image)
+        captions.append(caption)
+        if source.label_column is not None:
+            labels.append(int(example[source.label_column]))
+    return images, captions, (labels if source.label_column is not None else None)

@@ -1,0 +1,60 @@
+"""One optimizer step's forward/backward for contrastive training, with OpenCLIP-style gradient accumulation.
+
+Why not `accelerator.accumulate`: it runs each micro-batch's loss on its own, so each image only sees the
+captions of its micro-batch as negatives, and the effective contrastive batch shrinks by `accum_freq`.
+OpenCLIP instead (1) embeds all N micro-batches without grad and caches the features, then (2) for each
+micro-batch j recomputes its features with grad and takes the loss of the *full* batch, cached features
+standing in for the other micro-batches. The gradients of the N backward passes add up to the gradient of
+the full-batch loss (each pass supplies the part through micro-batch j's features), at the memory of one
+micro-batch. DDP must not all-reduce until the last pass: the first N-1 run under `accelerator.no_sync`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+MODEL_INPUTS = ("input_ids", "attention_mask", "pixel_values")
+
+
+def clip_features(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """Normalized (B, D) image and text features from a CLIPModel's forward (what DDP/FSDP hooks into)."""
+    out = model(**{k: batch[k] for k in MODEL_INPUTS if k in batch})
+    return out.image_embeds, out.text_embeds
+
+
+def contrastive_backward(
+    model, loss_fn, micro_batches: list[dict], logit_scale_fn, accelerator
+) -> torch.Tensor:
+    """Forward + backward of one step over `micro_batches` (accum_freq = len). Returns the detached loss.
+
+    logit_scale_fn() -> the exp()'d scale tensor, read after each forward so it carries grad.
+    """
+    if len(micro_batches) == 1:
+        image, text = clip_features(model, micro_batches[0])
+        loss = loss_fn(image, text, logit_scale_fn())
+        accelerator.backward(loss)
+        return loss.detach()
+
+    with torch.no_grad():
+        cached = [clip_features(model, mb) for mb in micro_batches]
+    cached_images = [c[0] for c in cached]
+    cached_texts = [c[1] for c in cached]
+    for j, mb in enumerate(micro_batches):
+        last = j == len(micro_batches) - 1
+        sync = contextlib.nullcontext() if last else accelerator.no_sync(model)
+        with sync:
+            image, text = clip_features(model, mb)
+            images = torch.cat([*cached_images[:j], image, *cached_images[j + 1 :]])
+            texts = torch.cat([*cached_texts[:j], text, *cached_texts[j + 1 :]])
+            loss = loss_fn(images, texts, logit_scale_fn())
+            accelerator.backward(loss)
+    # All N losses are the same full-batch loss (up to recompute noise); report the last.
+    return loss.detach()
+
+
+def clamp_logit_scale(model) -> None:
+    """OpenCLIP: keep the (log) temperature in [0, ln 100] after every optimizer step."""
+    with torch.no_grad():
+        model.logit_scale.clamp_(0, 4.6052)
