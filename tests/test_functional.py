@@ -172,3 +172,13 @@ def test_functional_form_matches_module():
     _, sb = make_pair(cfg, 30, 20, torch.float32)
     x = torch.randn(4, 30)
     torch.testing.assert_close(switchback_linear(x, sb.weight, sb.bias, cfg), sb(x), rtol=0, atol=0)
+
+
+def test_torch_compile_traces_the_layer_without_graph_breaks():
+    import torch._dynamo as dynamo
+
+    sb = SwitchBackLinear(64, 128, config=VARIANTS["int8/row/mem"])
+    x = torch.randn(32, 64, requires_grad=True)
+    explanation = dynamo.explain(sb)(x)
+    assert explanation.graph_break_count == 0, explanation.break_reasons
+    assert explanation.graph_count == 1
