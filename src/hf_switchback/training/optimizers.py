@@ -115,8 +115,10 @@ def create_optimizer(
 
         # optimi's weight decay (decouple_lr=False) is AdamW's: θ ← θ·(1 − lr_t·wd), with the clipped lr_t.
         # The backend is chosen here because optimi 0.3.3's auto-choice inspects an empty list and so picks
-        # Triton for CPU tensors too whenever triton is installed (then fails: "0 active drivers").
-        return StableAdamW(param_groups, lr=lr, betas=betas, eps=eps, triton=all_cuda, foreach=not all_cuda)
+        # Triton for CPU tensors too whenever triton is installed (then fails: "0 active drivers"). Off CUDA we
+        # take the for-loop path, not foreach: optimi's foreach path uses p.grad as scratch space, so after
+        # step() the gradients are garbage and the spike monitor (which reads them) would see RMS = 1 always.
+        return StableAdamW(param_groups, lr=lr, betas=betas, eps=eps, triton=all_cuda, foreach=False)
 
     cls = _bnb_classes()[name]
     return cls(param_groups, lr=lr, betas=betas, eps=eps, keep_32bit=keep_32bit, min_8bit_size=min_8bit_size)
