@@ -14,16 +14,37 @@ from .convert import apply_switchback, remove_switchback, switchback_modules
 from .functional import switchback_linear
 from .modules import SwitchBackLinear
 
+# isort: split
+# Inference: quantize weights once for eval / serving, reversibly
+from .inference import prepare_for_inference, restore_training, switchback_inference
+
+# Guard against combining SwitchBack with another 8-bit scheme (accelerate fp8, torchao, bitsandbytes)
+from .interop import check_fp8_interop
+
+# isort: split
+# transformers and Hub integration. Importing .quantizer registers quant_method "switchback", so that
+# from_pretrained(..., quantization_config=SwitchBackConfig(...)) and reloading saved checkpoints work.
+from .hub import model_card, push_to_hub
+from .quantizer import SwitchBackHfQuantizer, strip_quantization_config
+
 __version__ = "0.1.0"
 
 __all__ = [
     "DEFAULT_EXCLUDE_MODULES",
     "DEFAULT_TARGET_MODULES",
     "SwitchBackConfig",
+    "SwitchBackHfQuantizer",
     "SwitchBackLinear",
     "__version__",
     "apply_switchback",
+    "check_fp8_interop",
+    "model_card",
+    "prepare_for_inference",
+    "push_to_hub",
     "remove_switchback",
+    "restore_training",
+    "strip_quantization_config",
+    "switchback_inference",
     "switchback_linear",
     "switchback_modules",
 ]

@@ -7,6 +7,8 @@ from torch import nn
 
 from .config import SwitchBackConfig
 from .functional import switchback_linear
+from .inference import cached_linear, has_weight_cache
+from .interop import check_accelerate_fp8
 
 
 class SwitchBackLinear(nn.Linear):
@@ -39,6 +41,8 @@ class SwitchBackLinear(nn.Linear):
         """
         if not isinstance(linear, nn.Linear):
             raise TypeError(f"from_linear expects an nn.Linear, got {type(linear).__name__}")
+        # accelerate fp8 would later replace this layer and silently drop SwitchBack (see interop.py).
+        check_accelerate_fp8()
         with torch.device("meta"):
             new = cls(linear.in_features, linear.out_features, bias=linear.bias is not None, config=config)
         new.weight = linear.weight
@@ -56,6 +60,9 @@ class SwitchBackLinear(nn.Linear):
         return linear
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # After prepare_for_inference(): no-grad forwards reuse the once-quantized weight.
+        if not torch.is_grad_enabled() and has_weight_cache(self):
+            return cached_linear(self, x)
         return switchback_linear(x, self.weight, self.bias, self.switchback_config)
 
     def extra_repr(self) -> str:
