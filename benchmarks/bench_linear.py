@@ -1,0 +1,230 @@
+"""Layer benchmark: SwitchBack int8/fp8 vs bf16 nn.Linear and torchao, fwd+bwd, on one GPU, one table.
+
+    PYTHONPATH=src python benchmarks/bench_linear.py                       # all cases (d 768/1024/1280)
+    PYTHONPATH=src python benchmarks/bench_linear.py --dims 1280 --tokens 65536 --cases block
+
+Cases: a single linear d->4d ("fc1"), 4d->d ("fc2"), and the CLIP MLP block fc1 -> GELU -> fc2 ("block"), at
+`tokens` rows of bf16 input. Each variant runs forward + backward (input gradient included, as inside a
+network); the time is the median of triton's do_bench. Columns:
+- ms, x bf16: time and speed-up over eager bf16 nn.Linear of the same case (> 1 is faster);
+- saved MiB: bytes autograd keeps alive for backward (unique storages reached through saved-tensor hooks,
+  parameters and the caller's input excluded: what a network pays per layer for activations);
+- quant ms: time of the quantize kernels one fwd+bwd step of the case launches, timed on their own
+  (SwitchBack variants only).
+torchao (float8 tensorwise / rowwise_with_gw_hp, int8 mixed-precision training) is optional: if it does not
+import, its rows say why. Compiled variants use torch.compile on the whole case module.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from triton.testing import do_bench
+
+from hf_switchback import SwitchBackConfig
+from hf_switchback.functional import quantized_dtypes
+from hf_switchback.kernels import ops
+from hf_switchback.modules import SwitchBackLinear
+
+
+@dataclass
+class Row:
+    case: str
+    variant: str
+    ms: float | None = None
+    ratio: float | None = None
+    saved_mib: float | None = None
+    quant_ms: float | None = None
+    note: str = ""
+
+
+def build_case(case: str, d: int) -> nn.Module:
+    """bf16 reference module of a case (the variants are made from deep copies of it)."""
+    if case == "fc1":
+        return nn.Sequential(nn.Linear(d, 4 * d))
+    if case == "fc2":
+        return nn.Sequential(nn.Linear(4 * d, d))
+    return nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(approximate="tanh"), nn.Linear(4 * d, d))
+
+
+def switchback(model: nn.Module, cfg: SwitchBackConfig) -> nn.Module:
+    for i, layer in enumerate(model):
+        if isinstance(layer, nn.Linear):
+            model[i] = SwitchBackLinear.from_linear(layer, cfg)
+    return model
+
+
+def torchao_variant(model: nn.Module, recipe: str) -> nn.Module:
+    if recipe == "int8_mp":
+        from torchao import quantize_
+        from torchao.prototype.quantized_training import int8_mixed_precision_training
+
+        quantize_(model, int8_mixed_precision_training())
+        return model
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    convert_to_float8_training(model, config=Float8LinearConfig.from_recipe_name(recipe))
+    return model
+
+
+def step_fn(model: nn.Module, x: torch.Tensor, grad: torch.Tensor) -> Callable[[], None]:
+    params = list(model.parameters())
+
+    def step() -> None:
+        for p in params:
+            p.grad = None
+        x.grad = None
+        model(x).backward(grad)
+
+    return step
+
+
+def saved_activation_mib(model: nn.Module, x: torch.Tensor) -> float:
+    """Unique storages autograd saves in one forward, excluding parameters and the input itself."""
+    skip = {p.untyped_storage().data_ptr() for p in model.parameters()} | {x.untyped_storage().data_ptr()}
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in skip:
+            seen[ptr] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = model(x)
+    del out
+    return sum(seen.values()) / 2**20
+
+
+def quant_ms(case: str, d: int, tokens: int, cfg: SwitchBackConfig) -> float:
+    """The quantize kernels of one fwd+bwd of the case, each timed alone, summed."""
+    qf, qg = quantized_dtypes(cfg)
+    shapes = {"fc1": [(d, 4 * d)], "fc2": [(4 * d, d)], "block": [(d, 4 * d), (4 * d, d)]}[case]
+    total = 0.0
+    for k, n in shapes:
+        x = torch.randn(tokens, k, device="cuda", dtype=torch.bfloat16)
+        g = torch.randn(tokens, n, device="cuda", dtype=torch.bfloat16)
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+        if cfg.weight_scaling == "tensor":
+            wq, wtq = ops.quantize_tensorwise, ops.quantize_tensorwise_transposed
+        else:
+            wq, wtq = ops.quantize_rowwise, ops.quantize_rowwise_transposed
+        total += do_bench(lambda x=x: ops.quantize_rowwise(x, qf))
+        total += do_bench(lambda g=g: ops.quantize_rowwise(g, qg))
+        total += do_bench(lambda w=w, wq=wq: wq(w, qf))
+        total += do_bench(lambda w=w, wtq=wtq: wtq(w, qg))
+        if cfg.memory_efficient:
+            xq, xs = ops.quantize_rowwise(x, qf)
+            total += do_bench(lambda xq=xq, xs=xs: ops.dequantize_rowwise(xq, xs, torch.bfloat16))
+    return total
+
+
+def variants(include_compile: bool) -> list[tuple[str, Callable[[nn.Module], nn.Module], bool]]:
+    """(name, make(model) -> model, compile?)."""
+    out: list[tuple[str, Callable[[nn.Module], nn.Module], bool]] = [("bf16 nn.Linear", lambda m: m, False)]
+    if include_compile:
+        out.append(("bf16 nn.Linear + compile", lambda m: m, True))
+    for precision in ("int8", "fp8"):
+        for scaling in ("tensor", "row"):
+            for mem in (False, True):
+                cfg = SwitchBackConfig(precision=precision, weight_scaling=scaling, memory_efficient=mem)
+                out.append((f"switchback {cfg.variant}", lambda m, cfg=cfg: switchback(m, cfg), False))
+    if include_compile:
+        for precision in ("int8", "fp8"):
+            cfg = SwitchBackConfig(precision=precision)
+            out.append((f"switchback {cfg.variant} + compile", lambda m, cfg=cfg: switchback(m, cfg), True))
+        for recipe in ("tensorwise", "rowwise_with_gw_hp", "int8_mp"):
+            name = "torchao int8 mixed-precision" if recipe == "int8_mp" else f"torchao float8 {recipe}"
+            out.append((f"{name} + compile", lambda m, r=recipe: torchao_variant(m, r), True))
+    return out
+
+
+def run_case(case: str, d: int, tokens: int, compile_cases: set[str]) -> list[Row]:
+    torch.manual_seed(0)
+    ref = build_case(case, d).to("cuda", torch.bfloat16)
+    k_in = 4 * d if case == "fc2" else d
+    n_out = d if case == "fc2" else 4 * d if case == "fc1" else d
+    x = torch.randn(tokens, k_in, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    grad = torch.randn(tokens, n_out, device="cuda", dtype=torch.bfloat16)
+    label = f"{case} d={d} tokens={tokens}"
+    rows: list[Row] = []
+    base_ms = None
+    for name, make, compiled in variants(case in compile_cases):
+        row = Row(label, name)
+        try:
+            model = make(copy.deepcopy(ref))
+            run_model = torch.compile(model) if compiled else model
+            step = step_fn(run_model, x, grad)
+            row.ms = do_bench(step, warmup=50, rep=200)
+            row.saved_mib = saved_activation_mib(run_model, x)
+            if name.startswith("switchback") and not compiled:
+                row.quant_ms = quant_ms(case, d, tokens, model[0].switchback_config)
+        except Exception as err:  # a peer that fails must not end the run; the table says why
+            row.note = f"{type(err).__name__}: {str(err).splitlines()[0][:90]}"
+        if base_ms is None:
+            base_ms = row.ms
+        if row.ms is not None and base_ms:
+            row.ratio = base_ms / row.ms
+        rows.append(row)
+        print(format_row(row), flush=True)
+        torch._dynamo.reset()
+        torch.cuda.empty_cache()
+    return rows
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    return "" if value is None else format(value, spec)
+
+
+def format_row(r: Row) -> str:
+    cells = [r.case, r.variant, _fmt(r.ms, ".3f"), _fmt(r.ratio, ".2f"), _fmt(r.saved_mib, ".0f")]
+    return "| " + " | ".join([*cells, _fmt(r.quant_ms, ".3f"), r.note]) + " |"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--dims", type=int, nargs="+", default=[768, 1024, 1280], help="model widths d")
+    parser.add_argument("--tokens", type=int, nargs="+", default=[65536, 4096], help="rows (batch x seq)")
+    parser.add_argument(
+        "--cases",
+        nargs="+",
+        default=["fc1", "fc2", "block"],
+        choices=["fc1", "fc2", "block"],
+        help="what to time",
+    )
+    parser.add_argument(
+        "--compile-cases",
+        nargs="*",
+        default=["block"],
+        choices=["fc1", "fc2", "block"],
+        help="cases that also get the torch.compile and torchao variants (each costs a compile)",
+    )
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench_linear.py needs a CUDA GPU")
+    import triton
+
+    with contextlib.suppress(Exception):
+        import torchao
+
+        print(f"torchao {torchao.__version__}")
+    print(f"device {torch.cuda.get_device_name()} | torch {torch.__version__} | triton {triton.__version__}")
+    print("| case | variant | ms | x bf16 | saved MiB | quant ms | note |")
+    print("|---|---|---:|---:|---:|---:|---|")
+    for d in args.dims:
+        for tokens in args.tokens:
+            for case in args.cases:
+                run_case(case, d, tokens, set(args.compile_cases))
+
+
+if __name__ == "__main__":
+    main()

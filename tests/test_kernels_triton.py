@@ -1,0 +1,281 @@
+"""Triton kernels (kernels/ops.py) against their torch twins (kernels/reference.py).
+
+GPU tests skip cleanly without CUDA + triton. Quantization must be bitwise equal to the reference run on the
+CPU; int8 accumulation must be exact; layer outputs and gradients must match the torch-backend layer.
+`test_interpreter_int8_kernels` runs the int8 kernels under TRITON_INTERPRET=1 on the CPU (in a subprocess, so
+the interpreter flag cannot leak into this process), which lets CI check masks, strides and tails without a GPU.
+The interpreter cannot emulate fp8 casts or fp8 dots, so fp8 is GPU-only.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from hf_switchback.kernels import reference as ref
+
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+HAS_GPU = HAS_TRITON and torch.cuda.is_available()
+requires_gpu = pytest.mark.skipif(not HAS_GPU, reason="needs CUDA and triton")
+
+QDTYPES = [torch.int8, torch.float8_e4m3fn, torch.float8_e5m2]
+FLOATS = [torch.bfloat16, torch.float16, torch.float32]
+# (rows, cols): M=1, odd sizes, tails that are not multiples of 16, a zero-size tensor, a two-pass row.
+SHAPES = [(1, 1), (1, 768), (5, 77), (33, 130), (300, 1280), (7, 10000), (0, 64), (64, 0)]
+
+
+def _ops():
+    from hf_switchback.kernels import ops
+
+    return ops
+
+
+def _bits(q: torch.Tensor) -> torch.Tensor:
+    return q.cpu().view(torch.int8) if q.dtype != torch.int8 else q.cpu()
+
+
+def _input(shape, dtype, zero_rows=True):
+    x = torch.randn(shape, dtype=torch.float32) * 3
+    if zero_rows and shape[0] > 2:
+        x[1] = 0  # an all-zero row: scale 0, q 0, never NaN
+    if shape[0] > 3 and shape[1] > 0:
+        x[3, 0] = 1e4  # an outlier row
+    return x.to(dtype).cuda()
+
+
+@requires_gpu
+@pytest.mark.parametrize("qdtype", QDTYPES)
+@pytest.mark.parametrize("dtype", FLOATS)
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize(
+    "name",
+    [
+        "quantize_rowwise",
+        "quantize_tensorwise",
+        "quantize_rowwise_transposed",
+        "quantize_tensorwise_transposed",
+    ],
+)
+def test_quantize_bitwise(name, shape, dtype, qdtype):
+    x = _input(shape, dtype)
+    q, s = getattr(_ops(), name)(x, qdtype)
+    q_ref, s_ref = getattr(ref, name)(x.cpu(), qdtype)
+    assert q.dtype == qdtype and q.shape == q_ref.shape and q.is_contiguous()
+    assert s.dtype == torch.float32 and s.shape == s_ref.shape
+    assert torch.equal(s.cpu(), s_ref), (s.cpu() - s_ref).abs().max()
+    assert torch.equal(_bits(q), _bits(q_ref))
+
+
+@requires_gpu
+@pytest.mark.parametrize("qdtype", QDTYPES)
+def test_quantize_rowwise_bitwise_many_magnitudes(qdtype):
+    """4096 rows spanning 1e-30..1e30: the fast correctly-rounded division must match IEEE x / scale."""
+    x = torch.randn(4096, 1280) * torch.logspace(-30, 30, 4096)[:, None]
+    for name in ("quantize_rowwise", "quantize_rowwise_transposed"):
+        q, s = getattr(_ops(), name)(x.cuda(), qdtype)
+        q_ref, s_ref = getattr(ref, name)(x, qdtype)
+        assert torch.equal(s.cpu(), s_ref), name
+        assert torch.equal(_bits(q), _bits(q_ref)), (name, (_bits(q) != _bits(q_ref)).sum())
+
+
+@requires_gpu
+@pytest.mark.parametrize("qdtype", QDTYPES)
+def test_quantize_non_contiguous_and_3d_strides(qdtype):
+    base = _input((96, 130), torch.bfloat16)
+    x = base.t()  # (130, 96), stride (1, 130)
+    for name in ("quantize_rowwise", "quantize_tensorwise", "quantize_rowwise_transposed"):
+        q, s = getattr(_ops(), name)(x, qdtype)
+        q_ref, s_ref = getattr(ref, name)(x.cpu(), qdtype)
+        assert torch.equal(s.cpu(), s_ref) and torch.equal(_bits(q), _bits(q_ref)), name
+
+
+@requires_gpu
+@pytest.mark.parametrize("qdtype", QDTYPES)
+@pytest.mark.parametrize("dtype", FLOATS)
+def test_dequantize_rowwise_bitwise(dtype, qdtype):
+    x = _input((37, 300), torch.float32)
+    q, s = ref.quantize_rowwise(x.cpu(), qdtype)
+    out = _ops().dequantize_rowwise(q.cuda(), s.cuda(), dtype)
+    assert out.dtype == dtype
+    assert torch.equal(out.cpu(), ref.dequantize_rowwise(q, s, dtype))
+
+
+def _random_q(shape, qdtype):
+    if qdtype == torch.int8:
+        return torch.randint(-127, 128, shape, dtype=torch.int8)
+    return (torch.randn(shape) * 4).to(qdtype)
+
+
+# (M, N, K): M=1, odd tails, K not a multiple of BLOCK_K, and one shape on the autotuned path (M >= 1024).
+MM_SHAPES = [(1, 64, 64), (17, 33, 45), (130, 257, 300), (2048, 768, 1280)]
+
+
+@requires_gpu
+@pytest.mark.parametrize("shape", MM_SHAPES)
+def test_int8_matmul_accumulation_exact(shape):
+    m, n, k = shape
+    a, b = _random_q((m, k), torch.int8), _random_q((n, k), torch.int8)
+    ones_m, ones_n = torch.ones(m), torch.ones(n)
+    out = _ops().scaled_matmul(a.cuda(), b.cuda(), ones_m.cuda(), ones_n.cuda(), None, torch.float32)
+    # Unit scales: out is float32(int32 accumulator) on both sides, so any accumulation error shows.
+    expect = ref.scaled_matmul(a, b, ones_m, ones_n, None, torch.float32)
+    assert torch.equal(out.cpu(), expect)
+
+
+@requires_gpu
+@pytest.mark.parametrize("qdtype", QDTYPES)
+@pytest.mark.parametrize("out_dtype", FLOATS)
+@pytest.mark.parametrize("shape", MM_SHAPES)
+@pytest.mark.parametrize("per_row", [True, False])
+def test_scaled_matmul_matches_reference(shape, out_dtype, qdtype, per_row):
+    m, n, k = shape
+    a, b = _random_q((m, k), qdtype), _random_q((n, k), qdtype)
+    a_scale = torch.rand(m) * 0.01
+    b_scale = torch.rand(n) * 0.01 if per_row else torch.tensor(0.003)
+    bias = torch.randn(n, dtype=out_dtype)
+    out = _ops().scaled_matmul(a.cuda(), b.cuda(), a_scale.cuda(), b_scale.cuda(), bias.cuda(), out_dtype)
+    expect = ref.scaled_matmul(a, b, a_scale, b_scale, bias, out_dtype)
+    assert out.dtype == out_dtype and out.shape == (m, n)
+    # int8: exact accumulator, the epilogue may differ by one fp32 rounding (FMA) -> one ulp of out_dtype.
+    # fp8: float32 accumulation in a different order -> relative error ~1e-6 of the row magnitude.
+    ulp = {torch.float32: 1e-6, torch.bfloat16: 8e-3, torch.float16: 1e-3}[out_dtype]
+    scale = expect.float().abs().amax().item() + 1e-6
+    torch.testing.assert_close(out.cpu().float(), expect.float(), rtol=ulp, atol=max(ulp, 1e-5) * scale)
+
+
+@requires_gpu
+def test_scaled_matmul_empty_and_bad_dtypes():
+    ops = _ops()
+    a, b = torch.zeros(0, 64, dtype=torch.int8).cuda(), torch.ones(32, 64, dtype=torch.int8).cuda()
+    bias = torch.randn(32).cuda()
+    out = ops.scaled_matmul(a, b, torch.zeros(0).cuda(), torch.ones(32).cuda(), bias, torch.bfloat16)
+    assert out.shape == (0, 32) and out.dtype == torch.bfloat16
+    with pytest.raises(TypeError, match="share a dtype"):
+        ops.scaled_matmul(
+            b, b.to(torch.float8_e4m3fn), torch.ones(32).cuda(), torch.ones(32).cuda(), None, torch.float32
+        )
+
+
+def _snr_db(approx: torch.Tensor, exact: torch.Tensor) -> float:
+    noise = (approx.float() - exact.float()).pow(2).mean()
+    return float(10 * torch.log10(exact.float().pow(2).mean() / noise.clamp_min(1e-30)))
+
+
+CONFIGS = [
+    dict(precision=p, weight_scaling=w, memory_efficient=me)
+    for p in ("int8", "fp8")
+    for w in ("tensor", "row")
+    for me in (False, True)
+]
+
+
+@requires_gpu
+@pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: "-".join(str(v) for v in c.values()))
+@pytest.mark.parametrize("dtype", FLOATS)
+@pytest.mark.parametrize("lead", [(2, 77), (1,), (0,)], ids=["3d", "M1", "M0"])
+def test_layer_triton_matches_torch_backend(cfg, dtype, lead):
+    """SwitchBackLinear with the Triton kernels vs the same layer on the torch reference kernels (same GPU)."""
+    from hf_switchback import SwitchBackConfig
+    from hf_switchback.modules import SwitchBackLinear
+
+    torch.manual_seed(0)
+    base = torch.nn.Linear(96, 136).to("cuda", dtype)
+    x = torch.randn(*lead, 96, device="cuda", dtype=dtype)
+    grad = torch.randn(*lead, 136, device="cuda", dtype=dtype)
+    results = {}
+    for backend in ("triton", "torch"):
+        layer = SwitchBackLinear.from_linear(base, SwitchBackConfig(backend=backend, **cfg))
+        xi = x.clone().requires_grad_(True)
+        out = layer(xi)
+        out.backward(grad)
+        results[backend] = (out, xi.grad, base.weight.grad.clone(), base.bias.grad.clone())
+        base.weight.grad = base.bias.grad = None
+    assert results["triton"][0].shape == (*lead, 136)
+    for got, expect, what in zip(results["triton"], results["torch"], ("out", "dx", "dw", "db"), strict=True):
+        assert got.dtype == expect.dtype and got.shape == expect.shape, what
+        if expect.numel() == 0 or expect.float().abs().max() == 0:
+            assert torch.equal(got, expect), what
+            continue
+        # Same quantization on both paths; only accumulation order and epilogue rounding differ.
+        assert _snr_db(got, expect) > 35, (what, _snr_db(got, expect))
+
+
+@requires_gpu
+def test_torch_compile_no_graph_breaks():
+    """A SwitchBack MLP block traces into one graph (custom ops with fake impls) and matches eager."""
+    from hf_switchback import SwitchBackConfig
+    from hf_switchback.modules import SwitchBackLinear
+
+    torch.manual_seed(0)
+    cfg = SwitchBackConfig(backend="triton")
+    block = torch.nn.Sequential(
+        SwitchBackLinear.from_linear(torch.nn.Linear(128, 512), cfg),
+        torch.nn.GELU(),
+        SwitchBackLinear.from_linear(torch.nn.Linear(512, 128), cfg),
+    ).to("cuda", torch.bfloat16)
+    x = torch.randn(4, 64, 128, device="cuda", dtype=torch.bfloat16)
+
+    torch._dynamo.reset()
+    explain = torch._dynamo.explain(block)(x)
+    assert explain.graph_break_count == 0, [str(r.reason) for r in explain.break_reasons]
+    assert explain.graph_count == 1
+
+    compiled = torch.compile(block, fullgraph=True)
+    xe, xc = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+    eager_out = block(xe)
+    eager_out.float().pow(2).sum().backward()
+    eager_grads = [p.grad.clone() for p in block.parameters()] + [xe.grad]
+    block.zero_grad(set_to_none=True)
+    out = compiled(xc)
+    out.float().pow(2).sum().backward()
+    grads = [p.grad for p in block.parameters()] + [xc.grad]
+    assert _snr_db(out, eager_out) > 35
+    for g, e in zip(grads, eager_grads, strict=True):
+        assert _snr_db(g, e) > 30
+
+
+_INTERPRETER_CHECK = textwrap.dedent(
+    """
+    import torch
+    from hf_switchback.kernels import ops, reference as ref
+    torch.manual_seed(0)
+    # Tails on both axes (not multiples of the 64-wide tiles or 16-wide rows), a zero row, non-contiguous input.
+    x = torch.randn(37, 70) * 3
+    x[3] = 0
+    for inp in (x, x.t(), x.bfloat16()):
+        for name in ("quantize_rowwise", "quantize_tensorwise", "quantize_rowwise_transposed",
+                     "quantize_tensorwise_transposed"):
+            q, s = getattr(ops, name)(inp, torch.int8)
+            q_ref, s_ref = getattr(ref, name)(inp, torch.int8)
+            assert torch.equal(q, q_ref) and torch.equal(s, s_ref), name
+    q, s = ops.quantize_rowwise(x, torch.int8)
+    assert torch.equal(ops.dequantize_rowwise(q, s, torch.float32), ref.dequantize_rowwise(q, s, torch.float32))
+    a = torch.randint(-127, 128, (37, 200), dtype=torch.int8)
+    b = torch.randint(-127, 128, (50, 200), dtype=torch.int8)
+    one_a, one_b = torch.ones(37), torch.ones(50)
+    assert torch.equal(ops.scaled_matmul(a, b, one_a, one_b, None, torch.float32),
+                       ref.scaled_matmul(a, b, one_a, one_b, None, torch.float32))
+    sa, sb, bias = torch.rand(37), torch.rand(50), torch.randn(50)
+    torch.testing.assert_close(ops.scaled_matmul(a, b, sa, sb[0], bias, torch.float32),
+                               ref.scaled_matmul(a, b, sa, sb[0], bias, torch.float32), rtol=1e-6, atol=1e-3)
+    print("interpreter ok")
+    """
+)
+
+
+@pytest.mark.skipif(
+    not HAS_TRITON, reason="needs triton installed (TRITON_INTERPRET=1 runs kernels on the CPU)"
+)
+def test_interpreter_int8_kernels():
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    proc = subprocess.run(
+        [sys.executable, "-c", _INTERPRETER_CHECK], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "interpreter ok" in proc.stdout
