@@ -23,7 +23,7 @@ from .convert import switchback_modules
 # Dataset names are looked up under these training-argument keys, in this order.
 DATASET_KEYS = ("dataset_name", "dataset", "train_data", "data")
 # Keys whose values must never reach a public model card.
-_SECRET_KEYS = re.compile(r"(^|_)(token|password|secret|api_key)$", re.IGNORECASE)
+_SECRET_KEYS = re.compile(r"(^|_)(token|password|secret|key)$", re.IGNORECASE)
 _REPO_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
 
 
@@ -82,8 +82,8 @@ def model_card(
         f"A {model_class} trained with SwitchBack {switchback_config.variant} linear layers "
         "([Wortsman, Dettmers et al., 2023](https://arxiv.org/abs/2304.13013)) using "
         "`hf_switchback`. Forward and input-gradient matmuls of the selected linears ran "
-        "in 8 bit; the weight gradient and everything else in 16 bit. The weights are stored as ordinary 16-bit "
-        "safetensors.",
+        "in 8 bit; the weight gradient and everything else in 16 bit. The weights are stored unquantized, as "
+        "ordinary safetensors.",
         "## Base model\n\n"
         + (f"Fine-tuned from [{base}](https://huggingface.co/{base})." if base else "Trained from scratch."),
         "## SwitchBack configuration\n\n" + _table(sb, ("field", "value")),
