@@ -38,6 +38,7 @@ import re
 import shutil
 import time
 
+import torch
 from accelerate import Accelerator
 from accelerate.utils import set_seed
 from tqdm.auto import tqdm
@@ -247,6 +248,8 @@ def load_train_state(path: str, rank: int) -> dict:
 def training_function(args):
     report_to = None if args.report_to == "none" else args.report_to
     accelerator = Accelerator(
+        # A multi-process launch on a machine without CUDA (CI, laptops): gloo on the CPU, not a GPU backend.
+        cpu=not torch.cuda.is_available() and int(os.environ.get("WORLD_SIZE", "1")) > 1,
         mixed_precision=args.mixed_precision,
         log_with=report_to,
         project_dir=args.output_dir,

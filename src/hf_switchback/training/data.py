@@ -294,6 +294,9 @@ def epoch_loader(stream: CaptionStream, collate: Collate, batch_size: int, epoch
         num_workers=num_workers,
         drop_last=True,
         persistent_workers=False,
+        # Worker base seeds come from this generator, not the global RNG: creating the loader on resume must
+        # not shift the global RNG stream that patch dropout and the model draw from.
+        generator=torch.Generator().manual_seed(stream.seed * 100_003 + epoch),
     )
 
 

@@ -48,7 +48,10 @@ def contrastive_backward(
             image, text = clip_features(model, mb)
             images = torch.cat([*cached_images[:j], image, *cached_images[j + 1 :]])
             texts = torch.cat([*cached_texts[:j], text, *cached_texts[j + 1 :]])
-            loss = loss_fn(images, texts, logit_scale_fn())
+            # Every pass computes the full-batch loss, so the temperature's gradient would be counted N
+            # times; only the last pass lets it through (OpenCLIP counts it N times).
+            scale = logit_scale_fn() if last else logit_scale_fn().detach()
+            loss = loss_fn(images, texts, scale)
             accelerator.backward(loss)
     # All N losses are the same full-batch loss (up to recompute noise); report the last.
     return loss.detach()

@@ -1,0 +1,60 @@
+"""ClipLoss: single-process values, and the 2-process (gloo) loss + gradients against the concatenated batch."""
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+from accelerate import Accelerator
+from train_helpers import fixed_batch, launch, tiny_model
+
+from hf_switchback.training import ClipLoss
+from hf_switchback.training.step import contrastive_backward
+
+WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_dist_loss_worker.py")
+
+
+def test_clip_loss_is_symmetric_cross_entropy():
+    image = F.normalize(torch.randn(6, 8), dim=-1)
+    text = F.normalize(torch.randn(6, 8), dim=-1)
+    scale = torch.tensor(10.0)
+    logits = scale * image @ text.T
+    expected = (F.cross_entropy(logits, torch.arange(6)) + F.cross_entropy(logits.T, torch.arange(6))) / 2
+    assert torch.allclose(ClipLoss()(image, text, scale), expected)
+    assert torch.allclose(ClipLoss(local_loss=True, gather_with_grad=True)(image, text, scale), expected)
+    # perfectly aligned pairs with a large scale give a loss near zero
+    assert ClipLoss()(image, image, torch.tensor(100.0)) < 0.05
+    assert ClipLoss()(image, text, scale, output_dict=True)["contrastive_loss"] == expected
+
+
+def reference(per_rank: int, world: int, switchback: bool = False):
+    """Loss and gradients of one process on the concatenated batch of all ranks."""
+    model = tiny_model(switchback=switchback)
+    batch = fixed_batch(per_rank * world)
+    loss = contrastive_backward(
+        model, ClipLoss(), [batch], lambda: model.logit_scale.exp(), Accelerator(cpu=True)
+    )
+    return loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def max_grad_error(grads, ref_grads):
+    assert grads.keys() == ref_grads.keys()
+    return max((grads[n] - ref_grads[n]).abs().max().item() for n in ref_grads)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("accum_freq", [1, 2])
+def test_two_process_loss_and_grads_equal_single_process(tmp_path, accum_freq):
+    out = tmp_path / "dist.pt"
+    launch([WORKER, "--out", str(out), "--per_rank", "4", "--accum_freq", str(accum_freq)], num_processes=2)
+    results = torch.load(out)
+    ref_loss, ref_grads = reference(per_rank=4, world=2)
+
+    for exact in ("local1_gwg1", "local0_gwg1"):
+        assert abs(results[exact]["loss"] - ref_loss) <= 1e-5, exact
+        assert max_grad_error(results[exact]["grads"], ref_grads) <= 1e-5, exact
+    # Without the differentiable gather each rank's gradient ignores the other rank's samples: the loss is the
+    # same but the gradients are not. (Shows the comparison above can fail.)
+    inexact = results["local1_gwg0"]
+    assert abs(inexact["loss"] - ref_loss) <= 1e-5
+    assert max_grad_error(inexact["grads"], ref_grads) > 1e-4
