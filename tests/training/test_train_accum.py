@@ -1,7 +1,6 @@
 """OpenCLIP-style gradient accumulation: accum_freq=4 x batch b == accum_freq=1 x batch 4b."""
 
 import pytest
-import torch
 from accelerate import Accelerator
 from train_helpers import fixed_batch, tiny_model
 

@@ -225,8 +225,9 @@ class CaptionStream(torch.utils.data.IterableDataset):
 
             ds = self.source.dataset
             if self.shuffle:
-                ds = ds.shuffle(seed=self.seed, buffer_size=self.shuffle_buffer)
-            ds.set_epoch(self.epoch)
+                # The epoch goes into the seed (not set_epoch), so it is fixed when the stream is built and
+                # survives the copies that split_dataset_by_node and the dataloader workers make.
+                ds = ds.shuffle(seed=self.seed * 100_003 + self.epoch, buffer_size=self.shuffle_buffer)
             ds = split_dataset_by_node(ds, rank=self.rank, world_size=self.world_size)
             for i, example in enumerate(ds):
                 yield str(example.get("__key__", f"{self.rank}-{i}")), example
@@ -246,7 +247,9 @@ class CaptionStream(torch.utils.data.IterableDataset):
             yield str(example.get("__key__", index)), example
 
     def __iter__(self):
-        skipped = 0
+        # One sample of look-ahead: skips after the last good sample of a worker's stream are added to that
+        # sample rather than lost with the stream's end.
+        held, skipped = None, 0
         for key, example in self._raw():
             rng = sample_rng(self.seed, self.epoch, key)
             try:
@@ -254,11 +257,18 @@ class CaptionStream(torch.utils.data.IterableDataset):
                 image = decode_image(example.get(self.source.image_column), self.source.base_dir)
                 pixel_values = self.transform(image, rng)
             except Exception as err:  # any unreadable sample: skip, count, keep training
-                skipped += 1
                 logger.debug("skipping sample %s: %s", key, err)
+                if held is None:
+                    skipped += 1
+                else:
+                    held["skipped"] += 1
                 continue
-            yield {"pixel_values": pixel_values, "caption": caption, "__key__": key, "skipped": skipped}
+            if held is not None:
+                yield held
+            held = {"pixel_values": pixel_values, "caption": caption, "__key__": key, "skipped": skipped}
             skipped = 0
+        if held is not None:
+            yield held
 
 
 class Collate:
