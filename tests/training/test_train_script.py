@@ -1,0 +1,129 @@
+"""examples/train_clip.py end to end: --help, argument checks, the default run learning, exact resume."""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from train_helpers import (
+    REPO,
+    SCRIPT,
+    clean_env,
+    launch,
+    logged_losses,
+    read_results,
+    write_tiny_model_config,
+)
+
+
+def load_script():
+    spec = importlib.util.spec_from_file_location("train_clip", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_help_lists_every_flag_with_help():
+    proc = subprocess.run([sys.executable, SCRIPT, "--help"], env=clean_env(), capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    parser = load_script().build_parser()
+    for action in parser._actions:
+        for flag in action.option_strings:
+            assert flag in proc.stdout, flag
+        assert action.help and action.help.strip(), f"{action.option_strings} has no help"
+    for group in ("model", "SwitchBack", "data", "optimization", "speed and memory", "checkpoints"):
+        assert group in proc.stdout
+    for flag in ("--accum_freq", "--resume_from_checkpoint", "--patch_dropout", "--report_to", "--optimizer"):
+        assert flag in proc.stdout
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--lock_image", "--lock_text"], "nothing to train"),
+        (["--train_file", "a.csv", "--train_shards", "s/"], "one training data source"),
+        (["--train_shards", "s/"], "--max_train_steps"),
+        (["--model_name_or_path", "m", "--model_config", "c.json"], "exclusive"),
+        (["--switchback", "off", "--weight_scaling", "row"], "--switchback off"),
+        (["--accum_freq", "0"], "--accum_freq must be >= 1"),
+        (["--patch_dropout", "1.0"], "--patch_dropout"),
+        (["--push_to_hub"], "--hub_model_id"),
+        (["--max_eval_samples", "1000"], "distinct samples"),
+        (["--resume_from_checkpoint", "/no/such/dir"], "is not a directory"),
+        (["--precision", "int4"], "invalid choice"),
+    ],
+)
+def test_invalid_combinations_fail_at_start(argv, message, capsys):
+    module = load_script()
+    parser = module.build_parser()
+    with pytest.raises(SystemExit) as exc:
+        module.check_args(parser, parser.parse_args(argv))
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_invalid_combination_exits_before_loading_anything():
+    proc = subprocess.run(
+        [sys.executable, SCRIPT, "--lock_image", "--lock_text"],
+        env=clean_env(),
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 2 and "nothing to train" in proc.stderr
+
+
+@pytest.mark.slow
+def test_default_run_learns_far_above_chance(tmp_path):
+    """The embedded default, shortened: zero-shot (32 classes, chance 3.1%) and retrieval (chance 1/256)."""
+    out = tmp_path / "run"
+    launch([SCRIPT, "--max_train_steps", "200", "--eval_steps", "0", "--output_dir", str(out)], timeout=400)
+    results = read_results(out)
+    assert results["zero_shot_top1"] > 0.25, results
+    assert results["image_to_text_R@1"] > 0.05 and results["text_to_image_R@1"] > 0.05, results
+    assert results["train_samples_per_second"] > 0 and results["train_loss"] > 0
+    # the final model is a plain CLIP checkpoint in safetensors, with its processor
+    assert (out / "model.safetensors").exists() and (out / "preprocessor_config.json").exists()
+    from transformers import CLIPModel, CLIPProcessor
+
+    CLIPModel.from_pretrained(out)
+    CLIPProcessor.from_pretrained(out)
+
+
+@pytest.mark.slow
+def test_resume_continues_exactly_two_ranks_streaming(tmp_path):
+    """2 ranks x 2 workers on webdataset shards, accum_freq 2, patch dropout: losses after resuming from the
+    step-4 checkpoint (mid-way through the second epoch) equal those of the uninterrupted run."""
+    shards = tmp_path / "shards"
+    subprocess.run(
+        [sys.executable, "-m", "hf_switchback.training.synthetic", "--output_dir", str(shards),
+         "--num_samples", "96", "--samples_per_shard", "24", "--image_size", "32"],
+        env=clean_env(), check=True, cwd=REPO, capture_output=True,
+    )  # fmt: skip
+    config = write_tiny_model_config(str(tmp_path / "config.json"))
+    common = [SCRIPT, "--model_config", config, "--train_shards", str(shards), "--max_train_steps", "6",
+              "--batch_size", "8", "--accum_freq", "2", "--num_workers", "2", "--patch_dropout", "0.25",
+              "--logging_steps", "1", "--log_losses", "--eval_steps", "0", "--max_eval_samples", "16",
+              "--checkpointing_steps", "2", "--lr", "1e-3"]  # fmt: skip
+    full = launch([*common, "--output_dir", str(tmp_path / "full")], num_processes=2)
+    full_losses = logged_losses(full.stdout)
+    assert sorted(full_losses) == [1, 2, 3, 4, 5, 6]
+    # retention (checkpoints_total_limit 2): step_2 was deleted
+    assert sorted(os.listdir(tmp_path / "full" / "checkpoints")) == ["step_4", "step_6"]
+    # a rank holds 48 samples = 6 batches of 8 = 3 steps: step 4 is one step into the second epoch
+    checkpoint = tmp_path / "full" / "checkpoints" / "step_4"
+    state = json.loads((checkpoint / "train_state_rank1.json").read_text())
+    assert (state["step"], state["epoch"], state["batch_in_epoch"]) == (4, 1, 2)
+
+    resumed = launch(
+        [*common, "--output_dir", str(tmp_path / "resumed"), "--resume_from_checkpoint", str(checkpoint)],
+        num_processes=2,
+    )
+    resumed_losses = logged_losses(resumed.stdout)
+    assert sorted(resumed_losses) == [5, 6]
+    for step in (5, 6):
+        assert resumed_losses[step] == pytest.approx(full_losses[step], rel=1e-6, abs=1e-6), step
+    # different data would give different losses: the comparison above can fail
+    assert len({round(v, 6) for v in full_losses.values()}) == 6
+    assert read_results(tmp_path / "resumed")["train_steps"] == 6
