@@ -440,7 +440,7 @@ def push(model, processor, args, sb_config, metrics) -> None:
         processor,
         args.hub_model_id,
         switchback_config=sb_config,
-        training_args=vars(args),
+        training_args={k: v for k, v in vars(args).items() if k != "hub_token"},  # never publish the token
         metrics=metrics,
         private=args.hub_private,
         token=args.hub_token,
@@ -449,8 +449,9 @@ def push(model, processor, args, sb_config, metrics) -> None:
 
 
 def tracker_config(args) -> dict:
-    # trackers accept scalars only
-    return {k: (v if isinstance(v, (int, float, str, bool)) else str(v)) for k, v in vars(args).items()}
+    # trackers accept scalars only; the Hub token stays out of the logs
+    config = {k: v for k, v in vars(args).items() if k != "hub_token"}
+    return {k: (v if isinstance(v, (int, float, str, bool)) else str(v)) for k, v in config.items()}
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -521,7 +522,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--max_eval_samples", type=int, default=256, help="Eval set size (synthetic: at most 576)."
     )
     g.add_argument(
-        "--synthetic_train_samples", type=int, default=50_000, help="Size of the synthetic train set."
+        "--synthetic_train_samples", type=int, default=100_000, help="Size of the synthetic train set."
     )
     g.add_argument("--num_workers", type=int, default=1, help="DataLoader worker processes per rank.")
     g.add_argument("--shuffle_buffer", type=int, default=1000, help="Streaming shuffle buffer (samples).")

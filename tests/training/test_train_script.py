@@ -78,9 +78,9 @@ def test_invalid_combination_exits_before_loading_anything():
 def test_default_run_learns_far_above_chance(tmp_path):
     """The embedded default, shortened: zero-shot (32 classes, chance 3.1%) and retrieval (chance 1/256)."""
     out = tmp_path / "run"
-    launch([SCRIPT, "--max_train_steps", "200", "--eval_steps", "0", "--output_dir", str(out)], timeout=400)
+    launch([SCRIPT, "--max_train_steps", "150", "--eval_steps", "0", "--output_dir", str(out)], timeout=400)
     results = read_results(out)
-    assert results["zero_shot_top1"] > 0.25, results
+    assert results["zero_shot_top1"] > 0.2, results
     assert results["image_to_text_R@1"] > 0.05 and results["text_to_image_R@1"] > 0.05, results
     assert results["train_samples_per_second"] > 0 and results["train_loss"] > 0
     # the final model is a plain CLIP checkpoint in safetensors, with its processor
@@ -127,3 +127,35 @@ def test_resume_continues_exactly_two_ranks_streaming(tmp_path):
     # different data would give different losses: the comparison above can fail
     assert len({round(v, 6) for v in full_losses.values()}) == 6
     assert read_results(tmp_path / "resumed")["train_steps"] == 6
+
+
+@pytest.mark.slow
+def test_speed_and_memory_flags_together(tmp_path):
+    """bf16 autocast, grad checkpointing, patch dropout, a locked text tower, row-wise memory-efficient
+    SwitchBack, StableAdamW, accum_freq 2 and TensorBoard in one short run; the locked tower must not move."""
+    import torch
+    from safetensors.torch import load_file
+    from transformers import CLIPConfig, CLIPModel
+
+    config = write_tiny_model_config(str(tmp_path / "config.json"))
+    out = tmp_path / "run"
+    launch(
+        [SCRIPT, "--model_config", config, "--max_train_steps", "3", "--batch_size", "8", "--accum_freq", "2",
+         "--mixed_precision", "bf16", "--grad_checkpointing", "--patch_dropout", "0.5", "--lock_text",
+         "--weight_scaling", "row", "--memory_efficient", "--optimizer", "stableadamw", "--report_to",
+         "tensorboard", "--eval_steps", "2", "--max_eval_samples", "32", "--output_dir", str(out)],
+    )  # fmt: skip
+    results = read_results(out)
+    assert results["train_steps"] == 3 and 0 <= results["zero_shot_top1"] <= 1
+    assert any("events.out.tfevents" in name for _, _, files in os.walk(out) for name in files)
+    torch.manual_seed(0)  # the script's --seed 0: the same initial weights
+    initial = CLIPModel(CLIPConfig.from_json_file(config)).state_dict()
+    trained = load_file(out / "model.safetensors")
+    assert torch.equal(
+        trained["text_model.encoder.layers.0.mlp.fc1.weight"],
+        initial["text_model.encoder.layers.0.mlp.fc1.weight"],
+    )
+    assert not torch.equal(
+        trained["vision_model.encoder.layers.0.mlp.fc1.weight"],
+        initial["vision_model.encoder.layers.0.mlp.fc1.weight"],
+    )
