@@ -111,3 +111,16 @@ def test_random_resized_crop_is_seeded_and_in_range():
     a = crop(image, random.Random("k"))
     b = crop(image, random.Random("k"))
     assert a.size == (32, 32) and a.tobytes() == b.tobytes()
+
+
+def test_imagefolder_with_metadata(tmp_path):
+    data = SyntheticShapes(5, image_size=32)
+    rows = ["file_name,caption"]
+    for i in range(5):
+        data[i]["image"].save(tmp_path / f"{i}.png")
+        rows.append(f"{i}.png,{data[i]['caption']}")
+    (tmp_path / "metadata.csv").write_text("\n".join(rows))
+    source = load_source(data_dir=str(tmp_path))
+    assert (source.image_column, source.caption_column, source.streaming) == ("image", "caption", False)
+    keys, skipped = read_epoch(source, 0, 1, num_workers=0)
+    assert len(keys) == 5 and skipped == 0
