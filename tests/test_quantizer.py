@@ -176,6 +176,16 @@ def test_reload_in_fresh_process_with_and_without_hf_switchback(saved_clip, tmp_
             assert torch.equal(reloaded[key], value), (name, key)
 
 
+def test_reload_keeps_the_checkpoint_config_over_the_argument(saved_clip, tmp_path):
+    path, _ = saved_clip
+    CLIPModel.from_pretrained(path, quantization_config=ROW).save_pretrained(tmp_path / "sb")
+    other = SwitchBackConfig(precision="fp8", backend="torch")
+    # transformers' rule for pre-quantized checkpoints: config.json wins, with a warning.
+    with pytest.warns(UserWarning, match="quantization_config` from the model will be used"):
+        model = CLIPModel.from_pretrained(tmp_path / "sb", quantization_config=other)
+    assert {m.switchback_config for m in switchback_modules(model).values()} == {ROW}
+
+
 def test_strip_quantization_config(saved_clip, tmp_path):
     path, _ = saved_clip
     model = CLIPModel.from_pretrained(path, quantization_config=ROW)
