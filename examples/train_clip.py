@@ -40,7 +40,7 @@ import time
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import set_seed
+from accelerate.utils import DistributedType, set_seed
 from tqdm.auto import tqdm
 
 from hf_switchback import SwitchBackConfig, apply_switchback
@@ -52,7 +52,7 @@ from hf_switchback.training.losses import ClipLoss
 from hf_switchback.training.optim import cosine_with_warmup, param_groups
 from hf_switchback.training.optimizers import OPTIMIZER_CHOICES, create_optimizer
 from hf_switchback.training.patch_dropout import add_patch_dropout
-from hf_switchback.training.step import clamp_logit_scale, contrastive_backward
+from hf_switchback.training.step import CLIPForContrastive, clamp_logit_scale, contrastive_backward
 from hf_switchback.training.tokenizer import build_word_tokenizer
 from hf_switchback.training.transforms import train_transform_for
 
@@ -166,7 +166,21 @@ def load_eval_set(args, train_source):
     else:
         logger.warning("no validation data given: evaluating on the first training samples (not held out)")
         source = train_source
-    return data_lib.load_eval_samples(source, args.max_eval_samples), None, ()
+    classnames = None
+    if args.zeroshot_label_column:
+        source.label_column = args.zeroshot_label_column
+        feature = (getattr(source.dataset, "features", None) or {}).get(args.zeroshot_label_column)
+        classnames = (
+            args.zeroshot_classnames.split(",")
+            if args.zeroshot_classnames
+            else getattr(feature, "names", None)
+        )
+        if not classnames:
+            raise ValueError(
+                f"--zeroshot_label_column {args.zeroshot_label_column!r} is not a ClassLabel: pass --zeroshot_classnames"
+            )
+    templates = tuple(args.zeroshot_templates.split("|"))
+    return data_lib.load_eval_samples(source, args.max_eval_samples), classnames, templates
 
 
 def has_real_data(args) -> bool:
@@ -181,6 +195,17 @@ def lock_towers(model, lock_image: bool, lock_text: bool) -> None:
     for names in towers:
         for name in names:
             getattr(model, name).requires_grad_(False)
+
+
+def check_deepspeed(accelerator, args) -> None:
+    """DeepSpeed owns accumulation and clipping; our loader is not prepared, so give it the micro-batch size."""
+    if args.accum_freq > 1:
+        raise ValueError(
+            "--accum_freq > 1 needs no_sync between the cached-feature passes, which DeepSpeed does not offer: "
+            "use DDP or FSDP2 (accelerate_configs/multi_gpu.yaml, fsdp2.yaml), or --accum_freq 1"
+        )
+    ds_config = accelerator.state.deepspeed_plugin.deepspeed_config
+    ds_config["train_micro_batch_size_per_gpu"] = args.batch_size
 
 
 def micro_batch_stream(stream, collate, args, epoch: int, skip: int):
@@ -264,19 +289,19 @@ def training_function(args):
     os.makedirs(args.output_dir, exist_ok=True)
 
     # Model + SwitchBack
-    model, processor = load_model_and_processor(args)
+    clip, processor = load_model_and_processor(args)
     tokenizer, image_processor = processor.tokenizer, processor.image_processor
-    lock_towers(model, args.lock_image, args.lock_text)
+    lock_towers(clip, args.lock_image, args.lock_text)
     sb_config = None
     if args.switchback == "on":
         sb_config = switchback_config(args)
-        apply_switchback(model, sb_config)
+        apply_switchback(clip, sb_config)
     if args.grad_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        clip.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if args.patch_dropout > 0:
-        add_patch_dropout(model, args.patch_dropout)
-    max_text_length = min(args.max_text_length, model.config.text_config.max_position_embeddings)
-    image_size = model.config.vision_config.image_size
+        add_patch_dropout(clip, args.patch_dropout)
+    max_text_length = min(args.max_text_length, clip.config.text_config.max_position_embeddings)
+    image_size = clip.config.vision_config.image_size
 
     # Data: every rank reads its own share; batches are moved to the device by hand (not prepared), so
     # accelerate does not re-shard an already-sharded stream.
@@ -299,6 +324,8 @@ def training_function(args):
         args.max_train_steps = args.num_train_epochs * steps_per_epoch
     warmup = args.warmup_steps if args.warmup_steps is not None else max(1, args.max_train_steps // 20)
 
+    # What accelerate wraps: forward returns (image features, text features, exp(logit_scale)), OpenCLIP-style.
+    model = CLIPForContrastive(clip)
     optimizer = create_optimizer(
         args.optimizer,
         param_groups(model, args.weight_decay),
@@ -307,12 +334,11 @@ def training_function(args):
         eps=args.eps,
     )
     scheduler = cosine_with_warmup(optimizer, warmup, args.max_train_steps, args.min_lr_ratio)
+    if accelerator.distributed_type == DistributedType.DEEPSPEED:
+        check_deepspeed(accelerator, args)
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
-    unwrapped = accelerator.unwrap_model(model)
+    clip = accelerator.unwrap_model(model).clip  # the CLIPModel: clamping, logging, saving
     loss_fn = ClipLoss(local_loss=args.local_loss, gather_with_grad=args.gather_with_grad)
-
-    def logit_scale():
-        return unwrapped.logit_scale.exp()
 
     # Resume: weights, optimizer, scheduler, RNG from save_state; step and data position from our json.
     state = {"step": 0, "epoch": 0, "batch_in_epoch": 0, "loss_sum": 0.0, "num_skipped": 0}
@@ -364,14 +390,14 @@ def training_function(args):
                 {k: batch[k].to(accelerator.device) for k in ("pixel_values", "input_ids", "attention_mask")}
             )
 
-        loss = contrastive_backward(model, loss_fn, micro_batches, logit_scale, accelerator)
+        loss = contrastive_backward(model, loss_fn, micro_batches, accelerator)
         grad_norm = None
         if args.grad_clip_norm and args.grad_clip_norm > 0:
             grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.grad_clip_norm)
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
-        clamp_logit_scale(unwrapped)
+        clamp_logit_scale(clip)
 
         state["step"] += 1
         loss_value = loss.item()
@@ -384,7 +410,7 @@ def training_function(args):
             logs = {
                 "train/loss": loss_value,
                 "train/lr": scheduler.get_last_lr()[0],
-                "train/logit_scale": logit_scale().item(),
+                "train/logit_scale": logit_scale_value(clip),
                 "train/samples_per_second": samples_per_s,
                 "train/epoch": state["epoch"],
                 "train/skipped_samples": state["num_skipped"],
@@ -405,7 +431,10 @@ def training_function(args):
     # Final eval, model, results
     metrics = run_eval(state["step"])
     steps_run = state["step"] - start_step
+    if "zero_shot_top1" not in metrics:
+        logger.warning("no zero-shot classes (see --zeroshot_label_column): zero_shot_top1 is null")
     results = {
+        "zero_shot_top1": None,
         **metrics,
         "train_loss": state["loss_sum"] / max(1, state["step"]),
         "train_samples_per_second": global_batch * steps_run / max(train_time, 1e-9),
@@ -414,8 +443,9 @@ def training_function(args):
         "eval_samples": len(eval_set[0]),
     }
     accelerator.wait_for_everyone()
-    state_dict = accelerator.get_state_dict(model)
-    unwrapped.save_pretrained(
+    # get_state_dict gathers sharded (FSDP/ZeRO-3) weights; drop the wrapper's "clip." prefix
+    state_dict = {k.removeprefix("clip."): v for k, v in accelerator.get_state_dict(model).items()}
+    clip.save_pretrained(
         args.output_dir,
         state_dict=state_dict,
         is_main_process=accelerator.is_main_process,
@@ -427,9 +457,16 @@ def training_function(args):
             json.dump(results, f, indent=2)
         accelerator.print(json.dumps(results, indent=2))
         if args.push_to_hub:
-            push(unwrapped, processor, args, sb_config, results)
+            push(clip, processor, args, sb_config, results)
     accelerator.end_training()
     return results
+
+
+def logit_scale_value(clip) -> float:
+    scale = clip.logit_scale.detach()
+    if hasattr(scale, "full_tensor"):  # FSDP2 keeps it as a (sharded) DTensor between forwards
+        scale = scale.full_tensor()
+    return scale.exp().item()
 
 
 def push(model, processor, args, sb_config, metrics) -> None:
@@ -518,6 +555,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--validation_file", help="CSV/JSON for eval (retrieval).")
     g.add_argument("--validation_shards", help="Webdataset shards for eval (retrieval).")
     g.add_argument("--validation_split", help="Split of --dataset_name for eval (retrieval).")
+    g.add_argument(
+        "--zeroshot_label_column", help="Integer class column of the eval data, for zero-shot accuracy."
+    )
+    g.add_argument(
+        "--zeroshot_classnames", help="Comma-separated class names (default: the ClassLabel names)."
+    )
+    g.add_argument("--zeroshot_templates", default="a photo of a {}.", help="'|'-separated prompt templates.")
     g.add_argument(
         "--max_eval_samples", type=int, default=256, help="Eval set size (synthetic: at most 576)."
     )
@@ -643,6 +687,8 @@ def check_args(parser: argparse.ArgumentParser, args) -> None:
         parser.error(f"--patch_dropout must be in [0, 1), got {args.patch_dropout}")
     if not 0.0 < args.crop_scale_min <= 1.0:
         parser.error(f"--crop_scale_min must be in (0, 1], got {args.crop_scale_min}")
+    if "{}" not in args.zeroshot_templates:
+        parser.error("--zeroshot_templates: every template needs a {} for the class name")
     if args.push_to_hub and not args.hub_model_id:
         parser.error("--push_to_hub needs --hub_model_id")
     if not has_real_data(args) and args.max_eval_samples > len(synthetic.all_specs()):

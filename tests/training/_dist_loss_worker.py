@@ -8,7 +8,7 @@ from accelerate import Accelerator
 from train_helpers import fixed_batch, tiny_model
 
 from hf_switchback.training.losses import ClipLoss
-from hf_switchback.training.step import contrastive_backward
+from hf_switchback.training.step import CLIPForContrastive, contrastive_backward
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--out", required=True)
@@ -19,7 +19,7 @@ args = parser.parse_args()
 
 accelerator = Accelerator(cpu=True)
 rank, world = accelerator.process_index, accelerator.num_processes
-model = accelerator.prepare(tiny_model(switchback=args.switchback))
+model = accelerator.prepare(CLIPForContrastive(tiny_model(switchback=args.switchback)))
 unwrapped = accelerator.unwrap_model(model)
 batch = fixed_batch(args.per_rank * world)
 mine = {k: v[rank * args.per_rank : (rank + 1) * args.per_rank] for k, v in batch.items()}
@@ -29,7 +29,7 @@ results = {}
 for local_loss, gather_with_grad in ((True, True), (False, True), (True, False)):
     model.zero_grad(set_to_none=True)
     loss_fn = ClipLoss(local_loss=local_loss, gather_with_grad=gather_with_grad)
-    loss = contrastive_backward(model, loss_fn, micro, lambda: unwrapped.logit_scale.exp(), accelerator)
+    loss = contrastive_backward(model, loss_fn, micro, accelerator)
     # the global loss is the mean of the ranks' losses (local_loss) or any rank's (global logits)
     loss = accelerator.reduce(loss.clone(), reduction="mean")
     grads = {n: p.grad.clone() for n, p in unwrapped.named_parameters() if p.grad is not None}

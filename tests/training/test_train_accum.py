@@ -5,14 +5,12 @@ from accelerate import Accelerator
 from train_helpers import fixed_batch, tiny_model
 
 from hf_switchback.training import ClipLoss
-from hf_switchback.training.step import contrastive_backward
+from hf_switchback.training.step import CLIPForContrastive, contrastive_backward
 
 
 def grads_after(micro_batches, switchback: bool):
-    model = tiny_model(switchback=switchback)
-    loss = contrastive_backward(
-        model, ClipLoss(), micro_batches, lambda: model.logit_scale.exp(), Accelerator(cpu=True)
-    )
+    model = CLIPForContrastive(tiny_model(switchback=switchback))
+    loss = contrastive_backward(model, ClipLoss(), micro_batches, Accelerator(cpu=True))
     return loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
@@ -32,10 +30,9 @@ def test_per_micro_batch_losses_differ_from_full_batch():
     """What accelerator.accumulate would compute (each micro-batch its own negatives) is NOT the same."""
     batch = fixed_batch(16)
     _, big = grads_after([batch], False)
-    naive = tiny_model()
+    naive = CLIPForContrastive(tiny_model())
     for i in range(4):
         mb = {k: v[i * 4 : (i + 1) * 4] for k, v in batch.items()}
-        out = naive(**mb)
-        (ClipLoss()(out.image_embeds, out.text_embeds, naive.logit_scale.exp()) / 4).backward()
+        (ClipLoss()(*naive(**mb)) / 4).backward()
     worst = max((big[n] - p.grad).abs().max().item() for n, p in naive.named_parameters())
     assert worst > 1e-4

@@ -9,7 +9,7 @@ from accelerate import Accelerator
 from train_helpers import fixed_batch, launch, tiny_model
 
 from hf_switchback.training import ClipLoss
-from hf_switchback.training.step import contrastive_backward
+from hf_switchback.training.step import CLIPForContrastive, contrastive_backward
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_dist_loss_worker.py")
 
@@ -29,11 +29,9 @@ def test_clip_loss_is_symmetric_cross_entropy():
 
 def reference(per_rank: int, world: int, switchback: bool = False):
     """Loss and gradients of one process on the concatenated batch of all ranks."""
-    model = tiny_model(switchback=switchback)
+    model = CLIPForContrastive(tiny_model(switchback=switchback))
     batch = fixed_batch(per_rank * world)
-    loss = contrastive_backward(
-        model, ClipLoss(), [batch], lambda: model.logit_scale.exp(), Accelerator(cpu=True)
-    )
+    loss = contrastive_backward(model, ClipLoss(), [batch], Accelerator(cpu=True))
     return loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
 

@@ -79,6 +79,8 @@ def from_hf_dataset(dataset, *, image_column=None, caption_column=None, label_co
 
     columns = _columns(dataset)
     image_column = _pick_column(columns, image_column, IMAGE_COLUMNS, "image")
+    if label_column is not None and label_column not in columns:
+        raise ValueError(f"label column {label_column!r} not found; the data has columns {sorted(columns)}")
     caption_column = _pick_column(columns, caption_column, CAPTION_COLUMNS, "caption")
     streaming = isinstance(dataset, datasets.IterableDataset)
     features = getattr(dataset, "features", None)
@@ -103,6 +105,7 @@ def load_source(
     streaming: bool = False,
     image_column: str | None = None,
     caption_column: str | None = None,
+    label_column: str | None = None,
     seed: int = 0,
 ) -> DataSource:
     """Exactly one of synthetic_samples / train_file / data_dir / shards / dataset_name."""
@@ -134,13 +137,19 @@ def load_source(
         )
     if data_dir is not None:
         ds = datasets.load_dataset("imagefolder", data_dir=data_dir, split=split, streaming=streaming)
-        return from_hf_dataset(ds, image_column=image_column, caption_column=caption_column)
+        return from_hf_dataset(
+            ds, image_column=image_column, caption_column=caption_column, label_column=label_column
+        )
     if shards is not None:
         files = expand_shards(shards)
         ds = datasets.load_dataset("webdataset", data_files={"train": files}, split="train", streaming=True)
-        return from_hf_dataset(ds, image_column=image_column, caption_column=caption_column)
+        return from_hf_dataset(
+            ds, image_column=image_column, caption_column=caption_column, label_column=label_column
+        )
     ds = datasets.load_dataset(dataset_name, dataset_config, split=split, streaming=streaming)
-    return from_hf_dataset(ds, image_column=image_column, caption_column=caption_column)
+    return from_hf_dataset(
+        ds, image_column=image_column, caption_column=caption_column, label_column=label_column
+    )
 
 
 def expand_shards(shards: str | list[str]) -> list[str]:

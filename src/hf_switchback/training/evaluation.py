@@ -15,7 +15,8 @@ from PIL import Image
 def encode(
     model, tokenizer, image_processor, *, images=(), texts=(), batch_size=256, max_length=77, device=None
 ):
-    """Normalized features: images (N_i, D) and texts (N_t, D), float32, via model(input_ids, pixel_values).
+    """Normalized features: images (N_i, D) and texts (N_t, D), float32, via model(input_ids, pixel_values)
+    (a CLIPModel or a CLIPForContrastive).
 
     The model's forward wants both inputs; when one list runs out the other is padded with its first item and
     the padding's features are dropped.
@@ -35,10 +36,12 @@ def encode(
             attention_mask=tokens["attention_mask"].to(device),
             pixel_values=pixel_values.to(device),
         )
+        # CLIPForContrastive returns (image, text, scale); a plain CLIPModel a CLIPOutput
+        image_embeds, text_embeds = out[:2] if isinstance(out, tuple) else (out.image_embeds, out.text_embeds)
         if start < len(images):
-            image_feats.append(out.image_embeds.float())
+            image_feats.append(image_embeds.float())
         if start < len(texts):
-            text_feats.append(out.text_embeds.float())
+            text_feats.append(text_embeds.float())
     image_out = torch.cat(image_feats)[: len(images)] if image_feats else None
     text_out = torch.cat(text_feats)[: len(texts)] if text_feats else None
     return (

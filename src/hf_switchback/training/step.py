@@ -12,28 +12,41 @@ micro-batch. DDP must not all-reduce until the last pass: the first N-1 run unde
 from __future__ import annotations
 
 import contextlib
+import math
 
 import torch
+from torch import nn
 
 MODEL_INPUTS = ("input_ids", "attention_mask", "pixel_values")
+MAX_LOGIT_SCALE = math.log(100)
 
 
-def clip_features(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
-    """Normalized (B, D) image and text features from a CLIPModel's forward (what DDP/FSDP hooks into)."""
-    out = model(**{k: batch[k] for k in MODEL_INPUTS if k in batch})
-    return out.image_embeds, out.text_embeds
+class CLIPForContrastive(nn.Module):
+    """A CLIPModel whose forward returns (image_features, text_features, logit_scale.exp()), as OpenCLIP's.
 
-
-def contrastive_backward(
-    model, loss_fn, micro_batches: list[dict], logit_scale_fn, accelerator
-) -> torch.Tensor:
-    """Forward + backward of one step over `micro_batches` (accum_freq = len). Returns the detached loss.
-
-    logit_scale_fn() -> the exp()'d scale tensor, read after each forward so it carries grad.
+    This wrapper is what `accelerator.prepare` sees, so the temperature is read inside forward: FSDP gathers
+    the root parameters only around forward, and DDP expects every trained parameter to be used there.
     """
+
+    def __init__(self, clip: nn.Module):
+        super().__init__()
+        self.clip = clip
+
+    def forward(self, input_ids, pixel_values, attention_mask=None):
+        out = self.clip(input_ids=input_ids, pixel_values=pixel_values, attention_mask=attention_mask)
+        return out.image_embeds, out.text_embeds, self.clip.logit_scale.exp()
+
+
+def clip_features(model, batch: dict):
+    """(image (B, D), text (B, D), logit_scale ()) from a CLIPForContrastive, features L2-normalized."""
+    return model(**{k: batch[k] for k in MODEL_INPUTS if k in batch})
+
+
+def contrastive_backward(model, loss_fn, micro_batches: list[dict], accelerator) -> torch.Tensor:
+    """Forward + backward of one step over `micro_batches` (accum_freq = len). Returns the detached loss."""
     if len(micro_batches) == 1:
-        image, text = clip_features(model, micro_batches[0])
-        loss = loss_fn(image, text, logit_scale_fn())
+        image, text, scale = clip_features(model, micro_batches[0])
+        loss = loss_fn(image, text, scale)
         accelerator.backward(loss)
         return loss.detach()
 
@@ -45,19 +58,18 @@ def contrastive_backward(
         last = j == len(micro_batches) - 1
         sync = contextlib.nullcontext() if last else accelerator.no_sync(model)
         with sync:
-            image, text = clip_features(model, mb)
+            image, text, scale = clip_features(model, mb)
             images = torch.cat([*cached_images[:j], image, *cached_images[j + 1 :]])
             texts = torch.cat([*cached_texts[:j], text, *cached_texts[j + 1 :]])
             # Every pass computes the full-batch loss, so the temperature's gradient would be counted N
             # times; only the last pass lets it through (OpenCLIP counts it N times).
-            scale = logit_scale_fn() if last else logit_scale_fn().detach()
-            loss = loss_fn(images, texts, scale)
+            loss = loss_fn(images, texts, scale if last else scale.detach())
             accelerator.backward(loss)
     # All N losses are the same full-batch loss (up to recompute noise); report the last.
     return loss.detach()
 
 
-def clamp_logit_scale(model) -> None:
+def clamp_logit_scale(clip: nn.Module) -> None:
     """OpenCLIP: keep the (log) temperature in [0, ln 100] after every optimizer step."""
     with torch.no_grad():
-        model.logit_scale.clamp_(0, 4.6052)
+        clip.logit_scale.clamp_(0, MAX_LOGIT_SCALE)
