@@ -18,6 +18,10 @@ from .kernels.backends import get_kernels
 
 FP8_FORMATS = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+# backend="auto" on CUDA: below this many rows (tokens) the 16-bit matmul is used. At small M the 8-bit GEMMs
+# cannot amortize the quantize passes and launches (measured on H100, BENCHMARKS.md "Layer kernels").
+# backend="triton" always quantizes; config.min_tokens raises the floor on any backend.
+AUTO_MIN_TOKENS_CUDA = 16384
 
 
 def quantized_dtypes(config: SwitchBackConfig) -> tuple[torch.dtype, torch.dtype]:
@@ -120,7 +124,8 @@ def switchback_linear(
     x2d = x.reshape(-1, x.shape[-1])
     tokens = x2d.shape[0]
 
-    if tokens == 0 or tokens < config.min_tokens:
+    auto_floor = AUTO_MIN_TOKENS_CUDA if config.backend == "auto" and device_type == "cuda" else 0
+    if tokens == 0 or tokens < max(config.min_tokens, auto_floor):
         # Small batches: quantization overhead exceeds the 8-bit speed-up; the 16-bit matmul is exact.
         with torch.autocast(device_type, enabled=False):
             w = weight.to(x.dtype)
@@ -142,4 +147,4 @@ def switchback_linear(
     return out.reshape(*leading, weight.shape[0])
 
 
-__all__ = ["quantized_dtypes", "switchback_linear"]
+__all__ = ["AUTO_MIN_TOKENS_CUDA", "quantized_dtypes", "switchback_linear"]

@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import importlib
 import logging
+import sys
 from types import ModuleType
 
 import torch
@@ -54,22 +55,37 @@ def _warn_fallback_once(reason: str) -> None:
     logger.info("hf_switchback: backend='auto' uses the torch reference kernels (%s).", reason)
 
 
-def get_kernels(backend: str, device: torch.device) -> ModuleType:
-    """The kernel module to use for a tensor on `device` under config.backend."""
+# This package (hf_switchback.kernels): `_PACKAGE.ops` is an attribute once the Triton set has been imported.
+_PACKAGE = sys.modules[__name__.rpartition(".")[0]]
+
+
+@torch.compiler.assume_constant_result
+def _use_triton(backend: str, device_type: str) -> bool:
+    """True when tensors on `device_type` get the Triton kernels under config.backend.
+
+    Raises for backend='triton' where it cannot run. torch.compile runs this once while tracing and keeps the
+    answer as a constant, so its imports and caches never reach Dynamo (they would be graph breaks).
+    """
     if backend == "torch":
-        return reference
-    if device.type != "cuda":
+        return False
+    if device_type != "cuda":
         if backend == "triton":
             raise RuntimeError(
-                f"SwitchBackConfig.backend='triton' needs CUDA tensors, got a tensor on {device}. "
+                f"SwitchBackConfig.backend='triton' needs CUDA tensors, got a tensor on {device_type}. "
                 "Move the model to the GPU or use backend='auto'."
             )
-        _warn_fallback_once(f"input on {device.type}")
-        return reference
-    reason = triton_unavailable_reason()
+        _warn_fallback_once(f"input on {device_type}")
+        return False
+    reason = triton_unavailable_reason()  # imports the Triton set when it can
     if reason is None:
-        return importlib.import_module(TRITON_MODULE)
-    if backend == "triton":
-        check_backend(backend)
+        return True
+    check_backend(backend)
     _warn_fallback_once(reason)
+    return False
+
+
+def get_kernels(backend: str, device: torch.device) -> ModuleType:
+    """The kernel module to use for a tensor on `device` under config.backend."""
+    if _use_triton(backend, device.type):
+        return _PACKAGE.ops
     return reference

@@ -30,7 +30,9 @@ def _configs() -> list[triton.Config]:
     # (BM + BN) * BK bytes; configs that do not fit (e.g. 4 stages of 128x256 on sm80) are skipped by the tuner.
     shapes = [
         (128, 256, 128, 8, 3),
+        (128, 256, 128, 8, 4),
         (256, 128, 128, 8, 3),
+        (256, 128, 128, 8, 4),
         (128, 128, 128, 8, 4),
         (128, 128, 128, 4, 4),
         (128, 256, 64, 8, 4),
@@ -100,8 +102,9 @@ def _scaled_mm_kernel(
             b = tl.load(b_ptrs)
         else:
             k_left = K - k * BLOCK_K
-            a = tl.load(a_ptrs, mask=offs_k[None, :] < k_left, other=0)
-            b = tl.load(b_ptrs, mask=offs_k[None, :] < k_left, other=0)
+            # other=0.0 (not 0): an int literal cannot be cast to the fp8 element types.
+            a = tl.load(a_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
+            b = tl.load(b_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
         if UPCAST:
             a = a.to(tl.float16)
             b = b.to(tl.float16)
