@@ -29,7 +29,7 @@ from torch import nn
 from triton.testing import do_bench
 
 from hf_switchback import SwitchBackConfig
-from hf_switchback.functional import quantized_dtypes
+from hf_switchback.functional import AUTO_MIN_TOKENS_CUDA, quantized_dtypes
 from hf_switchback.kernels import ops
 from hf_switchback.modules import SwitchBackLinear
 
@@ -116,17 +116,17 @@ def quant_ms(case: str, d: int, tokens: int, cfg: SwitchBackConfig) -> float:
             wq, wtq = ops.quantize_tensorwise, ops.quantize_tensorwise_transposed
         else:
             wq, wtq = ops.quantize_rowwise, ops.quantize_rowwise_transposed
-        total += do_bench(lambda x=x: ops.quantize_rowwise(x, qf))
-        total += do_bench(lambda g=g: ops.quantize_rowwise(g, qg))
-        total += do_bench(lambda w=w, wq=wq: wq(w, qf))
-        total += do_bench(lambda w=w, wtq=wtq: wtq(w, qg))
+        total += do_bench(lambda x=x: ops.quantize_rowwise(x, qf), rep=20)
+        total += do_bench(lambda g=g: ops.quantize_rowwise(g, qg), rep=20)
+        total += do_bench(lambda w=w, wq=wq: wq(w, qf), rep=20)
+        total += do_bench(lambda w=w, wtq=wtq: wtq(w, qg), rep=20)
         if cfg.memory_efficient:
             xq, xs = ops.quantize_rowwise(x, qf)
-            total += do_bench(lambda xq=xq, xs=xs: ops.dequantize_rowwise(xq, xs, torch.bfloat16))
+            total += do_bench(lambda xq=xq, xs=xs: ops.dequantize_rowwise(xq, xs, torch.bfloat16), rep=20)
     return total
 
 
-def variants(include_compile: bool) -> list[tuple[str, Callable[[nn.Module], nn.Module], bool]]:
+def variants(include_compile: bool, tokens: int) -> list[tuple[str, Callable[[nn.Module], nn.Module], bool]]:
     """(name, make(model) -> model, compile?)."""
     out: list[tuple[str, Callable[[nn.Module], nn.Module], bool]] = [("bf16 nn.Linear", lambda m: m, False)]
     if include_compile:
@@ -136,6 +136,13 @@ def variants(include_compile: bool) -> list[tuple[str, Callable[[nn.Module], nn.
             for mem in (False, True):
                 cfg = SwitchBackConfig(precision=precision, weight_scaling=scaling, memory_efficient=mem)
                 out.append((f"switchback {cfg.variant}", lambda m, cfg=cfg: switchback(m, cfg), False))
+    if tokens < AUTO_MIN_TOKENS_CUDA:
+        # Below the floor backend="auto" runs bf16; these rows show what forcing the 8-bit kernels would cost.
+        for precision in ("int8", "fp8"):
+            cfg = SwitchBackConfig(precision=precision, backend="triton")
+            out.append(
+                (f"switchback {cfg.variant} backend=triton", lambda m, cfg=cfg: switchback(m, cfg), False)
+            )
     if include_compile:
         for precision in ("int8", "fp8"):
             cfg = SwitchBackConfig(precision=precision)
@@ -156,13 +163,13 @@ def run_case(case: str, d: int, tokens: int, compile_cases: set[str]) -> list[Ro
     label = f"{case} d={d} tokens={tokens}"
     rows: list[Row] = []
     base_ms = None
-    for name, make, compiled in variants(case in compile_cases):
+    for name, make, compiled in variants(case in compile_cases, tokens):
         row = Row(label, name)
         try:
             model = make(copy.deepcopy(ref))
             run_model = torch.compile(model) if compiled else model
             step = step_fn(run_model, x, grad)
-            row.ms = do_bench(step, warmup=50, rep=200)
+            row.ms = do_bench(step, warmup=25, rep=100)
             row.saved_mib = saved_activation_mib(run_model, x)
             if name.startswith("switchback") and not compiled:
                 row.quant_ms = quant_ms(case, d, tokens, model[0].switchback_config)
