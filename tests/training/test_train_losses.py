@@ -46,13 +46,13 @@ def test_two_process_loss_and_grads_equal_single_process(tmp_path, accum_freq):
     out = tmp_path / "dist.pt"
     launch([WORKER, "--out", str(out), "--per_rank", "4", "--accum_freq", str(accum_freq)], num_processes=2)
     results = torch.load(out)
-    ref_loss, ref_grads = reference(per_rank=4, world=2)
-
-    for exact in ("local1_gwg1", "local0_gwg1"):
-        assert abs(results[exact]["loss"] - ref_loss) <= 1e-5, exact
-        assert max_grad_error(results[exact]["grads"], ref_grads) <= 1e-5, exact
-    # Without the differentiable gather each rank's gradient ignores the other rank's samples: the loss is the
-    # same but the gradients are not. (Shows the comparison above can fail.)
-    inexact = results["local1_gwg0"]
-    assert abs(inexact["loss"] - ref_loss) <= 1e-5
-    assert max_grad_error(inexact["grads"], ref_grads) > 1e-4
+    for sb in (0, 1):  # plain fp32 linears, and SwitchBack int8 (torch reference kernels)
+        ref_loss, ref_grads = reference(per_rank=4, world=2, switchback=bool(sb))
+        for exact in (f"sb{sb}_local1_gwg1", f"sb{sb}_local0_gwg1"):
+            assert abs(results[exact]["loss"] - ref_loss) <= 1e-5, exact
+            assert max_grad_error(results[exact]["grads"], ref_grads) <= 1e-5, exact
+        # Without the differentiable gather each rank's gradient ignores the other rank's samples: the loss is
+        # the same but the gradients are not. (Shows the comparison above can fail.)
+        inexact = results[f"sb{sb}_local1_gwg0"]
+        assert abs(inexact["loss"] - ref_loss) <= 1e-5
+        assert max_grad_error(inexact["grads"], ref_grads) > 1e-4
