@@ -3,6 +3,7 @@
 import importlib.util
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -116,10 +117,13 @@ def test_resume_continues_exactly_two_ranks_streaming(tmp_path):
     state = json.loads((checkpoint / "train_state_rank1.json").read_text())
     assert (state["step"], state["epoch"], state["batch_in_epoch"]) == (4, 1, 2)
 
+    # "stopped after 4 steps": a run directory whose newest checkpoint is step 4, resumed with "latest"
+    shutil.copytree(checkpoint, tmp_path / "resumed" / "checkpoints" / "step_4")
     resumed = launch(
-        [*common, "--output_dir", str(tmp_path / "resumed"), "--resume_from_checkpoint", str(checkpoint)],
+        [*common, "--output_dir", str(tmp_path / "resumed"), "--resume_from_checkpoint", "latest"],
         num_processes=2,
     )
+    assert "resuming from" in resumed.stdout and "step_4" in resumed.stdout
     resumed_losses = logged_losses(resumed.stdout)
     assert sorted(resumed_losses) == [5, 6]
     for step in (5, 6):
