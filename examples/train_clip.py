@@ -10,7 +10,7 @@ Real models and data:
 
     accelerate launch --config_file accelerate_configs/multi_gpu.yaml examples/train_clip.py \\
         --model_name_or_path openai/clip-vit-base-patch32 \\
-        --train_shards "/data/laion/{00000..00999}.tar" --max_train_steps 20000 \\
+        --train_shards "/data/laion/*.tar" --max_train_steps 20000 \\
         --batch_size 256 --accum_freq 4 --mixed_precision bf16 --output_dir runs/b32
 
     # CSV/JSON (image path + caption columns), imagefolder + metadata.csv, or a Hub data set:

@@ -124,3 +124,24 @@ def test_imagefolder_with_metadata(tmp_path):
     assert (source.image_column, source.caption_column, source.streaming) == ("image", "caption", False)
     keys, skipped = read_epoch(source, 0, 1, num_workers=0)
     assert len(keys) == 5 and skipped == 0
+
+
+def test_dataset_by_name_from_a_local_folder(tmp_path):
+    """--dataset_name goes through datasets.load_dataset(name): a local folder stands in for a Hub id offline."""
+    data = SyntheticShapes(4, image_size=32)
+    rows = [{"image": {"bytes": _png(data[i]["image"])}, "caption": data[i]["caption"]} for i in range(4)]
+    import datasets
+
+    ds = datasets.Dataset.from_list(rows).cast_column("image", datasets.Image())
+    ds.to_parquet(str(tmp_path / "hub_like" / "data" / "train-00000.parquet"))
+    source = load_source(dataset_name=str(tmp_path / "hub_like"), split="train")
+    keys, skipped = read_epoch(source, 0, 1, num_workers=0)
+    assert len(keys) == 4 and skipped == 0
+    streamed = load_source(dataset_name=str(tmp_path / "hub_like"), split="train", streaming=True)
+    assert streamed.streaming and len(read_epoch(streamed, 0, 1, num_workers=0)[0]) == 4
+
+
+def _png(image) -> bytes:
+    buf = io.BytesIO()
+    image.save(buf, format="PNG")
+    return buf.getvalue()
