@@ -378,8 +378,7 @@ def training_function(args):
     progress = tqdm(
         total=args.max_train_steps, initial=state["step"], disable=not accelerator.is_local_main_process
     )
-    start_step, train_time, eval_time = state["step"], 0.0, 0.0
-    metrics: dict = {}
+    start_step, train_time = state["step"], 0.0  # train_time leaves evals and checkpoints out
     while state["step"] < args.max_train_steps:
         t0 = time.perf_counter()
         micro_batches = []
@@ -408,22 +407,20 @@ def training_function(args):
         progress.set_postfix(loss=f"{loss_value:.3f}", samples_per_s=f"{samples_per_s:.0f}")
         if state["step"] % args.logging_steps == 0 or state["step"] == args.max_train_steps:
             logs = {
-                "train/loss": loss_value,
+                "train/loss": mean_over_ranks(accelerator, loss_value),
                 "train/lr": scheduler.get_last_lr()[0],
                 "train/logit_scale": logit_scale_value(clip),
                 "train/samples_per_second": samples_per_s,
                 "train/epoch": state["epoch"],
-                "train/skipped_samples": state["num_skipped"],
+                "train/skipped_samples": sum_over_ranks(accelerator, state["num_skipped"]),
             }
             if grad_norm is not None:
                 logs["train/grad_norm"] = float(grad_norm)
             accelerator.log(logs, step=state["step"])
             if args.log_losses:
-                accelerator.print(f"step {state['step']} loss {loss_value:.8f}")
+                accelerator.print(f"step {state['step']} loss {logs['train/loss']:.8f}")
         if args.eval_steps and state["step"] % args.eval_steps == 0 and state["step"] < args.max_train_steps:
-            t_eval = time.perf_counter()
             run_eval(state["step"])
-            eval_time += time.perf_counter() - t_eval
         if args.checkpointing_steps and state["step"] % args.checkpointing_steps == 0:
             save_checkpoint(accelerator, args, state)
     progress.close()
@@ -436,10 +433,10 @@ def training_function(args):
     results = {
         "zero_shot_top1": None,
         **metrics,
-        "train_loss": state["loss_sum"] / max(1, state["step"]),
+        "train_loss": mean_over_ranks(accelerator, state["loss_sum"]) / max(1, state["step"]),
         "train_samples_per_second": global_batch * steps_run / max(train_time, 1e-9),
         "train_steps": state["step"],
-        "train_skipped_samples": state["num_skipped"],
+        "train_skipped_samples": sum_over_ranks(accelerator, state["num_skipped"]),
         "eval_samples": len(eval_set[0]),
     }
     accelerator.wait_for_everyone()
@@ -460,6 +457,14 @@ def training_function(args):
             push(clip, processor, args, sb_config, results)
     accelerator.end_training()
     return results
+
+
+def mean_over_ranks(accelerator, value: float) -> float:
+    return accelerator.reduce(torch.tensor(float(value), device=accelerator.device), reduction="mean").item()
+
+
+def sum_over_ranks(accelerator, value: int) -> int:
+    return int(accelerator.reduce(torch.tensor(value, device=accelerator.device), reduction="sum").item())
 
 
 def logit_scale_value(clip) -> float:
