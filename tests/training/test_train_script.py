@@ -1,11 +1,13 @@
 """examples/train_clip.py end to end: --help, argument checks, the default run learning, exact resume."""
 
 import importlib.util
+import io
 import json
 import os
 import shutil
 import subprocess
 import sys
+import tarfile
 
 import pytest
 from train_helpers import (
@@ -102,6 +104,10 @@ def test_resume_continues_exactly_two_ranks_streaming(tmp_path):
          "--num_samples", "96", "--samples_per_shard", "24", "--image_size", "32"],
         env=clean_env(), check=True, cwd=REPO, capture_output=True,
     )  # fmt: skip
+    with tarfile.open(shards / "shard-000001.tar", "a") as tar:  # one unreadable sample, met once per epoch
+        info = tarfile.TarInfo("corrupt.png")
+        info.size = 7
+        tar.addfile(info, io.BytesIO(b"garbage"))
     config = write_tiny_model_config(str(tmp_path / "config.json"))
     common = [SCRIPT, "--model_config", config, "--train_shards", str(shards), "--max_train_steps", "6",
               "--batch_size", "8", "--accum_freq", "2", "--num_workers", "2", "--patch_dropout", "0.25",
@@ -130,6 +136,9 @@ def test_resume_continues_exactly_two_ranks_streaming(tmp_path):
         assert resumed_losses[step] == pytest.approx(full_losses[step], rel=1e-6, abs=1e-6), step
     # different data would give different losses: the comparison above can fail
     assert len({round(v, 6) for v in full_losses.values()}) == 6
+    # 2 epochs -> the corrupt sample was skipped twice, counted across ranks and across the resume
+    assert read_results(tmp_path / "full")["train_skipped_samples"] == 2
+    assert read_results(tmp_path / "resumed")["train_skipped_samples"] == 2
     assert read_results(tmp_path / "resumed")["train_steps"] == 6
 
 
