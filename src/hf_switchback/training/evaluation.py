@@ -79,6 +79,7 @@ def zero_shot_classifier(model, tokenizer, image_processor, classnames, template
 
 def zero_shot_accuracy(image_features: torch.Tensor, classifier: torch.Tensor, labels, ks=(1, 5)) -> dict:
     labels = torch.as_tensor(labels, device=image_features.device)
+    ks = [k for k in ks if k <= classifier.shape[0]]  # top-5 of 3 classes is meaningless
     top = (image_features @ classifier.T).topk(max(ks), dim=1).indices
     hits = top == labels[:, None]
     return {
