@@ -31,6 +31,7 @@ batch_size x accum_freq x num_processes image-text pairs, all of them negatives 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import logging
 import os
@@ -354,7 +355,8 @@ def training_function(args):
         accelerator.init_trackers(args.project_name, config=tracker_config(args))
     accelerator.print(
         f"training {args.max_train_steps} steps, global batch {global_batch} "
-        f"({args.batch_size} x accum {args.accum_freq} x {accelerator.num_processes} processes), "
+        f"({args.batch_size} x accum {args.accum_freq} x {accelerator.num_processes} processes, "
+        f"{accelerator.distributed_type.value} on {accelerator.device.type}), "
         f"SwitchBack: {sb_config if sb_config else 'off'}"
     )
 
@@ -692,6 +694,9 @@ def check_args(parser: argparse.ArgumentParser, args) -> None:
         parser.error(f"--patch_dropout must be in [0, 1), got {args.patch_dropout}")
     if not 0.0 < args.crop_scale_min <= 1.0:
         parser.error(f"--crop_scale_min must be in (0, 1], got {args.crop_scale_min}")
+    tracker_module = {"tensorboard": "tensorboard", "wandb": "wandb"}.get(args.report_to)
+    if tracker_module and importlib.util.find_spec(tracker_module) is None:
+        parser.error(f"--report_to {args.report_to} needs `pip install {tracker_module}`")
     if "{}" not in args.zeroshot_templates:
         parser.error("--zeroshot_templates: every template needs a {} for the class name")
     if args.push_to_hub and not args.hub_model_id:

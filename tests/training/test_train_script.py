@@ -56,6 +56,7 @@ def test_help_lists_every_flag_with_help():
         (["--max_eval_samples", "1000"], "distinct samples"),
         (["--resume_from_checkpoint", "/no/such/dir"], "is not a directory"),
         (["--precision", "int4"], "invalid choice"),
+        (["--zeroshot_templates", "a photo"], "needs a {}"),
     ],
 )
 def test_invalid_combinations_fail_at_start(argv, message, capsys):
@@ -172,3 +173,12 @@ def test_speed_and_memory_flags_together(tmp_path):
         trained["vision_model.encoder.layers.0.mlp.fc1.weight"],
         initial["vision_model.encoder.layers.0.mlp.fc1.weight"],
     )
+
+
+@pytest.mark.skipif(importlib.util.find_spec("wandb") is not None, reason="wandb is installed here")
+def test_missing_tracker_fails_at_start(capsys):
+    module = load_script()
+    parser = module.build_parser()
+    with pytest.raises(SystemExit):
+        module.check_args(parser, parser.parse_args(["--report_to", "wandb"]))
+    assert "pip install wandb" in capsys.readouterr().err
