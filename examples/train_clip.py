@@ -14,12 +14,17 @@ Real models and data:
         --batch_size 256 --accum_freq 4 --mixed_precision bf16 --output_dir runs/b32
 
     # CSV/JSON (image path + caption columns), imagefolder + metadata.csv, or a Hub data set:
-    accelerate launch examples/train_clip.py --train_file captions.csv --image_column path --caption_column text
-    accelerate launch examples/train_clip.py --train_data_dir images/ --model_config my_clip_config.json
-    accelerate launch examples/train_clip.py --dataset_name user/captions --streaming --max_train_steps 1000
+    accelerate launch examples/train_clip.py --model_name_or_path openai/clip-vit-base-patch32 \
+        --train_file captions.csv --image_column path --caption_column text
+    accelerate launch examples/train_clip.py --model_config my_clip_config.json \
+        --tokenizer_name_or_path openai/clip-vit-base-patch32 --train_data_dir images/
+    accelerate launch examples/train_clip.py --model_name_or_path openai/clip-vit-base-patch32 \
+        --dataset_name user/captions --streaming --max_train_steps 1000
 
-    # The synthetic set as webdataset shards (exercises the streaming path end to end):
+    # The synthetic set as webdataset shards, then trained on in streaming mode by 2 CPU processes (gloo):
     python -m hf_switchback.training.synthetic --output_dir shards/ --num_samples 20000
+    accelerate launch --config_file accelerate_configs/cpu.yaml examples/train_clip.py \
+        --train_shards shards/ --max_train_steps 300
 
     # Resume exactly where the last checkpoint left off (same step, same data position):
     accelerate launch examples/train_clip.py --output_dir runs/b32 --resume_from_checkpoint latest
@@ -95,6 +100,11 @@ def load_model_and_processor(args):
             args.model_name_or_path
         )
     tokenizer = build_word_tokenizer(synthetic.vocabulary(), model_max_length=16)
+    if has_real_data(args) and not args.tokenizer_name_or_path:
+        logger.warning(
+            "training on your data with the synthetic set's word tokenizer: words outside its vocabulary become "
+            "<unk>; pass --model_name_or_path or --tokenizer_name_or_path for a real tokenizer"
+        )
     if not args.model_config:
         return default_clip(tokenizer, DEFAULT_IMAGE_SIZE)
     config = CLIPConfig.from_json_file(args.model_config)
