@@ -93,25 +93,31 @@ def default_clip(tokenizer, image_size: int):
 
 def load_model_and_processor(args):
     """--model_name_or_path (weights + processor), --model_config (random init), or the embedded default."""
-    from transformers import AutoProcessor, CLIPConfig, CLIPImageProcessorPil, CLIPModel, CLIPProcessor
+    from transformers import (
+        AutoProcessor,
+        AutoTokenizer,
+        CLIPConfig,
+        CLIPImageProcessorPil,
+        CLIPModel,
+        CLIPProcessor,
+    )
 
     if args.model_name_or_path:
-        return CLIPModel.from_pretrained(args.model_name_or_path), AutoProcessor.from_pretrained(
-            args.model_name_or_path
-        )
-    tokenizer = build_word_tokenizer(synthetic.vocabulary(), model_max_length=16)
-    if has_real_data(args) and not args.tokenizer_name_or_path:
-        logger.warning(
-            "training on your data with the synthetic set's word tokenizer: words outside its vocabulary become "
-            "<unk>; pass --model_name_or_path or --tokenizer_name_or_path for a real tokenizer"
-        )
+        clip = CLIPModel.from_pretrained(args.model_name_or_path)
+        return clip, AutoProcessor.from_pretrained(args.model_name_or_path)
+    if args.tokenizer_name_or_path:
+        tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_name_or_path)
+        tokenizer.model_max_length = min(tokenizer.model_max_length, args.max_text_length)
+    else:
+        tokenizer = build_word_tokenizer(synthetic.vocabulary(), model_max_length=16)
+        if has_real_data(args):
+            logger.warning(
+                "training on your data with the synthetic set's word tokenizer: words outside its vocabulary "
+                "become <unk>; pass --model_name_or_path or --tokenizer_name_or_path for a real tokenizer"
+            )
     if not args.model_config:
         return default_clip(tokenizer, DEFAULT_IMAGE_SIZE)
     config = CLIPConfig.from_json_file(args.model_config)
-    if args.tokenizer_name_or_path:
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_name_or_path)
     if config.text_config.vocab_size < len(tokenizer):
         raise ValueError(
             f"--model_config has text vocab_size {config.text_config.vocab_size} < the tokenizer's {len(tokenizer)}"
@@ -522,7 +528,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g.add_argument("--model_config", help="CLIPConfig json to train from scratch (random init).")
     g.add_argument(
-        "--tokenizer_name_or_path", help="Tokenizer for --model_config (default: the synthetic vocabulary)."
+        "--tokenizer_name_or_path",
+        help="Tokenizer when not using --model_name_or_path (default: synthetic words).",
     )
     g.add_argument(
         "--max_text_length", type=int, default=77, help="Token limit (capped by the model's positions)."
@@ -674,6 +681,10 @@ def check_args(parser: argparse.ArgumentParser, args) -> None:
     if args.model_name_or_path and args.model_config:
         parser.error(
             "--model_name_or_path and --model_config are exclusive (pretrained weights vs random init)"
+        )
+    if args.model_name_or_path and args.tokenizer_name_or_path:
+        parser.error(
+            "--tokenizer_name_or_path is for random init: --model_name_or_path brings its own tokenizer"
         )
     if args.lock_image and args.lock_text:
         parser.error("--lock_image and --lock_text together leave nothing to train")

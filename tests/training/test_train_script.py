@@ -57,6 +57,7 @@ def test_help_lists_every_flag_with_help():
         (["--resume_from_checkpoint", "/no/such/dir"], "is not a directory"),
         (["--precision", "int4"], "invalid choice"),
         (["--zeroshot_templates", "a photo"], "needs a {}"),
+        (["--model_name_or_path", "m", "--tokenizer_name_or_path", "t"], "brings its own tokenizer"),
     ],
 )
 def test_invalid_combinations_fail_at_start(argv, message, capsys):
