@@ -185,6 +185,10 @@ def load_eval_set(args, train_source):
         source = train_source
     classnames = None
     if args.zeroshot_label_column:
+        if args.zeroshot_label_column not in data_lib.columns_of(source.dataset):
+            raise ValueError(
+                f"--zeroshot_label_column {args.zeroshot_label_column!r} is not a column of the eval data"
+            )
         source.label_column = args.zeroshot_label_column
         feature = (getattr(source.dataset, "features", None) or {}).get(args.zeroshot_label_column)
         classnames = (

@@ -183,3 +183,30 @@ def test_missing_tracker_fails_at_start(capsys):
     with pytest.raises(SystemExit):
         module.check_args(parser, parser.parse_args(["--report_to", "wandb"]))
     assert "pip install wandb" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_csv_training_with_zero_shot_on_a_labelled_validation_file(tmp_path):
+    from hf_switchback.training.synthetic import SyntheticShapes, zeroshot_classnames
+
+    def write_csv(name, data, n):
+        rows = ["path,text,label"]
+        for i in range(n):
+            sample = data[i]
+            sample["image"].save(tmp_path / f"{name}{i}.png")
+            rows.append(f"{name}{i}.png,{sample['caption']},{sample['label']}")
+        (tmp_path / f"{name}.csv").write_text("\n".join(rows))
+
+    write_csv("train", SyntheticShapes(32, image_size=32), 32)
+    write_csv("val", SyntheticShapes(16, image_size=32, split="eval"), 16)
+    out = tmp_path / "run"
+    launch(
+        [SCRIPT, "--model_config", write_tiny_model_config(str(tmp_path / "config.json")),
+         "--train_file", str(tmp_path / "train.csv"), "--validation_file", str(tmp_path / "val.csv"),
+         "--image_column", "path", "--caption_column", "text", "--zeroshot_label_column", "label",
+         "--zeroshot_classnames", ",".join(zeroshot_classnames()), "--zeroshot_templates", "a {}",
+         "--max_train_steps", "2", "--batch_size", "8", "--num_workers", "0", "--output_dir", str(out)],
+    )  # fmt: skip
+    results = read_results(out)
+    assert results["eval_samples"] == 16 and results["train_steps"] == 2
+    assert results["zero_shot_top1"] is not None and 0.0 <= results["zero_shot_top1"] <= 1.0

@@ -64,7 +64,8 @@ def _pick_column(columns, wanted: str | None, candidates, what: str) -> str:
     )
 
 
-def _columns(dataset) -> list[str]:
+def columns_of(dataset) -> list[str]:
+    """Column names of a datasets.Dataset / IterableDataset (peeks at one example if undeclared)."""
     if getattr(dataset, "column_names", None):
         return list(dataset.column_names)
     if getattr(dataset, "features", None):
@@ -77,7 +78,7 @@ def from_hf_dataset(dataset, *, image_column=None, caption_column=None, label_co
     """Wrap a datasets.Dataset / IterableDataset; turns off its image decoding so we can skip bad samples."""
     import datasets
 
-    columns = _columns(dataset)
+    columns = columns_of(dataset)
     image_column = _pick_column(columns, image_column, IMAGE_COLUMNS, "image")
     if label_column is not None and label_column not in columns:
         raise ValueError(f"label column {label_column!r} not found; the data has columns {sorted(columns)}")
