@@ -29,6 +29,10 @@ Real models and data:
     # Resume exactly where the last checkpoint left off (same step, same data position):
     accelerate launch examples/train_clip.py --output_dir runs/b32 --resume_from_checkpoint latest
 
+    # The paper's stability recipe: StableAdamW, zero-init layer-scale (folded away in the saved model), and
+    # the loss-spike monitor (per-layer RMS of g^2/v logged, warnings, <output_dir>/spike_monitor.png):
+    accelerate launch examples/train_clip.py --optimizer stableadamw --layer_scale_init 0 --spike_monitor
+
 Batch sizes: --batch_size is per device and per micro-batch; one optimizer step sees
 batch_size x accum_freq x num_processes image-text pairs, all of them negatives for each other.
 """
@@ -39,6 +43,7 @@ import argparse
 import importlib.util
 import json
 import logging
+import math
 import os
 import re
 import shutil
@@ -54,10 +59,12 @@ from hf_switchback.config import BACKENDS, PRECISIONS, WEIGHT_SCALINGS
 from hf_switchback.training import data as data_lib
 from hf_switchback.training import synthetic
 from hf_switchback.training.evaluation import evaluate
+from hf_switchback.training.layer_scale import add_layer_scale, fold_layer_scale, fold_layer_scale_state_dict
 from hf_switchback.training.losses import ClipLoss
 from hf_switchback.training.optim import cosine_with_warmup, param_groups
-from hf_switchback.training.optimizers import OPTIMIZER_CHOICES, create_optimizer
+from hf_switchback.training.optimizers import OPTIMIZER_CHOICES, create_optimizer, unstable_parameters
 from hf_switchback.training.patch_dropout import add_patch_dropout
+from hf_switchback.training.spike_monitor import SpikeMonitor, default_group_name
 from hf_switchback.training.step import CLIPForContrastive, clamp_logit_scale, contrastive_backward
 from hf_switchback.training.tokenizer import build_word_tokenizer
 from hf_switchback.training.transforms import train_transform_for
@@ -225,6 +232,11 @@ def check_deepspeed(accelerator, args) -> None:
             "--accum_freq > 1 needs no_sync between the cached-feature passes, which DeepSpeed does not offer: "
             "use DDP or FSDP2 (accelerate_configs/multi_gpu.yaml, fsdp2.yaml), or --accum_freq 1"
         )
+    if args.spike_monitor:
+        raise ValueError(
+            "--spike_monitor reads the optimizer's second-moment state, which lives inside DeepSpeed's engine "
+            "(partitioned, flattened): use DDP or FSDP2 (accelerate_configs/multi_gpu.yaml, fsdp2.yaml)"
+        )
     ds_config = accelerator.state.deepspeed_plugin.deepspeed_config
     ds_config["train_micro_batch_size_per_gpu"] = args.batch_size
 
@@ -306,6 +318,8 @@ def training_function(args):
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO)
     if not accelerator.is_main_process:
         logging.getLogger().setLevel(logging.WARNING)
+    if accelerator.distributed_type == DistributedType.DEEPSPEED:
+        check_deepspeed(accelerator, args)  # before anything is loaded: it can refuse the run
     set_seed(args.seed)
     os.makedirs(args.output_dir, exist_ok=True)
 
@@ -321,6 +335,12 @@ def training_function(args):
         clip.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if args.patch_dropout > 0:
         add_patch_dropout(clip, args.patch_dropout)
+    if args.layer_scale_init is not None:
+        # New Parameters: before the optimizer and prepare. Locked towers get none (a frozen zero-init scale
+        # would switch their layers off for good).
+        for tower, locked in (("vision_model", args.lock_image), ("text_model", args.lock_text)):
+            if not locked:
+                add_layer_scale(getattr(clip, tower), args.layer_scale_init)
     max_text_length = min(args.max_text_length, clip.config.text_config.max_position_embeddings)
     image_size = clip.config.vision_config.image_size
 
@@ -353,13 +373,23 @@ def training_function(args):
         lr=args.lr,
         betas=(args.beta1, args.beta2),
         eps=args.eps,
+        # 8-bit variants: the embedding tables keep fp32 states (bitsandbytes' advice for sparse gradients)
+        keep_32bit=unstable_parameters(model) if "8bit" in args.optimizer else (),
     )
     scheduler = cosine_with_warmup(optimizer, warmup, args.max_train_steps, args.min_lr_ratio)
-    if accelerator.distributed_type == DistributedType.DEEPSPEED:
-        check_deepspeed(accelerator, args)
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
     clip = accelerator.unwrap_model(model).clip  # the CLIPModel: clamping, logging, saving
     loss_fn = ClipLoss(local_loss=args.local_loss, gather_with_grad=args.gather_with_grad)
+    monitor = None
+    if args.spike_monitor:
+        # Parameter names as prepared: the monitor drops DDP's "module." / compile's "_orig_mod.", we drop the
+        # wrapper's "clip." so the groups read text_model.layers.3, vision_model.embeddings, logit_scale, ...
+        monitor = SpikeMonitor(
+            model,
+            optimizer,
+            threshold=args.spike_threshold,
+            group_fn=lambda name: default_group_name(name.removeprefix("clip.")),
+        )
 
     # Resume: weights, optimizer, scheduler, RNG from save_state; step and data position from our json.
     state = {"step": 0, "epoch": 0, "batch_in_epoch": 0, "loss_sum": 0.0, "num_skipped": 0}
@@ -416,6 +446,8 @@ def training_function(args):
         if args.grad_clip_norm and args.grad_clip_norm > 0:
             grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.grad_clip_norm)
         optimizer.step()
+        # reads this step's gradients and updated second moments: after step(), before zero_grad()
+        spike_metrics = monitor.update(state["step"] + 1, loss.item()) if monitor else {}
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         clamp_logit_scale(clip)
@@ -438,6 +470,7 @@ def training_function(args):
             }
             if grad_norm is not None:
                 logs["train/grad_norm"] = float(grad_norm)
+            logs.update(spike_metrics)  # rms/max, rms/<layer> (this rank's values)
             accelerator.log(logs, step=state["step"])
             if args.log_losses:
                 accelerator.print(f"step {state['step']} loss {logs['train/loss']:.8f}")
@@ -461,9 +494,13 @@ def training_function(args):
         "train_skipped_samples": sum_over_ranks(accelerator, state["num_skipped"]),
         "eval_samples": len(eval_set[0]),
     }
+    if monitor:
+        results["spike_monitor_warnings"] = len(monitor.warnings)
     accelerator.wait_for_everyone()
     # get_state_dict gathers sharded (FSDP/ZeRO-3) weights; drop the wrapper's "clip." prefix
     state_dict = {k.removeprefix("clip."): v for k, v in accelerator.get_state_dict(model).items()}
+    # layer-scale folded into out_proj / fc2: the checkpoint is a plain CLIPModel with the same outputs
+    state_dict = fold_layer_scale_state_dict(state_dict)
     clip.save_pretrained(
         args.output_dir,
         state_dict=state_dict,
@@ -475,7 +512,11 @@ def training_function(args):
         with open(os.path.join(args.output_dir, "all_results.json"), "w") as f:
             json.dump(results, f, indent=2)
         accelerator.print(json.dumps(results, indent=2))
+        if monitor:
+            monitor.save_plot(os.path.join(args.output_dir, "spike_monitor.png"))
         if args.push_to_hub:
+            if args.layer_scale_init is not None:
+                fold_layer_scale(clip)  # training is over: upload a plain CLIPModel
             push(clip, processor, args, sb_config, results)
     accelerator.end_training()
     return results
@@ -621,6 +662,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--beta1", type=float, default=0.9, help="Adam beta1.")
     g.add_argument("--beta2", type=float, default=0.98, help="Adam beta2.")
     g.add_argument("--eps", type=float, default=1e-6, help="Adam epsilon.")
+    g.add_argument(
+        "--layer_scale_init",
+        type=float,
+        help="Add a learnable per-channel layer-scale, initialized to this value, to the attention and MLP "
+        "branches of every encoder layer (0 = the paper's zero-init; default: off). Folded into out_proj/fc2 "
+        "at save time, so the saved model is a plain CLIPModel.",
+    )
     g.add_argument("--grad_clip_norm", type=float, default=1.0, help="Clip the global grad norm (0: off).")
     g.add_argument(
         "--local_loss",
@@ -658,6 +706,15 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--project_name", default="clip_switchback", help="Tracker project / run name.")
     g.add_argument("--logging_steps", type=int, default=10, help="Log training scalars every N steps.")
     g.add_argument("--log_losses", action="store_true", help="Also print every logged loss (full precision).")
+    g.add_argument(
+        "--spike_monitor",
+        action="store_true",
+        help="Log the per-layer RMS(g^2/v) of the optimizer state (rms/max, rms/<layer>), warn when it jumps, "
+        "and plot loss and max RMS to <output_dir>/spike_monitor.png (not with DeepSpeed).",
+    )
+    g.add_argument(
+        "--spike_threshold", type=float, default=4.0, help="--spike_monitor warns when max RMS exceeds this."
+    )
     g.add_argument(
         "--eval_steps", type=int, default=100, help="Zero-shot + retrieval eval every N steps (0: end only)."
     )
@@ -717,6 +774,10 @@ def check_args(parser: argparse.ArgumentParser, args) -> None:
         parser.error(f"--max_train_steps must be >= 1, got {args.max_train_steps}")
     if not 0.0 <= args.patch_dropout < 1.0:
         parser.error(f"--patch_dropout must be in [0, 1), got {args.patch_dropout}")
+    if args.layer_scale_init is not None and not math.isfinite(args.layer_scale_init):
+        parser.error(f"--layer_scale_init must be a finite number, got {args.layer_scale_init}")
+    if args.spike_threshold <= 0:
+        parser.error(f"--spike_threshold must be > 0, got {args.spike_threshold}")
     if not 0.0 < args.crop_scale_min <= 1.0:
         parser.error(f"--crop_scale_min must be in (0, 1], got {args.crop_scale_min}")
     tracker_module = {"tensorboard": "tensorboard", "wandb": "wandb"}.get(args.report_to)
