@@ -144,13 +144,15 @@ def test_scaled_matmul_matches_reference(shape, out_dtype, qdtype, per_row):
     expect = ref.scaled_matmul(a, b, a_scale, b_scale, bias, out_dtype)
     assert out.dtype == out_dtype and out.shape == (m, n)
     # int8: exact accumulator; the epilogue may differ by one fp32 rounding (FMA), then one output rounding.
-    # fp8: float32 accumulation in another order: |error| <= K * 2**-24 * (|a| @ |b|.T) * scales per element.
+    # fp8: float32 accumulation in another order, |error| <= K * 2**-24 * (|a| @ |b|.T) * scales, and Hopper's
+    # fp8 tensor cores keep fewer accumulator bits than fp32 (about 14, per the DeepSeek-V3 report) within
+    # each BLOCK_K tile before the kernel promotes to fp32: 2**-13.
     ulp = {torch.float32: 2**-23, torch.bfloat16: 2**-8, torch.float16: 2**-11}[out_dtype]
     magnitude = (a.float().abs() @ b.float().abs().t()) * a_scale[:, None] * b_scale
-    accumulation = 0.0 if qdtype == torch.int8 else k * 2**-24
+    accumulation = 0.0 if qdtype == torch.int8 else max(k * 2**-24, 2**-13)
     bound = (accumulation + 2**-22) * magnitude + 2 * ulp * expect.float().abs() + 1e-30
     err = (out.cpu().float() - expect.float()).abs()
-    assert (err <= bound).all(), (err / bound).max()
+    assert (err <= bound).all(), ((err / bound).max(), (err / magnitude.clamp_min(1e-30)).max())
 
 
 @requires_gpu
