@@ -10,7 +10,7 @@ from hf_switchback import DEFAULT_EXCLUDE_MODULES, DEFAULT_TARGET_MODULES, Switc
 def test_defaults_are_the_clip_encoder_linears():
     cfg = SwitchBackConfig()
     assert cfg.weight_scaling == "tensor" and cfg.precision == "int8" and cfg.backend == "auto"
-    assert cfg.memory_efficient is False
+    assert cfg.memory_efficient is False and cfg.min_tokens is None
     assert cfg.target_modules == DEFAULT_TARGET_MODULES
     assert set(DEFAULT_TARGET_MODULES) == {"q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2"}
     assert cfg.exclude_modules == DEFAULT_EXCLUDE_MODULES == ("visual_projection", "text_projection")

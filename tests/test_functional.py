@@ -182,3 +182,13 @@ def test_torch_compile_traces_the_layer_without_graph_breaks():
     explanation = dynamo.explain(sb)(x)
     assert explanation.graph_break_count == 0, explanation.break_reasons
     assert explanation.graph_count == 1
+
+
+def test_automatic_token_floor_only_applies_to_cuda_under_auto():
+    from hf_switchback.functional import AUTO_MIN_TOKENS_CUDA, token_floor
+
+    assert token_floor(SwitchBackConfig(), "cuda") == AUTO_MIN_TOKENS_CUDA
+    assert token_floor(SwitchBackConfig(), "cpu") == 0
+    assert token_floor(SwitchBackConfig(backend="triton"), "cuda") == 0
+    assert token_floor(SwitchBackConfig(min_tokens=0), "cuda") == 0  # explicit: always quantize
+    assert token_floor(SwitchBackConfig(min_tokens=5, backend="torch"), "cpu") == 5

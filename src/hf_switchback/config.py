@@ -75,9 +75,10 @@ class SwitchBackConfig:
     # "auto": triton when CUDA and triton are usable, else torch (logged once). "triton": require the GPU
     # kernels (error at apply time if absent). "torch": the reference path (CPU, or GPU for debugging).
     backend: str = "auto"
-    # Batches with fewer rows (tokens) than this run the plain 16-bit matmul: at small sizes quantization
-    # overhead is larger than the 8-bit speed-up. 0 disables the fallback (always quantize).
-    min_tokens: int = 0
+    # Batches with fewer rows (tokens) than this run the plain 16-bit matmul: at small sizes the quantize
+    # passes and launches cost more than the 8-bit GEMM saves. None = automatic: 16384 for CUDA tensors
+    # under backend="auto" (measured on H100, BENCHMARKS.md), 0 elsewhere. 0 = always quantize.
+    min_tokens: int | None = None
 
     def __post_init__(self) -> None:
         _check_choice("weight_scaling", self.weight_scaling, WEIGHT_SCALINGS)
@@ -88,8 +89,11 @@ class SwitchBackConfig:
             raise TypeError(
                 f"SwitchBackConfig.memory_efficient must be a bool, got {type(self.memory_efficient).__name__}"
             )
-        if not isinstance(self.min_tokens, int) or isinstance(self.min_tokens, bool) or self.min_tokens < 0:
-            raise ValueError(f"SwitchBackConfig.min_tokens must be an int >= 0, got {self.min_tokens!r}")
+        bad_int = not isinstance(self.min_tokens, int) or isinstance(self.min_tokens, bool)
+        if self.min_tokens is not None and (bad_int or self.min_tokens < 0):
+            raise ValueError(
+                f"SwitchBackConfig.min_tokens must be None (automatic) or an int >= 0, got {self.min_tokens!r}"
+            )
         object.__setattr__(self, "target_modules", _as_target(self.target_modules, "target_modules"))
         object.__setattr__(self, "exclude_modules", _as_target(self.exclude_modules, "exclude_modules"))
         if self.target_modules is None:

@@ -18,9 +18,9 @@ from .kernels.backends import get_kernels
 
 FP8_FORMATS = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
-# backend="auto" on CUDA: below this many rows (tokens) the 16-bit matmul is used. At small M the 8-bit GEMMs
-# cannot amortize the quantize passes and launches (measured on H100, BENCHMARKS.md "Layer kernels").
-# backend="triton" always quantizes; config.min_tokens raises the floor on any backend.
+# min_tokens=None (automatic) with backend="auto" on CUDA: below this many rows (tokens) the 16-bit matmul is
+# used. At small M the 8-bit GEMMs cannot amortize the quantize passes and launches (measured on H100,
+# BENCHMARKS.md "Layer kernels"). An explicit config.min_tokens replaces it on any backend.
 AUTO_MIN_TOKENS_CUDA = 16384
 
 
@@ -104,6 +104,13 @@ def _check_input(x: torch.Tensor, weight: torch.Tensor) -> None:
         )
 
 
+def token_floor(config: SwitchBackConfig, device_type: str) -> int:
+    """Rows below which the exact 16-bit matmul runs instead of SwitchBack (see config.min_tokens)."""
+    if config.min_tokens is not None:
+        return config.min_tokens
+    return AUTO_MIN_TOKENS_CUDA if config.backend == "auto" and device_type == "cuda" else 0
+
+
 def switchback_linear(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -124,8 +131,7 @@ def switchback_linear(
     x2d = x.reshape(-1, x.shape[-1])
     tokens = x2d.shape[0]
 
-    auto_floor = AUTO_MIN_TOKENS_CUDA if config.backend == "auto" and device_type == "cuda" else 0
-    if tokens == 0 or tokens < max(config.min_tokens, auto_floor):
+    if tokens == 0 or tokens < token_floor(config, device_type):
         # Small batches: quantization overhead exceeds the 8-bit speed-up; the 16-bit matmul is exact.
         with torch.autocast(device_type, enabled=False):
             w = weight.to(x.dtype)
@@ -147,4 +153,4 @@ def switchback_linear(
     return out.reshape(*leading, weight.shape[0])
 
 
-__all__ = ["AUTO_MIN_TOKENS_CUDA", "quantized_dtypes", "switchback_linear"]
+__all__ = ["AUTO_MIN_TOKENS_CUDA", "quantized_dtypes", "switchback_linear", "token_floor"]

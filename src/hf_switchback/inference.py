@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .functional import quantized_dtypes
+from .functional import quantized_dtypes, token_floor
 from .kernels.backends import get_kernels
 
 logger = logging.getLogger(__name__)
@@ -90,7 +90,7 @@ def cached_linear(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         x = x.to(torch.get_autocast_dtype(device_type))
     leading = x.shape[:-1]
     x2d = x.reshape(-1, x.shape[-1])
-    if x2d.shape[0] == 0 or x2d.shape[0] < cfg.min_tokens:
+    if x2d.shape[0] == 0 or x2d.shape[0] < token_floor(cfg, device_type):
         # Same small-batch fallback as the training path: the 16-bit matmul.
         out = F.linear(x2d, weight.to(x.dtype), None if bias is None else bias.to(x.dtype))
         return out.reshape(*leading, weight.shape[0])
