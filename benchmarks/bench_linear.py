@@ -28,7 +28,7 @@ import torch
 from torch import nn
 from triton.testing import do_bench
 
-from hf_switchback import SwitchBackConfig
+from hf_switchback import SwitchBackConfig, functional
 from hf_switchback.functional import AUTO_MIN_TOKENS_CUDA, quantized_dtypes
 from hf_switchback.kernels import ops
 from hf_switchback.modules import SwitchBackLinear
@@ -126,9 +126,19 @@ def quant_ms(case: str, d: int, tokens: int, cfg: SwitchBackConfig) -> float:
     return total
 
 
-def variants(include_compile: bool, tokens: int) -> list[tuple[str, Callable[[nn.Module], nn.Module], bool]]:
+UNFUSED = " [unfused bias grad]"
+
+
+def variants(
+    include_compile: bool, tokens: int, bias_grad_ab: bool = False
+) -> list[tuple[str, Callable[[nn.Module], nn.Module], bool]]:
     """(name, make(model) -> model, compile?)."""
     out: list[tuple[str, Callable[[nn.Module], nn.Module], bool]] = [("bf16 nn.Linear", lambda m: m, False)]
+    if bias_grad_ab:
+        # Same layers with the bias gradient as a separate column-sum pass (functional.FUSED_BIAS_GRAD=False).
+        for precision, scaling in (("int8", "tensor"), ("int8", "row"), ("fp8", "row")):
+            cfg = SwitchBackConfig(precision=precision, weight_scaling=scaling)
+            out.append((f"switchback {cfg.variant}{UNFUSED}", lambda m, cfg=cfg: switchback(m, cfg), False))
     if include_compile:
         out.append(("bf16 nn.Linear + compile", lambda m: m, True))
     for precision in ("int8", "fp8"):
@@ -153,7 +163,14 @@ def variants(include_compile: bool, tokens: int) -> list[tuple[str, Callable[[nn
     return out
 
 
-def run_case(case: str, d: int, tokens: int, compile_cases: set[str]) -> list[Row]:
+def run_case(
+    case: str,
+    d: int,
+    tokens: int,
+    compile_cases: set[str],
+    only: list[str] | None = None,
+    bias_grad_ab: bool = False,
+) -> list[Row]:
     torch.manual_seed(0)
     ref = build_case(case, d).to("cuda", torch.bfloat16)
     k_in = 4 * d if case == "fc2" else d
@@ -163,8 +180,11 @@ def run_case(case: str, d: int, tokens: int, compile_cases: set[str]) -> list[Ro
     label = f"{case} d={d} tokens={tokens}"
     rows: list[Row] = []
     base_ms = None
-    for name, make, compiled in variants(case in compile_cases, tokens):
+    for name, make, compiled in variants(case in compile_cases, tokens, bias_grad_ab):
+        if only and name != "bf16 nn.Linear" and not any(o in name for o in only):
+            continue
         row = Row(label, name)
+        functional.FUSED_BIAS_GRAD = not name.endswith(UNFUSED)
         try:
             model = make(copy.deepcopy(ref))
             run_model = torch.compile(model) if compiled else model
@@ -179,6 +199,7 @@ def run_case(case: str, d: int, tokens: int, compile_cases: set[str]) -> list[Ro
             base_ms = row.ms
         if row.ms is not None and base_ms:
             row.ratio = base_ms / row.ms
+        functional.FUSED_BIAS_GRAD = True
         rows.append(row)
         print(format_row(row), flush=True)
         torch._dynamo.reset()
@@ -215,6 +236,12 @@ def main() -> None:
         choices=["fc1", "fc2", "block"],
         help="cases that also get the torch.compile and torchao variants (each costs a compile)",
     )
+    parser.add_argument("--only", nargs="*", help="run only variants whose name contains one of these")
+    parser.add_argument(
+        "--bias-grad-ab",
+        action="store_true",
+        help="add variants with the bias gradient as a separate pass (fused is the default)",
+    )
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_linear.py needs a CUDA GPU")
@@ -230,7 +257,7 @@ def main() -> None:
     for d in args.dims:
         for tokens in args.tokens:
             for case in args.cases:
-                run_case(case, d, tokens, set(args.compile_cases))
+                run_case(case, d, tokens, set(args.compile_cases), args.only, args.bias_grad_ab)
 
 
 if __name__ == "__main__":

@@ -192,3 +192,23 @@ def test_automatic_token_floor_only_applies_to_cuda_under_auto():
     assert token_floor(SwitchBackConfig(backend="triton"), "cuda") == 0
     assert token_floor(SwitchBackConfig(min_tokens=0), "cuda") == 0  # explicit: always quantize
     assert token_floor(SwitchBackConfig(min_tokens=5, backend="torch"), "cpu") == 5
+
+
+@pytest.mark.parametrize("name", ["int8/tensor", "int8/row/mem", "fp8/row/e5m2"])
+def test_fused_bias_grad_equals_separate_column_sum(name, monkeypatch):
+    """FUSED_BIAS_GRAD (bias gradient from the grad quantize pass) changes nothing on the torch path."""
+    import hf_switchback.functional as functional
+
+    _, sb = make_pair(VARIANTS[name], 40, 24, torch.bfloat16)
+    x = torch.randn(3, 7, 40, dtype=torch.bfloat16)
+    grad = torch.randn(3, 7, 24, dtype=torch.bfloat16)
+    grads = {}
+    for fused in (True, False):
+        monkeypatch.setattr(functional, "FUSED_BIAS_GRAD", fused)
+        sb.zero_grad(set_to_none=True)
+        xi = x.clone().requires_grad_(True)
+        sb(xi).backward(grad)
+        grads[fused] = (xi.grad, sb.weight.grad, sb.bias.grad)
+    for a, b in zip(grads[True], grads[False], strict=True):
+        assert torch.equal(a, b)
+    assert torch.equal(grads[True][2], grad.reshape(-1, 24).sum(0, dtype=torch.float32).bfloat16())

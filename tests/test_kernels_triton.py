@@ -99,6 +99,30 @@ def test_quantize_non_contiguous_and_3d_strides(qdtype):
 @requires_gpu
 @pytest.mark.parametrize("qdtype", QDTYPES)
 @pytest.mark.parametrize("dtype", FLOATS)
+@pytest.mark.parametrize("shape", [*SHAPES, (65, 5120), (3000, 1280)])
+def test_quantize_rowwise_colsum(shape, dtype, qdtype):
+    """Fused grad quantize + bias-gradient column sum: q and scale bitwise, sum up to float32 order."""
+    x = _input(shape, dtype)
+    ops = _ops()
+    q, s, colsum = ops.quantize_rowwise_colsum(x, qdtype)
+    q_ref, s_ref, sum_ref = ref.quantize_rowwise_colsum(x.cpu(), qdtype)
+    assert q.dtype == qdtype and q.shape == q_ref.shape and s.shape == s_ref.shape
+    assert torch.equal(s.cpu(), s_ref) and torch.equal(_bits(q), _bits(q_ref))
+    assert colsum.dtype == torch.float32 and colsum.shape == sum_ref.shape
+    # float32 sums of the same values in another order: |error| <= M * 2**-24 * sum|x| (+ a denormal floor).
+    bound = max(shape[0], 1) * 2**-24 * x.cpu().float().abs().sum(0) + 1e-30
+    assert ((colsum.cpu() - sum_ref).abs() <= bound).all()
+    x_t = _input((shape[1], shape[0]), dtype).t()  # non-contiguous rows
+    q, s, colsum = ops.quantize_rowwise_colsum(x_t, qdtype)
+    q_ref, s_ref, sum_ref = ref.quantize_rowwise_colsum(x_t.cpu(), qdtype)
+    assert torch.equal(s.cpu(), s_ref) and torch.equal(_bits(q), _bits(q_ref))
+    bound = max(shape[1], 1) * 2**-24 * x_t.cpu().float().abs().sum(0) + 1e-30
+    assert ((colsum.cpu() - sum_ref).abs() <= bound).all()
+
+
+@requires_gpu
+@pytest.mark.parametrize("qdtype", QDTYPES)
+@pytest.mark.parametrize("dtype", FLOATS)
 def test_dequantize_rowwise_bitwise(dtype, qdtype):
     x = _input((37, 300), torch.float32)
     q, s = ref.quantize_rowwise(x.cpu(), qdtype)
@@ -274,6 +298,11 @@ _INTERPRETER_CHECK = textwrap.dedent(
             q, s = getattr(ops, name)(inp, torch.int8)
             q_ref, s_ref = getattr(ref, name)(inp, torch.int8)
             assert torch.equal(q, q_ref) and torch.equal(s, s_ref), name
+    for inp in (x, x.t(), torch.randn(200, 37).bfloat16()):  # the last one: several rows per program
+        q, s, cs = ops.quantize_rowwise_colsum(inp, torch.int8)
+        q_ref, s_ref, cs_ref = ref.quantize_rowwise_colsum(inp, torch.int8)
+        assert torch.equal(q, q_ref) and torch.equal(s, s_ref)
+        torch.testing.assert_close(cs, cs_ref, rtol=1e-5, atol=1e-4)
     q, s = ops.quantize_rowwise(x, torch.int8)
     assert torch.equal(ops.dequantize_rowwise(q, s, torch.float32), ref.dequantize_rowwise(q, s, torch.float32))
     a = torch.randint(-127, 128, (37, 200), dtype=torch.int8)

@@ -108,3 +108,14 @@ def test_scaled_matmul_rejects_mixed_operand_dtypes():
 def test_unsupported_qdtype_is_rejected():
     with pytest.raises(ValueError, match="unsupported quantized dtype"):
         ref.quantize_rowwise(torch.ones(2, 2), torch.uint8)
+
+
+@pytest.mark.parametrize("qdtype", [torch.int8, *FP8])
+@pytest.mark.parametrize("shape", [(0, 5), (1, 1), (7, 83), (131, 17)])
+def test_quantize_rowwise_colsum_is_quantize_plus_bias_grad(shape, qdtype):
+    x = (torch.randn(shape) * 3).bfloat16()
+    q, scale, colsum = ref.quantize_rowwise_colsum(x, qdtype)
+    q_ref, s_ref = ref.quantize_rowwise(x, qdtype)
+    assert torch.equal(q.view(torch.int8), q_ref.view(torch.int8)) and torch.equal(scale, s_ref)
+    assert colsum.dtype == torch.float32 and colsum.shape == (shape[1],)
+    assert torch.equal(colsum, x.sum(dim=0, dtype=torch.float32))

@@ -22,6 +22,9 @@ _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 # used. At small M the 8-bit GEMMs cannot amortize the quantize passes and launches (measured on H100,
 # BENCHMARKS.md "Layer kernels"). An explicit config.min_tokens replaces it on any backend.
 AUTO_MIN_TOKENS_CUDA = 16384
+# Backward computes the bias gradient inside the output-gradient quantize pass (kernels'
+# quantize_rowwise_colsum) instead of a separate column sum. False restores the two passes (benchmarks only).
+FUSED_BIAS_GRAD = True
 
 
 def quantized_dtypes(config: SwitchBackConfig) -> tuple[torch.dtype, torch.dtype]:
@@ -68,10 +71,15 @@ class _SwitchBackLinearFn(torch.autograd.Function):
             x, weight = ctx.saved_tensors
         kernels = get_kernels(backend, grad_out.device)
         grad_out = grad_out.contiguous()
-        grad_x = grad_w = grad_b = None
+        grad_x = grad_w = grad_b = g_colsum = None
+        needs_grad_b = bias_dtype is not None and ctx.needs_input_grad[2]
 
         if ctx.needs_input_grad[0]:
-            g_q, g_scale = kernels.quantize_rowwise(grad_out, grad_qdtype)
+            if needs_grad_b and FUSED_BIAS_GRAD:
+                # One pass over grad_out yields its 8-bit form and the bias gradient (column sum).
+                g_q, g_scale, g_colsum = kernels.quantize_rowwise_colsum(grad_out, grad_qdtype)
+            else:
+                g_q, g_scale = kernels.quantize_rowwise(grad_out, grad_qdtype)
             if weight_scaling == "tensor":
                 wt_q, wt_scale = kernels.quantize_tensorwise_transposed(weight, grad_qdtype)
             else:
@@ -83,8 +91,10 @@ class _SwitchBackLinearFn(torch.autograd.Function):
                 x = kernels.dequantize_rowwise(x_q, x_scale, x_dtype)
             grad_w = (grad_out.t() @ x.to(grad_out.dtype)).to(weight.dtype)
 
-        if bias_dtype is not None and ctx.needs_input_grad[2]:
-            grad_b = grad_out.sum(dim=0, dtype=torch.float32).to(bias_dtype)
+        if needs_grad_b:
+            if g_colsum is None:
+                g_colsum = grad_out.sum(dim=0, dtype=torch.float32)
+            grad_b = g_colsum.to(bias_dtype)
 
         return grad_x, grad_w, grad_b, None, None, None, None, None
 

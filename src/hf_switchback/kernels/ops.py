@@ -30,6 +30,23 @@ def _(x, qdtype):
     return x.new_empty(x.shape, dtype=qdtype), x.new_empty((x.shape[0],), dtype=torch.float32)
 
 
+@torch.library.custom_op(f"{_LIB}::quantize_rowwise_colsum", mutates_args=())
+def _quantize_rowwise_colsum(
+    x: torch.Tensor, qdtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _quantize.quantize_rowwise_colsum(x, qdtype)
+
+
+@_quantize_rowwise_colsum.register_fake
+def _(x, qdtype):
+    m, k = x.shape
+    return (
+        x.new_empty((m, k), dtype=qdtype),
+        x.new_empty((m,), dtype=torch.float32),
+        x.new_empty((k,), dtype=torch.float32),
+    )
+
+
 @torch.library.custom_op(f"{_LIB}::quantize_tensorwise", mutates_args=())
 def _quantize_tensorwise(x: torch.Tensor, qdtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     return _quantize.quantize_tensorwise(x, qdtype)
@@ -101,6 +118,13 @@ def quantize_rowwise(x: torch.Tensor, qdtype: torch.dtype = torch.int8) -> tuple
     return torch.ops.hf_switchback.quantize_rowwise(x, qdtype)
 
 
+def quantize_rowwise_colsum(
+    x: torch.Tensor, qdtype: torch.dtype = torch.int8
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(M, K) float -> (q (M, K) qdtype, scale (M,) float32, column sum (K,) float32), x read once."""
+    return torch.ops.hf_switchback.quantize_rowwise_colsum(x, qdtype)
+
+
 def quantize_tensorwise(
     x: torch.Tensor, qdtype: torch.dtype = torch.int8
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -141,6 +165,7 @@ __all__ = [
     "QMAX",
     "dequantize_rowwise",
     "quantize_rowwise",
+    "quantize_rowwise_colsum",
     "quantize_rowwise_transposed",
     "quantize_tensorwise",
     "quantize_tensorwise_transposed",

@@ -101,6 +101,45 @@ def _rowwise_kernel(
 
 
 @triton.jit
+def _rowwise_colsum_kernel(
+    x_ptr,
+    q_ptr,
+    s_ptr,
+    part_ptr,
+    M,
+    K,
+    stride_xm,
+    stride_xk,
+    stride_qm,
+    QMAX_C: tl.constexpr,
+    IS_INT: tl.constexpr,
+    Q_DTYPE: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    ROWS: tl.constexpr,
+):
+    # Row-wise quantize of ROWS consecutive rows (each row read once, from registers) that also sums the
+    # rows it reads: part[pid, :] = sum of those rows in float32. The bias gradient then needs no second pass.
+    pid = tl.program_id(0)
+    offs = tl.arange(0, BLOCK_K)
+    kmask = offs < K
+    colsum = tl.zeros([BLOCK_K], dtype=tl.float32)
+    for r in range(ROWS):
+        # Rows past M (last program only) redo row M - 1: the same values written again by the program that
+        # owns that row, kept out of the sum. This keeps every mask a vector (the interpreter needs that).
+        row_raw = pid.to(tl.int64) * ROWS + r
+        row = tl.minimum(row_raw, M - 1)
+        x = tl.load(x_ptr + row * stride_xm + offs * stride_xk, mask=kmask, other=0.0).to(tl.float32)
+        colsum += tl.where(row_raw < M, x, 0.0)
+        absmax = tl.max(tl.abs(x), axis=0)
+        scale = tl.div_rn(absmax, QMAX_C)
+        safe = tl.where(scale == 0.0, 1.0, scale)
+        inv = tl.div_rn(1.0, safe)
+        tl.store(s_ptr + row, scale)
+        tl.store(q_ptr + row * stride_qm + offs, _to_q(x, safe, inv, QMAX_C, IS_INT, Q_DTYPE), mask=kmask)
+    tl.store(part_ptr + pid.to(tl.int64) * K + offs, colsum, mask=kmask)
+
+
+@triton.jit
 def _col_absmax_kernel(
     x_ptr, part_ptr, M, K, stride_xm, stride_xk, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr
 ):
@@ -188,6 +227,49 @@ def quantize_rowwise(x: torch.Tensor, qdtype: torch.dtype = torch.int8) -> tuple
         **_qargs(qdtype),
     )
     return q, scale
+
+
+# Rows per program of the fused quantize + column-sum kernel: enough programs to fill the GPU, few enough
+# float32 partial sums (cdiv(M, ROWS) x K) that writing and reducing them costs far less than re-reading x.
+_COLSUM_PROGRAMS = 1024
+_COLSUM_MAX_ROWS = 64
+
+
+def quantize_rowwise_colsum(
+    x: torch.Tensor, qdtype: torch.dtype = torch.int8
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """quantize_rowwise(x) plus x.sum(dim=0) in float32, reading x once (the bias gradient of a layer).
+
+    The column sum is accumulated in float32 per program then over programs, so it equals the twin's
+    `x.sum(dim=0, dtype=torch.float32)` up to float32 summation order. Rows longer than the single-pass limit
+    take the two separate passes.
+    """
+    m, k = x.shape
+    if m == 0 or k == 0 or k > _MAX_SINGLE_PASS:
+        q, scale = quantize_rowwise(x, qdtype)
+        return q, scale, x.sum(dim=0, dtype=torch.float32)
+    q = torch.empty((m, k), dtype=qdtype, device=x.device)
+    scale = torch.empty((m,), dtype=torch.float32, device=x.device)
+    rows = min(_COLSUM_MAX_ROWS, triton.next_power_of_2(triton.cdiv(m, _COLSUM_PROGRAMS)))
+    grid = triton.cdiv(m, rows)
+    part = torch.empty((grid, k), dtype=torch.float32, device=x.device)
+    block = triton.next_power_of_2(k)
+    _rowwise_colsum_kernel[(grid,)](
+        x,
+        q,
+        scale,
+        part,
+        m,
+        k,
+        x.stride(0),
+        x.stride(1),
+        q.stride(0),
+        BLOCK_K=block,
+        ROWS=rows,
+        num_warps=max(1, min(16, block // 256)),
+        **_qargs(qdtype),
+    )
+    return q, scale, part.sum(dim=0)
 
 
 def _absmax_partials(x: torch.Tensor) -> torch.Tensor:
@@ -286,6 +368,7 @@ __all__ = [
     "QMAX",
     "dequantize_rowwise",
     "quantize_rowwise",
+    "quantize_rowwise_colsum",
     "quantize_rowwise_transposed",
     "quantize_tensorwise",
     "quantize_tensorwise_transposed",

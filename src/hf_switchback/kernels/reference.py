@@ -45,6 +45,17 @@ def quantize_rowwise(x: torch.Tensor, qdtype: torch.dtype = torch.int8) -> tuple
     return _to_qdtype(xf / safe[:, None], qdtype, qmax), scale
 
 
+def quantize_rowwise_colsum(
+    x: torch.Tensor, qdtype: torch.dtype = torch.int8
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """quantize_rowwise(x) and x.sum(dim=0) in float32: an output gradient's 8-bit form and its bias gradient.
+
+    The Triton twin reads x once for both; its column sum differs only by float32 summation order.
+    """
+    q, scale = quantize_rowwise(x, qdtype)
+    return q, scale, x.sum(dim=0, dtype=torch.float32)
+
+
 def quantize_tensorwise(
     x: torch.Tensor, qdtype: torch.dtype = torch.int8
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -127,6 +138,7 @@ __all__ = [
     "dequantize_tensorwise",
     "int8_matmul_int32",
     "quantize_rowwise",
+    "quantize_rowwise_colsum",
     "quantize_rowwise_transposed",
     "quantize_tensorwise",
     "quantize_tensorwise_transposed",
