@@ -1,8 +1,8 @@
 """Choose between the torch reference kernels and the Triton kernels.
 
 A kernel set is a module exposing the functions of `kernels/reference.py` with the same signatures
-(quantize_rowwise, quantize_rowwise_colsum, quantize_tensorwise, quantize_rowwise_transposed, quantize_tensorwise_transposed,
-scaled_matmul). The Triton set lives in `kernels/ops.py` and is imported lazily, so nothing on the CPU
+(quantize_rowwise, quantize_rowwise_colsum, quantize_tensorwise, quantize_rowwise_transposed,
+quantize_tensorwise_transposed, scaled_matmul). The Triton set lives in `kernels/ops.py` and is imported lazily, so nothing on the CPU
 path ever imports triton.
 """
 
