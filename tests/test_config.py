@@ -66,3 +66,8 @@ def test_from_dict_rejects_unknown_keys():
 
 def test_variant_name():
     assert SwitchBackConfig(weight_scaling="row", memory_efficient=True).variant == "int8/row/mem-efficient"
+
+
+def test_invalid_regex_is_rejected_at_construction():
+    with pytest.raises(ValueError, match=r"SwitchBackConfig.target_modules: 'fc\(' is not a valid regex"):
+        SwitchBackConfig(target_modules="fc(")

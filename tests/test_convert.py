@@ -192,3 +192,49 @@ def test_auto_backend_falls_back_to_torch_and_logs_once(clip_config, caplog):
 def test_bad_config_type_is_rejected(clip_config):
     with pytest.raises(TypeError, match="SwitchBackConfig"):
         apply_switchback(CLIPModel(clip_config), {"precision": "int8"})
+
+
+def test_importing_the_package_does_not_import_triton():
+    import subprocess
+    import sys
+
+    code = "import sys, hf_switchback, hf_switchback.training; print('triton' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
+def test_multihead_attention_out_proj_is_never_a_target():
+    # nn.MultiheadAttention uses out_proj.weight directly, a swap there would silently stay 16-bit
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.attn = nn.MultiheadAttention(16, 2)
+            self.fc1 = nn.Linear(16, 32)
+
+    block = apply_switchback(Block(), TORCH)
+    assert swapped(block) == {"fc1"}
+
+
+def test_a_bare_linear_is_pointed_to_from_linear():
+    with pytest.raises(TypeError, match="from_linear"):
+        apply_switchback(nn.Linear(4, 4), SwitchBackConfig(target_modules=".*", backend="torch"))
+
+
+def test_non_config_objects_are_a_type_error():
+    from hf_switchback import switchback_linear
+
+    with pytest.raises(TypeError, match="SwitchBackConfig"):
+        switchback_linear(torch.randn(2, 4), torch.randn(3, 4), None, {"weight_scaling": "row"})
+    with pytest.raises(TypeError, match="SwitchBackConfig"):
+        SwitchBackLinear.from_linear(nn.Linear(4, 3), {"weight_scaling": "row"})
+
+
+def test_reapplying_with_another_config_drops_the_inference_cache(clip_config):
+    from hf_switchback import prepare_for_inference
+
+    model = apply_switchback(CLIPModel(clip_config), TORCH).eval()
+    prepare_for_inference(model)
+    apply_switchback(model, SwitchBackConfig(precision="fp8", backend="torch"))
+    with torch.no_grad():
+        out = model(**batch(clip_config))
+    assert torch.isfinite(out.logits_per_image).all()

@@ -132,18 +132,40 @@ def test_restore_training_trains_like_never_prepared():
     assert grads[0] is not None and torch.equal(grads[0], grads[1])
 
 
-def test_grad_enabled_forward_ignores_cache_and_stale_cache_raises():
+def test_stale_cache_raises():
     config = SwitchBackConfig(backend="torch")
     _, model = _models(config)
     prepare_for_inference(model)
-    loss = model(**_inputs(), return_loss=True).loss  # grad enabled: the training path, with autograd
-    loss.backward()
-    torch.optim.SGD(model.parameters(), lr=0.1).step()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.01)  # bumps _version, as torch optimizers do
     with torch.no_grad(), pytest.raises(RuntimeError, match="weight changed"):
         model(**_inputs())
     prepare_for_inference(model)  # re-quantizing the updated weights makes it usable again
     with torch.no_grad():
         model(**_inputs())
+
+
+def test_grad_enabled_forward_uses_training_path_and_drops_the_cache():
+    # An optimizer step may follow that changes weights without bumping _version (bitsandbytes 8-bit
+    # optimizers write through kernels), so a training forward must not leave a cache behind to go stale.
+    from hf_switchback import switchback_modules
+    from hf_switchback.inference import has_weight_cache
+
+    config = SwitchBackConfig(backend="torch")
+    _, model = _models(config)
+    _, twin = _models(config)  # never prepared: the uncached SwitchBack forward
+    prepare_for_inference(model)
+    model(**_inputs(), return_loss=True).loss.backward()  # grad enabled: the training path, with autograd
+    assert not any(has_weight_cache(m) for m in switchback_modules(model).values())
+    with torch.no_grad():
+        stale = model(**_inputs()).logits_per_image
+        for p in model.parameters():
+            p.data.add_(0.01)  # a write that does not bump _version
+        out = model(**_inputs()).logits_per_image
+        twin.load_state_dict(model.state_dict())
+        expected = twin(**_inputs()).logits_per_image
+    assert torch.equal(out, expected) and not torch.equal(out, stale)
 
 
 def test_context_manager_restores_previous_mode():
@@ -167,3 +189,11 @@ def test_min_tokens_fallback_uses_16bit_weight():
     prepare_for_inference(model)
     with torch.no_grad():
         torch.testing.assert_close(model(**_inputs()).logits_per_image, ref(**_inputs()).logits_per_image)
+
+
+def test_cached_path_rejects_integer_input_like_the_training_path():
+    _, model = _models(SwitchBackConfig(backend="torch"))
+    prepare_for_inference(model)
+    layer = model.vision_model.encoder.layers[0].mlp.fc1
+    with torch.no_grad(), pytest.raises(TypeError, match="floating-point input"):
+        layer(torch.ones(3, layer.in_features, dtype=torch.int64))

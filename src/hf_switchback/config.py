@@ -7,6 +7,7 @@ not deep inside a kernel during the first training step.
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -26,7 +27,15 @@ DEFAULT_EXCLUDE_MODULES = ("visual_projection", "text_projection")
 
 def _as_target(value: str | list[str] | tuple[str, ...] | None, field_name: str):
     """Normalize a PEFT-style target spec: str stays a regex, sequences become tuples of names."""
-    if value is None or isinstance(value, str):
+    if value is None:
+        return value
+    if isinstance(value, str):
+        try:
+            re.compile(value)
+        except re.error as err:
+            raise ValueError(
+                f"SwitchBackConfig.{field_name}: {value!r} is not a valid regex ({err})"
+            ) from None
         return value
     if isinstance(value, (list, tuple, set, frozenset)):
         names = tuple(value)
@@ -64,7 +73,8 @@ class SwitchBackConfig:
     memory_efficient: bool = False
     # "int8": symmetric absmax int8 (the paper). "fp8": e4m3 forward, `fp8_grad_format` for gradients.
     precision: str = "int8"
-    # fp8 only: format of the output gradient in grad-input. e4m3 keeps 3 mantissa bits and suffices with a
+    # fp8 only: format of both grad-input operands (the output gradient and the transposed weight; one GEMM
+    # dtype keeps the kernel simple). e4m3 keeps 3 mantissa bits and suffices with a
     # per-row scale (the scale handles range); e5m2 trades a mantissa bit for range.
     fp8_grad_format: str = "e4m3"
     # Which linears to swap. str: regex full match on the dotted module name. list: exact names or dotted

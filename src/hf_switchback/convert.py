@@ -14,6 +14,7 @@ from collections.abc import Callable
 from torch import nn
 
 from .config import SwitchBackConfig
+from .inference import drop_weight_cache
 from .kernels.backends import check_backend
 from .modules import SwitchBackLinear
 
@@ -44,9 +45,20 @@ def find_targets(model: nn.Module, config: SwitchBackConfig, filter_fn: FilterFn
     ValueError naming some of the linears seen when nothing matches.
     """
     linear_names, selected = [], []
+    # nn.MultiheadAttention reads out_proj.weight directly and never calls out_proj's forward: a swap there
+    # would be reported but silently run in 16-bit, so those linears are never targets.
+    mha_children = {
+        f"{name}.out_proj" if name else "out_proj"
+        for name, m in model.named_modules()
+        if isinstance(m, nn.MultiheadAttention)
+    }
     for name, module in model.named_modules():
-        if not isinstance(module, nn.Linear):
+        if not isinstance(module, nn.Linear) or name in mha_children:
             continue
+        if name == "":
+            raise TypeError(
+                "apply_switchback: the model itself is an nn.Linear; use SwitchBackLinear.from_linear(linear, config)"
+            )
         linear_names.append(name)
         if not name_matches(name, config.target_modules) or name_matches(name, config.exclude_modules):
             continue
@@ -84,6 +96,7 @@ def apply_switchback(
         module = model.get_submodule(name)
         if isinstance(module, SwitchBackLinear):
             module.switchback_config = config
+            drop_weight_cache(module)  # an inference cache built under the old config no longer applies
             continue
         _set_submodule(model, name, SwitchBackLinear.from_linear(module, config))
         swapped += 1

@@ -99,10 +99,11 @@ class _SwitchBackLinearFn(torch.autograd.Function):
         return grad_x, grad_w, grad_b, None, None, None, None, None
 
 
-def _check_input(x: torch.Tensor, weight: torch.Tensor) -> None:
+def check_input(x: torch.Tensor, weight: torch.Tensor) -> None:
     if not x.is_floating_point() or x.dtype not in _FLOAT_DTYPES:
         raise TypeError(
-            f"SwitchBack linear expects a floating-point input (float32, bfloat16 or float16), got {x.dtype}. "
+            f"SwitchBack linear expects a floating-point input (float32, bfloat16, float16 or float64), got "
+            f"{x.dtype}. "
             "Cast the input, e.g. x.float()."
         )
     if x.dim() == 0 or x.shape[-1] != weight.shape[1]:
@@ -133,7 +134,9 @@ def switchback_linear(
     autocast dtype when called under torch.autocast (as F.linear would).
     """
     config = config or SwitchBackConfig()
-    _check_input(x, weight)
+    if not isinstance(config, SwitchBackConfig):
+        raise TypeError(f"switchback_linear: config must be a SwitchBackConfig, got {type(config).__name__}")
+    check_input(x, weight)
     device_type = x.device.type
     if torch.is_autocast_enabled(device_type):
         x = x.to(torch.get_autocast_dtype(device_type))
@@ -163,4 +166,4 @@ def switchback_linear(
     return out.reshape(*leading, weight.shape[0])
 
 
-__all__ = ["AUTO_MIN_TOKENS_CUDA", "quantized_dtypes", "switchback_linear", "token_floor"]
+__all__ = ["AUTO_MIN_TOKENS_CUDA", "check_input", "quantized_dtypes", "switchback_linear", "token_floor"]

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .functional import quantized_dtypes, token_floor
+from .functional import check_input, quantized_dtypes, token_floor
 from .kernels.backends import get_kernels
 
 logger = logging.getLogger(__name__)
@@ -81,10 +81,9 @@ def cached_linear(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
             "SwitchBackLinear: the weight changed (optimizer step, .to(), load) since prepare_for_inference(); "
             "call prepare_for_inference(model) again, or restore_training(model) to drop the stale cache."
         )
-    if x.dim() == 0 or x.shape[-1] != weight.shape[1]:
-        raise RuntimeError(
-            f"mat1 and mat2 shapes cannot be multiplied (input {tuple(x.shape)}, weight {tuple(weight.shape)})"
-        )
+    check_input(
+        x, weight
+    )  # same errors as the training path (TypeError for integer input, nn.Linear's shape error)
     device_type = x.device.type
     if torch.is_autocast_enabled(device_type):
         x = x.to(torch.get_autocast_dtype(device_type))

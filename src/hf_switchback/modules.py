@@ -7,7 +7,7 @@ from torch import nn
 
 from .config import SwitchBackConfig
 from .functional import switchback_linear
-from .inference import cached_linear, has_weight_cache
+from .inference import cached_linear, drop_weight_cache, has_weight_cache
 from .interop import check_accelerate_fp8
 
 
@@ -28,6 +28,10 @@ class SwitchBackLinear(nn.Linear):
         *,
         config: SwitchBackConfig | None = None,
     ) -> None:
+        if config is not None and not isinstance(config, SwitchBackConfig):
+            raise TypeError(
+                f"SwitchBackLinear: config must be a SwitchBackConfig, got {type(config).__name__}"
+            )
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
         self.switchback_config = config or SwitchBackConfig()
 
@@ -61,8 +65,13 @@ class SwitchBackLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # After prepare_for_inference(): no-grad forwards reuse the once-quantized weight.
-        if not torch.is_grad_enabled() and has_weight_cache(self):
-            return cached_linear(self, x)
+        if has_weight_cache(self):
+            if not torch.is_grad_enabled():
+                return cached_linear(self, x)
+            # A grad-enabled forward means training resumed: the optimizer step that follows may change the
+            # weight without bumping its version (bitsandbytes' 8-bit optimizers write in place through
+            # kernels), so the cache could go stale undetected. Drop it; prepare_for_inference() re-builds it.
+            drop_weight_cache(self)
         return switchback_linear(x, self.weight, self.bias, self.switchback_config)
 
     def extra_repr(self) -> str:

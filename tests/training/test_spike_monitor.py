@@ -124,3 +124,9 @@ def test_rejects_optimi_foreach():
     model = _model()
     with pytest.raises(ValueError, match="foreach"):
         SpikeMonitor(model, StableAdamW(model.parameters(), lr=1e-3, foreach=True))
+
+
+def test_rejects_optimizers_without_a_second_moment():
+    model = nn.Linear(4, 4)
+    with pytest.raises(ValueError, match="second moment"):
+        SpikeMonitor(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))

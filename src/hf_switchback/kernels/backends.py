@@ -59,7 +59,6 @@ def _warn_fallback_once(reason: str) -> None:
 _PACKAGE = sys.modules[__name__.rpartition(".")[0]]
 
 
-@torch.compiler.assume_constant_result
 def _use_triton(backend: str, device_type: str) -> bool:
     """True when tensors on `device_type` get the Triton kernels under config.backend.
 
@@ -82,6 +81,11 @@ def _use_triton(backend: str, device_type: str) -> bool:
     check_backend(backend)
     _warn_fallback_once(reason)
     return False
+
+
+# What torch.compiler.assume_constant_result does, without calling it: the decorator imports torch._dynamo,
+# which imports triton when installed, and the CPU path must never import triton at import time.
+_use_triton._dynamo_marked_constant = True
 
 
 def get_kernels(backend: str, device: torch.device) -> ModuleType:

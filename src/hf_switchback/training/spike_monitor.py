@@ -109,6 +109,16 @@ class SpikeMonitor:
         if threshold <= 0 or every < 1:
             raise ValueError(f"need threshold > 0 and every >= 1, got threshold={threshold}, every={every}")
         self.optimizer = _unwrap_optimizer(optimizer)
+        adam_family = type(self.optimizer).__module__.startswith(("optimi", "bitsandbytes")) or all(
+            "betas" in g for g in self.optimizer.param_groups
+        )
+        if not adam_family:
+            # Only Adam-family optimizers keep the second moment v the RMS(g²/v̂) is made of; anything else
+            # would make update() return {} forever: a monitor that never warns.
+            raise ValueError(
+                f"SpikeMonitor reads Adam's second moment; {type(self.optimizer).__name__} has none. "
+                "Use an Adam-family optimizer (adamw, stableadamw, adamw8bit, ...) or drop --spike_monitor."
+            )
         if type(self.optimizer).__module__.startswith("optimi") and any(
             g.get("foreach") for g in self.optimizer.param_groups
         ):
