@@ -32,10 +32,32 @@ def name_matches(name: str, spec: str | tuple[str, ...] | None) -> bool:
     return any(name == t or name.endswith("." + t) for t in spec)
 
 
+def _retarget_fsdp2(model: nn.Module, old: nn.Module, new: nn.Module) -> None:
+    """Point FSDP2's records of `old` at `new` after a swap.
+
+    fully_shard stores, per parameter, the module it setattr()s the gathered / re-sharded tensor on
+    (FSDPParam._module_info). The swap reuses the Parameters, but without this FSDP would keep writing them
+    into the detached module and the new one would compute with the sharded DTensors ("got mixed
+    torch.Tensor and DTensor"). Private torch API (2.13); a no-op for models without fully_shard.
+    """
+    for module in model.modules():
+        get_state = getattr(module, "_get_fsdp_state", None)
+        if get_state is None:
+            continue
+        for group in getattr(get_state(), "_fsdp_param_groups", None) or ():
+            for fsdp_param in group.fsdp_params:
+                info = fsdp_param._module_info
+                if info.module is old:
+                    info.module = new
+                info.shared_modules = [new if m is old else m for m in info.shared_modules]
+
+
 def _set_submodule(model: nn.Module, name: str, module: nn.Module) -> None:
     parent_name, _, child = name.rpartition(".")
     parent = model.get_submodule(parent_name) if parent_name else model
+    old = getattr(parent, child)
     setattr(parent, child, module)
+    _retarget_fsdp2(model, old, module)
 
 
 def find_targets(model: nn.Module, config: SwitchBackConfig, filter_fn: FilterFn | None = None) -> list[str]:
