@@ -32,8 +32,8 @@ def name_matches(name: str, spec: str | tuple[str, ...] | None) -> bool:
     return any(name == t or name.endswith("." + t) for t in spec)
 
 
-def _retarget_fsdp2(model: nn.Module, old: nn.Module, new: nn.Module) -> None:
-    """Point FSDP2's records of `old` at `new` after a swap.
+def _retarget_fsdp2(model: nn.Module, replaced: dict[int, nn.Module]) -> None:
+    """Point FSDP2's records of each replaced module (id(old) -> new) at its replacement.
 
     fully_shard stores, per parameter, the module it setattr()s the gathered / re-sharded tensor on
     (FSDPParam._module_info). The swap reuses the Parameters, but without this FSDP would keep writing them
@@ -47,17 +47,20 @@ def _retarget_fsdp2(model: nn.Module, old: nn.Module, new: nn.Module) -> None:
         for group in getattr(get_state(), "_fsdp_param_groups", None) or ():
             for fsdp_param in group.fsdp_params:
                 info = fsdp_param._module_info
-                if info.module is old:
-                    info.module = new
-                info.shared_modules = [new if m is old else m for m in info.shared_modules]
+                info.module = replaced.get(id(info.module), info.module)
+                info.shared_modules = [replaced.get(id(m), m) for m in info.shared_modules]
 
 
-def _set_submodule(model: nn.Module, name: str, module: nn.Module) -> None:
-    parent_name, _, child = name.rpartition(".")
-    parent = model.get_submodule(parent_name) if parent_name else model
-    old = getattr(parent, child)
-    setattr(parent, child, module)
-    _retarget_fsdp2(model, old, module)
+def _replace_submodules(model: nn.Module, replacements: dict[str, nn.Module]) -> None:
+    """setattr each dotted name to its new module, then fix FSDP2's records once for all of them."""
+    replaced = {}
+    for name, module in replacements.items():
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        replaced[id(getattr(parent, child))] = module
+        setattr(parent, child, module)
+    if replaced:
+        _retarget_fsdp2(model, replaced)
 
 
 def find_targets(model: nn.Module, config: SwitchBackConfig, filter_fn: FilterFn | None = None) -> list[str]:
@@ -113,15 +116,15 @@ def apply_switchback(
     check_backend(config.backend)
     targets = find_targets(model, config, filter_fn)
 
-    swapped = 0
+    replacements = {}
     for name in targets:
         module = model.get_submodule(name)
         if isinstance(module, SwitchBackLinear):
             module.switchback_config = config
             drop_weight_cache(module)  # an inference cache built under the old config no longer applies
-            continue
-        _set_submodule(model, name, SwitchBackLinear.from_linear(module, config))
-        swapped += 1
+        else:
+            replacements[name] = SwitchBackLinear.from_linear(module, config)
+    _replace_submodules(model, replacements)
     logger.info("hf_switchback: %d linear layers use SwitchBack %s", len(targets), config.variant)
     return model
 
@@ -131,8 +134,7 @@ def remove_switchback(model: nn.Module) -> nn.Module:
     names = [name for name, m in model.named_modules() if isinstance(m, SwitchBackLinear)]
     if isinstance(model, SwitchBackLinear):
         raise TypeError("remove_switchback: call .to_linear() on a bare SwitchBackLinear")
-    for name in names:
-        _set_submodule(model, name, model.get_submodule(name).to_linear())
+    _replace_submodules(model, {name: model.get_submodule(name).to_linear() for name in names})
     return model
 
 

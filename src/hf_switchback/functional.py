@@ -34,6 +34,13 @@ def quantized_dtypes(config: SwitchBackConfig) -> tuple[torch.dtype, torch.dtype
     return torch.float8_e4m3fn, FP8_FORMATS[config.fp8_grad_format]
 
 
+def quantize_weight(kernels, weight: torch.Tensor, weight_scaling: str, qdtype: torch.dtype):
+    """The forward weight operand: (N, K) -> (q (N, K), scale () for "tensor" or (N,) for "row")."""
+    if weight_scaling == "tensor":
+        return kernels.quantize_tensorwise(weight, qdtype)
+    return kernels.quantize_rowwise(weight, qdtype)
+
+
 class _SwitchBackLinearFn(torch.autograd.Function):
     """2-D core. x (M, K) and out (M, N) share a float dtype; weight (N, K) and bias (N,) any float dtype."""
 
@@ -41,10 +48,7 @@ class _SwitchBackLinearFn(torch.autograd.Function):
     def forward(ctx, x, weight, bias, weight_scaling, memory_efficient, fwd_qdtype, grad_qdtype, backend):
         kernels = get_kernels(backend, x.device)
         x_q, x_scale = kernels.quantize_rowwise(x, fwd_qdtype)
-        if weight_scaling == "tensor":
-            w_q, w_scale = kernels.quantize_tensorwise(weight, fwd_qdtype)
-        else:
-            w_q, w_scale = kernels.quantize_rowwise(weight, fwd_qdtype)
+        w_q, w_scale = quantize_weight(kernels, weight, weight_scaling, fwd_qdtype)
         out = kernels.scaled_matmul(x_q, w_q, x_scale, w_scale, bias, x.dtype)
 
         # Backward re-quantizes W transposed rather than keeping a second weight copy alive per layer.
@@ -166,4 +170,11 @@ def switchback_linear(
     return out.reshape(*leading, weight.shape[0])
 
 
-__all__ = ["AUTO_MIN_TOKENS_CUDA", "check_input", "quantized_dtypes", "switchback_linear", "token_floor"]
+__all__ = [
+    "AUTO_MIN_TOKENS_CUDA",
+    "check_input",
+    "quantize_weight",
+    "quantized_dtypes",
+    "switchback_linear",
+    "token_floor",
+]

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .functional import check_input, quantized_dtypes, token_floor
+from .functional import check_input, quantize_weight, quantized_dtypes, token_floor
 from .kernels.backends import get_kernels
 
 logger = logging.getLogger(__name__)
@@ -51,11 +51,7 @@ def quantize_weight_cache(layer: nn.Module) -> None:
     qdtype, _ = quantized_dtypes(cfg)
     kernels = get_kernels(cfg.backend, layer.weight.device)
     with torch.no_grad():
-        weight = layer.weight.detach()
-        if cfg.weight_scaling == "tensor":
-            w_q, w_scale = kernels.quantize_tensorwise(weight, qdtype)
-        else:
-            w_q, w_scale = kernels.quantize_rowwise(weight, qdtype)
+        w_q, w_scale = quantize_weight(kernels, layer.weight.detach(), cfg.weight_scaling, qdtype)
     layer.register_buffer(WEIGHT_Q, w_q, persistent=False)
     layer.register_buffer(WEIGHT_SCALE, w_scale, persistent=False)
     setattr(layer, _WEIGHT_KEY, _weight_key(layer.weight))
