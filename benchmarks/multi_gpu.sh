@@ -87,7 +87,7 @@ launch() {
 
 # a. DDP throughput. 4-GPU runs alone; the 1- and 2-GPU runs side by side on disjoint GPUs.
 THR=("${MODEL[@]}" --batch_size "$B" --max_train_steps "$STEPS" --logging_steps 5 --num_workers "$WORKERS")
-launch ddp_int8_4gpu "$T_THR" 0,1,2,3 4 "$DDP" 29601 -- "${THR[@]}"
+launch ddp_int8_4gpu $((T_THR + 40)) 0,1,2,3 4 "$DDP" 29601 -- "${THR[@]}"
 launch ddp_bf16_4gpu "$T_THR" 0,1,2,3 4 "$DDP" 29602 -- "${THR[@]}" --switchback off
 launch ddp_int8_2gpu "$T_THR" 0,1 2 "$DDP" 29603 -- "${THR[@]}" &
 launch ddp_int8_1gpu "$T_THR" 2 1 "$DDP" 29604 -- "${THR[@]}" &

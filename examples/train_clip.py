@@ -324,6 +324,12 @@ def training_function(args):
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO)
     if not accelerator.is_main_process:
         logging.getLogger().setLevel(logging.WARNING)
+    if (
+        accelerator.distributed_type == DistributedType.MULTI_CPU
+        and os.environ.get("ACCELERATE_USE_FSDP") == "true"
+    ):
+        # accelerate 1.x turns FSDP on only for GPU-like devices; a CPU launch of fsdp2.yaml is DDP over gloo
+        logger.warning("FSDP config on the CPU: accelerate runs this as plain DDP (gloo), not FSDP2")
     if accelerator.distributed_type == DistributedType.DEEPSPEED:
         check_deepspeed(accelerator, args)  # before anything is loaded: it can refuse the run
     set_seed(args.seed)
