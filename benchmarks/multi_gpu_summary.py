@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -44,6 +45,15 @@ def train_losses(records: list[dict]) -> dict[int, float]:
 def max_abs_diff(a: dict[int, float], b: dict[int, float], steps) -> float | None:
     common = [s for s in steps if s in a and s in b]
     return max(abs(a[s] - b[s]) for s in common) if common else None
+
+
+def resumed_step(log_path: str) -> int | None:
+    """The step of the checkpoint a launch resumed from (its `resuming from .../step_N` line), else None."""
+    if not os.path.exists(log_path):
+        return None
+    with open(log_path, errors="replace") as f:
+        found = re.findall(r"resuming from \S*step_(\d+)", f.read())
+    return int(found[-1]) if found else None
 
 
 def load_check(model_dir: str) -> dict:
@@ -128,16 +138,15 @@ def main(work: str, out: str) -> None:
     for name in ("fsdp2", "deepspeed_zero2", "deepspeed_zero3"):
         first = train_losses(read_jsonl(os.path.join(work, name, "train_log_first.jsonl")))
         second = train_losses(read_jsonl(os.path.join(work, name, "train_log.jsonl")))
-        rerun = [s for s in second if s > min(second, default=0) and s in first]
-        ckpt_step = max((s for s in second if s not in rerun), default=None)
+        ckpt_step = resumed_step(os.path.join(work, f"{name}_resumed.log"))
+        rerun = [s for s in second if ckpt_step is not None and s > ckpt_step and s in first]
         entry = {
             "first_rc": runs.get(name, {}).get("rc"),
             "resumed_rc": runs.get(f"{name}_resumed", {}).get("rc"),
             "losses_first": [first[s] for s in sorted(first)],
             "resumed_from_step": ckpt_step,
-            "max_abs_loss_diff_after_resume": max_abs_diff(
-                first, second, [s for s in rerun if s > (ckpt_step or 0)]
-            ),
+            "steps_rerun": len(rerun),
+            "max_abs_loss_diff_after_resume": max_abs_diff(first, second, rerun),
         }
         if entry["resumed_rc"] == "0":
             entry["plain_load"] = load_check(os.path.join(work, name))
