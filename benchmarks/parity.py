@@ -299,7 +299,7 @@ def main() -> None:
     parser.add_argument("--out_dir", required=True, help="parity.json / .md / _loss.png go here")
     parser.add_argument("--variants", nargs="+", choices=list(VARIANT_FLAGS), default=list(VARIANT_FLAGS))
     parser.add_argument("--seeds", nargs="+", type=int, default=[0], help="one run per variant and seed")
-    parser.add_argument("--steps", type=int, default=600, help="optimizer steps per run")
+    parser.add_argument("--steps", type=int, default=500, help="optimizer steps per run")
     parser.add_argument("--batch_size", type=int, default=256, help="per step (one GPU)")
     parser.add_argument("--lr", type=float, default=5e-4, help="peak learning rate (cosine to 0)")
     parser.add_argument("--warmup_steps", type=int, default=60, help="linear warmup")
