@@ -3,7 +3,8 @@
     PYTHONPATH=src python benchmarks/bench_linear.py                       # all cases (d 768/1024/1280)
     PYTHONPATH=src python benchmarks/bench_linear.py --dims 1280 --tokens 65536 --cases block
 
-Cases: a single linear d->4d ("fc1"), 4d->d ("fc2"), and the CLIP MLP block fc1 -> GELU -> fc2 ("block"), at
+Cases: a single linear d->4d ("fc1"), 4d->d ("fc2"), and the CLIP MLP block fc1 -> GELU -> fc2 ("block":
+transformers' CLIPMLP, hidden_act from --act; SwitchBack rows run it fused unless marked [unfused mlp]), at
 `tokens` rows of bf16 input. Each variant runs forward + backward (input gradient included, as inside a
 network); the time is the median of triton's do_bench. Columns:
 - ms, x bf16: time and speed-up over eager bf16 nn.Linear of the same case (> 1 is faster);
@@ -28,9 +29,11 @@ import torch
 from torch import nn
 from triton.testing import do_bench
 
-from hf_switchback import SwitchBackConfig, functional
+from hf_switchback import SwitchBackConfig, apply_switchback, functional
 from hf_switchback.functional import AUTO_MIN_TOKENS_CUDA, quantized_dtypes
+from hf_switchback.kernels import matmul as kmatmul
 from hf_switchback.kernels import ops
+from hf_switchback.mlp import is_fused_mlp
 from hf_switchback.modules import SwitchBackLinear
 
 
@@ -45,20 +48,36 @@ class Row:
     note: str = ""
 
 
-def build_case(case: str, d: int) -> nn.Module:
-    """bf16 reference module of a case (the variants are made from deep copies of it)."""
+def build_case(case: str, d: int, hidden_act: str = "gelu_pytorch_tanh") -> nn.Module:
+    """bf16 reference module of a case (the variants are made from deep copies of it).
+
+    The block is transformers' CLIPMLP (fc1 -> activation_fn -> fc2), so apply_switchback fuses it unless
+    the config says fuse_mlp=False."""
     if case == "fc1":
         return nn.Sequential(nn.Linear(d, 4 * d))
     if case == "fc2":
         return nn.Sequential(nn.Linear(4 * d, d))
-    return nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(approximate="tanh"), nn.Linear(4 * d, d))
+    from transformers import CLIPVisionConfig
+    from transformers.models.clip.modeling_clip import CLIPMLP
+
+    heads = 16 if d % 16 == 0 else 1
+    config = CLIPVisionConfig(
+        hidden_size=d, intermediate_size=4 * d, hidden_act=hidden_act, num_attention_heads=heads
+    )
+    return CLIPMLP(config)
 
 
 def switchback(model: nn.Module, cfg: SwitchBackConfig) -> nn.Module:
-    for i, layer in enumerate(model):
-        if isinstance(layer, nn.Linear):
-            model[i] = SwitchBackLinear.from_linear(layer, cfg)
-    return model
+    if isinstance(model, nn.Sequential):
+        for i, layer in enumerate(model):
+            if isinstance(layer, nn.Linear):
+                model[i] = SwitchBackLinear.from_linear(layer, cfg)
+        return model
+    return apply_switchback(model, cfg.replace(target_modules=["fc1", "fc2"]))
+
+
+def first_config(model: nn.Module) -> SwitchBackConfig:
+    return next(m.switchback_config for m in model.modules() if isinstance(m, SwitchBackLinear))
 
 
 def torchao_variant(model: nn.Module, recipe: str) -> nn.Module:
@@ -103,9 +122,14 @@ def saved_activation_mib(model: nn.Module, x: torch.Tensor) -> float:
     return sum(seen.values()) / 2**20
 
 
-def quant_ms(case: str, d: int, tokens: int, cfg: SwitchBackConfig) -> float:
-    """The quantize kernels of one fwd+bwd of the case, each timed alone, summed."""
+def quant_ms(case: str, d: int, tokens: int, cfg: SwitchBackConfig, fused_act: str | None = None) -> float:
+    """The quantize kernels of one fwd+bwd of the case, each timed alone, summed.
+
+    fused_act (a fused MLP block): its kernels instead, whose activation-fused passes also do the
+    activation's forward and backward (the unfused rows run those as separate torch ops, not counted)."""
     qf, qg = quantized_dtypes(cfg)
+    if fused_act is not None:
+        return fused_quant_ms(d, tokens, cfg, fused_act)
     shapes = {"fc1": [(d, 4 * d)], "fc2": [(4 * d, d)], "block": [(d, 4 * d), (4 * d, d)]}[case]
     total = 0.0
     for k, n in shapes:
@@ -126,14 +150,62 @@ def quant_ms(case: str, d: int, tokens: int, cfg: SwitchBackConfig) -> float:
     return total
 
 
+def fused_quant_ms(d: int, tokens: int, cfg: SwitchBackConfig, act: str) -> float:
+    qf, qg = quantized_dtypes(cfg)
+    bf = dict(device="cuda", dtype=torch.bfloat16)
+    x, h = torch.randn(tokens, d, **bf), torch.randn(tokens, 4 * d, **bf)
+    g, gh = torch.randn(tokens, d, **bf), torch.randn(tokens, 4 * d, **bf)
+    w = torch.randn(4 * d, d, **bf)
+    if cfg.weight_scaling == "tensor":
+        wq, wtq = ops.quantize_tensorwise, ops.quantize_tensorwise_transposed
+    else:
+        wq, wtq = ops.quantize_rowwise, ops.quantize_rowwise_transposed
+    total = do_bench(lambda: ops.quantize_rowwise(x, qf), rep=20)
+    total += do_bench(lambda: ops.act_quantize_rowwise(h, qf, act), rep=20)
+    total += do_bench(lambda: ops.quantize_rowwise_colsum(g, qg), rep=20)
+    total += do_bench(lambda: ops.act_backward_quantize_colsum(gh, h, qg, act, True), rep=20)
+    total += 2 * do_bench(lambda: wq(w, qf), rep=20) + 2 * do_bench(lambda: wtq(w, qg), rep=20)
+    if cfg.memory_efficient:
+        xq, xs = ops.quantize_rowwise(x, qf)
+        total += do_bench(lambda: ops.dequantize_rowwise(xq, xs, torch.bfloat16), rep=20)
+    return total
+
+
 UNFUSED = " [unfused bias grad]"
+UNFUSED_MLP = " [unfused mlp]"
+NO_TMA = " [no tma]"
+# hidden_act -> the fused kernels' activation name
+_ACT_KIND = {"gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu", "quick_gelu": "quick_gelu"}
 
 
 def variants(
-    include_compile: bool, tokens: int, bias_grad_ab: bool = False
+    include_compile: bool,
+    tokens: int,
+    bias_grad_ab: bool = False,
+    mlp_ab: bool = False,
+    tma_ab: bool = False,
 ) -> list[tuple[str, Callable[[nn.Module], nn.Module], bool]]:
     """(name, make(model) -> model, compile?)."""
     out: list[tuple[str, Callable[[nn.Module], nn.Module], bool]] = [("bf16 nn.Linear", lambda m: m, False)]
+    if tma_ab:
+        # The portable (non-persistent, pointer-based) GEMM everywhere: kernels.matmul.USE_TMA = False.
+        for precision in ("int8", "fp8"):
+            for fuse in (False, True):
+                cfg = SwitchBackConfig(precision=precision, fuse_mlp=fuse)
+                tag = "" if fuse else UNFUSED_MLP
+                out.append(
+                    (f"switchback {cfg.variant}{tag}{NO_TMA}", lambda m, cfg=cfg: switchback(m, cfg), False)
+                )
+    if mlp_ab:
+        # The block as three separate ops (SwitchBack fc1, the activation, SwitchBack fc2): fuse_mlp=False.
+        for precision in ("int8", "fp8"):
+            for scaling in ("tensor", "row"):
+                for mem in (False, True):
+                    cfg = SwitchBackConfig(
+                        precision=precision, weight_scaling=scaling, memory_efficient=mem, fuse_mlp=False
+                    )
+                    name = f"switchback {cfg.variant}{UNFUSED_MLP}"
+                    out.append((name, lambda m, cfg=cfg: switchback(m, cfg), False))
     if bias_grad_ab:
         # Same layers with the bias gradient as a separate column-sum pass (functional.FUSED_BIAS_GRAD=False).
         for precision, scaling in (("int8", "tensor"), ("int8", "row"), ("fp8", "row")):
@@ -170,9 +242,12 @@ def run_case(
     compile_cases: set[str],
     only: list[str] | None = None,
     bias_grad_ab: bool = False,
+    mlp_ab: bool = False,
+    hidden_act: str = "gelu_pytorch_tanh",
+    tma_ab: bool = False,
 ) -> list[Row]:
     torch.manual_seed(0)
-    ref = build_case(case, d).to("cuda", torch.bfloat16)
+    ref = build_case(case, d, hidden_act).to("cuda", torch.bfloat16)
     k_in = 4 * d if case == "fc2" else d
     n_out = d if case == "fc2" else 4 * d if case == "fc1" else d
     x = torch.randn(tokens, k_in, device="cuda", dtype=torch.bfloat16, requires_grad=True)
@@ -180,11 +255,14 @@ def run_case(
     label = f"{case} d={d} tokens={tokens}"
     rows: list[Row] = []
     base_ms = None
-    for name, make, compiled in variants(case in compile_cases, tokens, bias_grad_ab):
+    for name, make, compiled in variants(
+        case in compile_cases, tokens, bias_grad_ab, mlp_ab and case == "block", tma_ab
+    ):
         if only and name != "bf16 nn.Linear" and not any(o in name for o in only):
             continue
         row = Row(label, name)
         functional.FUSED_BIAS_GRAD = not name.endswith(UNFUSED)
+        kmatmul.USE_TMA = not name.endswith(NO_TMA)
         try:
             model = make(copy.deepcopy(ref))
             run_model = torch.compile(model) if compiled else model
@@ -192,7 +270,10 @@ def run_case(
             row.ms = do_bench(step, warmup=25, rep=100)
             row.saved_mib = saved_activation_mib(run_model, x)
             if name.startswith("switchback") and not compiled:
-                row.quant_ms = quant_ms(case, d, tokens, model[0].switchback_config)
+                fused_act = _ACT_KIND[hidden_act] if is_fused_mlp(model) else None
+                row.quant_ms = quant_ms(case, d, tokens, first_config(model), fused_act)
+                if fused_act is not None:
+                    row.variant += " [fused mlp]"
         except Exception as err:  # a peer that fails must not end the run; the table says why
             row.note = f"{type(err).__name__}: {str(err).splitlines()[0][:90]}"
         if base_ms is None:
@@ -200,11 +281,39 @@ def run_case(
         if row.ms is not None and base_ms:
             row.ratio = base_ms / row.ms
         functional.FUSED_BIAS_GRAD = True
+        kmatmul.USE_TMA = True
         rows.append(row)
         print(format_row(row), flush=True)
         torch._dynamo.reset()
         torch.cuda.empty_cache()
     return rows
+
+
+def bench_gemms(d: int, tokens: int) -> None:
+    """Bare GEMMs of a block (operands already quantized): ours with and without the TMA kernel vs cuBLAS bf16."""
+    for name, n, k in (("d->4d", 4 * d, d), ("4d->d", d, 4 * d)):
+        a16 = torch.randn(tokens, k, device="cuda", dtype=torch.bfloat16)
+        w16 = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+        bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+        base = do_bench(
+            lambda a16=a16, w16=w16, bias=bias: torch.nn.functional.linear(a16, w16, bias), rep=100
+        )
+        cells = [f"cuBLAS bf16 {base:.3f} ms"]
+        for qdtype in (torch.int8, torch.float8_e4m3fn):
+            a_q, a_s = ops.quantize_rowwise(a16, qdtype)
+            w_q, w_s = ops.quantize_tensorwise(w16, qdtype)
+            for tma in (False, True):
+                kmatmul.USE_TMA = tma
+                ms = do_bench(
+                    lambda a_q=a_q, w_q=w_q, a_s=a_s, w_s=w_s, bias=bias: ops.scaled_matmul(
+                        a_q, w_q, a_s, w_s, bias, torch.bfloat16
+                    ),
+                    rep=100,
+                )
+                tag = "tma" if tma else "portable"
+                cells.append(f"{str(qdtype).split('.')[-1]} {tag} {ms:.3f} ms ({base / ms:.2f}x)")
+        kmatmul.USE_TMA = True
+        print(f"| gemm {name} d={d} M={tokens} | " + " | ".join(cells) + " |", flush=True)
 
 
 def _fmt(value: float | None, spec: str) -> str:
@@ -238,6 +347,23 @@ def main() -> None:
     )
     parser.add_argument("--only", nargs="*", help="run only variants whose name contains one of these")
     parser.add_argument(
+        "--mlp-ab",
+        action="store_true",
+        help="add block variants with the MLP unfused (fuse_mlp=False; fused is the default)",
+    )
+    parser.add_argument(
+        "--tma-ab",
+        action="store_true",
+        help="add variants on the portable GEMM (kernels.matmul.USE_TMA=False; the TMA kernel is the default)",
+    )
+    parser.add_argument("--gemm", action="store_true", help="also time the bare GEMMs of each d x tokens")
+    parser.add_argument(
+        "--act",
+        default="gelu_pytorch_tanh",
+        choices=sorted(_ACT_KIND),
+        help="the block's hidden_act (CLIP: quick_gelu for OpenAI configs, gelu for OpenCLIP-style)",
+    )
+    parser.add_argument(
         "--bias-grad-ab",
         action="store_true",
         help="add variants with the bias gradient as a separate pass (fused is the default)",
@@ -256,8 +382,20 @@ def main() -> None:
     print("|---|---|---:|---:|---:|---:|---|")
     for d in args.dims:
         for tokens in args.tokens:
+            if args.gemm:
+                bench_gemms(d, tokens)
             for case in args.cases:
-                run_case(case, d, tokens, set(args.compile_cases), args.only, args.bias_grad_ab)
+                run_case(
+                    case,
+                    d,
+                    tokens,
+                    set(args.compile_cases),
+                    args.only,
+                    args.bias_grad_ab,
+                    args.mlp_ab,
+                    args.act,
+                    args.tma_ab,
+                )
 
 
 if __name__ == "__main__":

@@ -131,6 +131,65 @@ def test_dequantize_rowwise_bitwise(dtype, qdtype):
     assert torch.equal(out.cpu(), ref.dequantize_rowwise(q, s, dtype))
 
 
+def _adjacent(q: torch.Tensor, q_ref: torch.Tensor) -> bool:
+    """Equal, or neighbouring codes (one rounding flip): consecutive int8 values, or fp8 bit patterns that
+    differ by one (same sign)."""
+    q, q_ref = q.cpu(), q_ref.cpu()
+    close = (_bits(q).int() - _bits(q_ref).int()).abs() <= 1
+    return bool((close | (q.float() == q_ref.float())).all())
+
+
+# Tolerance (relative to |h| or |g|) of an activation value or gradient: the kernels' float32 formulas differ
+# from torch's (erf/exp implementations; tanh written through the sigmoid, which does not saturate to exactly
+# 0 / 1 where torch's tanh does: up to ~6e-6 x |g| measured in float32), then one rounding to the dtype that
+# can flip.
+ROUND_TOL = {torch.float32: 1.5e-5, torch.bfloat16: 2**-7, torch.float16: 2**-10}
+ACTIVATIONS = ["gelu", "gelu_tanh", "quick_gelu"]
+
+
+@requires_gpu
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+@pytest.mark.parametrize("qdtype", QDTYPES)
+@pytest.mark.parametrize("dtype", FLOATS)
+@pytest.mark.parametrize("shape", [(1, 1), (5, 77), (300, 1280), (65, 5120), (7, 10000), (0, 64), (64, 0)])
+def test_act_quantize_rowwise(shape, dtype, qdtype, activation):
+    """Fused activation + row quantize (fc2's input): vs quantize_rowwise(act(h)) run on the CPU."""
+    h = _input(shape, dtype)
+    q, s = _ops().act_quantize_rowwise(h, qdtype, activation)
+    q_ref, s_ref = ref.act_quantize_rowwise(h.cpu(), qdtype, activation)
+    assert q.dtype == qdtype and q.shape == q_ref.shape and s.shape == s_ref.shape
+    tol = ROUND_TOL[dtype]
+    assert ((s.cpu() - s_ref).abs() <= tol * s_ref).all(), (s.cpu() - s_ref).abs().max()
+    assert _adjacent(q, q_ref)
+    # Rounding flips are rare: at most 1% of the elements (measured: ~0.1% in bf16, none in float32).
+    assert (_bits(q) != _bits(q_ref)).float().mean() <= 0.01 if q.numel() else True
+
+
+@requires_gpu
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+@pytest.mark.parametrize("qdtype", QDTYPES)
+@pytest.mark.parametrize("dtype", FLOATS)
+@pytest.mark.parametrize("shape", [(1, 1), (5, 77), (300, 1280), (3000, 5120), (7, 10000), (0, 64)])
+@pytest.mark.parametrize("want_act", [True, False])
+def test_act_backward_quantize_colsum(shape, dtype, qdtype, activation, want_act):
+    """Fused activation backward + grad quantize + column sum: grad_h and act(h) within one rounding of the
+    torch twin; q / scale bitwise equal to quantizing the kernel's own grad_h; the sum up to float32 order."""
+    h, g = _input(shape, dtype), _input(shape, dtype, zero_rows=False)
+    gh, act, q, s, colsum = _ops().act_backward_quantize_colsum(g, h, qdtype, activation, want_act)
+    gh_ref, act_ref, *_ = ref.act_backward_quantize_colsum(g.cpu(), h.cpu(), qdtype, activation, want_act)
+    assert gh.dtype == dtype and gh.shape == gh_ref.shape and act.shape == act_ref.shape
+    tol = ROUND_TOL[dtype]
+    scale_g = g.cpu().float().abs() * 1.2  # |act'| <= 1.13 (gelu), 1.1 (quick_gelu)
+    assert ((gh.cpu().float() - gh_ref.float()).abs() <= tol * scale_g + 1e-30).all()
+    if want_act:
+        assert act.dtype == dtype
+        assert ((act.cpu().float() - act_ref.float()).abs() <= tol * h.cpu().float().abs() + 1e-30).all()
+    q_own, s_own, sum_own = ref.quantize_rowwise_colsum(gh.cpu(), qdtype)
+    assert torch.equal(s.cpu(), s_own) and torch.equal(_bits(q), _bits(q_own))
+    bound = max(shape[0], 1) * 2**-24 * gh.cpu().float().abs().sum(0) + 1e-30
+    assert ((colsum.cpu() - sum_own).abs() <= bound).all()
+
+
 def _random_q(shape, qdtype):
     if qdtype == torch.int8:
         return torch.randint(-127, 128, shape, dtype=torch.int8)
@@ -177,6 +236,62 @@ def test_scaled_matmul_matches_reference(shape, out_dtype, qdtype, per_row):
     bound = (accumulation + 2**-22) * magnitude + 2 * ulp * expect.float().abs() + 1e-30
     err = (out.cpu().float() - expect.float()).abs()
     assert (err <= bound).all(), ((err / bound).max(), (err / magnitude.clamp_min(1e-30)).max())
+
+
+# Autotuned shapes (M >= 1024) with tails on every axis: N not a multiple of any BLOCK_N, K not a multiple of
+# BLOCK_K (but of 16, as TMA needs), M not a multiple of BLOCK_M.
+TMA_SHAPES = [(1024, 256, 1280), (2000, 520, 1296), (1100, 264, 400)]
+
+
+@requires_gpu
+@pytest.mark.parametrize(
+    "kernel,config", [("tma", 0), ("tma", 2), ("portable", 0), ("portable", 6)], ids=lambda v: str(v)
+)
+@pytest.mark.parametrize(
+    "qdtype,out_dtype",
+    [
+        (torch.int8, torch.bfloat16),
+        (torch.int8, torch.float32),
+        (torch.float8_e4m3fn, torch.bfloat16),
+        (torch.float8_e5m2, torch.float16),
+    ],
+    ids=str,
+)
+@pytest.mark.parametrize("shape", TMA_SHAPES)
+@pytest.mark.parametrize("per_row", [True, False])
+def test_scaled_matmul_tma_and_portable_kernels(
+    shape, per_row, out_dtype, qdtype, kernel, config, monkeypatch
+):
+    """The persistent TMA kernel (sm90) and the portable kernel against the reference, one tile config at a
+    time (autotuning every config for every case would take minutes; the configs chosen cover both epilogue
+    layouts of the TMA kernel, BLOCK_K 128 and 64)."""
+    from hf_switchback.kernels import matmul
+
+    use_tma = kernel == "tma"
+    monkeypatch.setattr(matmul, "USE_TMA", use_tma)
+    tuner = matmul._tma_autotuned_kernel if use_tma else matmul._autotuned_kernel
+    monkeypatch.setattr(tuner, "configs", [tuner.configs[config]])
+    monkeypatch.setattr(tuner, "cache", {})
+    m, n, k = shape
+    a, b = _random_q((m, k), qdtype), _random_q((n, k), qdtype)
+    a_scale = torch.rand(m) * 0.01
+    b_scale = torch.rand(n) * 0.01 if per_row else torch.tensor(0.003)
+    bias = torch.randn(n, dtype=out_dtype)
+    a_c, b_c = a.cuda(), b.cuda()
+    out = _ops().scaled_matmul(a_c, b_c, a_scale.cuda(), b_scale.cuda(), bias.cuda(), out_dtype)
+    if use_tma and torch.cuda.get_device_capability()[0] == 9:
+        assert matmul._tma_applies(a_c, b_c, out)  # the test covers the kernel it names
+    expect = ref.scaled_matmul(a, b, a_scale, b_scale, bias, out_dtype)
+    ulp = {torch.float32: 2**-23, torch.bfloat16: 2**-8, torch.float16: 2**-11}[out_dtype]
+    magnitude = (a.float().abs() @ b.float().abs().t()) * a_scale[:, None] * b_scale
+    accumulation = 0.0 if qdtype == torch.int8 else max(k * 2**-24, 2**-13)
+    bound = (accumulation + 2**-22) * magnitude + 2 * ulp * expect.float().abs() + 1e-30
+    err = (out.cpu().float() - expect.float()).abs()
+    assert (err <= bound).all(), ((err / bound).max(), (err / magnitude.clamp_min(1e-30)).max())
+    if qdtype == torch.int8:
+        ones_m, ones_n = torch.ones(m), torch.ones(n)
+        exact = _ops().scaled_matmul(a_c, b_c, ones_m.cuda(), ones_n.cuda(), None, torch.float32)
+        assert torch.equal(exact.cpu(), ref.scaled_matmul(a, b, ones_m, ones_n, None, torch.float32))
 
 
 @requires_gpu
@@ -284,6 +399,86 @@ def test_torch_compile_no_graph_breaks():
         assert _snr_db(g, e) > 30
 
 
+MLP_CONFIGS = [
+    dict(precision="int8", weight_scaling="tensor", memory_efficient=False),
+    dict(precision="int8", weight_scaling="row", memory_efficient=True),
+    dict(precision="fp8", weight_scaling="row", memory_efficient=False),
+    dict(precision="fp8", weight_scaling="tensor", memory_efficient=True),
+]
+
+
+@requires_gpu
+@pytest.mark.parametrize("cfg", MLP_CONFIGS, ids=lambda c: "-".join(str(v) for v in c.values()))
+@pytest.mark.parametrize("dtype", FLOATS)
+@pytest.mark.parametrize("hidden_act", ["quick_gelu", "gelu", "gelu_pytorch_tanh"])
+@pytest.mark.parametrize("lead", [(2, 77), (1,), (0,)], ids=["3d", "M1", "M0"])
+def test_fused_mlp_triton_matches_torch_backend(cfg, dtype, hidden_act, lead):
+    """A fused CLIPMLP on the Triton kernels (GPU) vs the same block on the torch reference kernels (CPU)."""
+    from transformers import CLIPVisionConfig
+    from transformers.models.clip.modeling_clip import CLIPMLP
+
+    from hf_switchback import SwitchBackConfig, apply_switchback
+    from hf_switchback.mlp import is_fused_mlp
+
+    torch.manual_seed(0)
+    base = CLIPMLP(
+        CLIPVisionConfig(hidden_size=96, intermediate_size=392, hidden_act=hidden_act, num_attention_heads=4)
+    ).to(dtype)
+    x = torch.randn(*lead, 96, dtype=dtype)
+    grad = torch.randn(*lead, 96, dtype=dtype)
+    results = {}
+    for backend, device in (("triton", "cuda"), ("torch", "cpu")):
+        block = apply_switchback(copy.deepcopy(base).to(device), SwitchBackConfig(backend=backend, **cfg))
+        assert is_fused_mlp(block)
+        xi = x.to(device).requires_grad_(True)
+        out = block(xi)
+        out.backward(grad.to(device))
+        params = (block.fc1.weight, block.fc1.bias, block.fc2.weight, block.fc2.bias)
+        results[backend] = [t.cpu() for t in (out, xi.grad, *(p.grad for p in params))]
+    for got, expect, what in zip(
+        results["triton"], results["torch"], ("out", "dx", "dw1", "db1", "dw2", "db2"), strict=True
+    ):
+        assert got.dtype == expect.dtype and got.shape == expect.shape, what
+        if expect.numel() == 0 or expect.float().abs().max() == 0:
+            assert torch.equal(got, expect), what
+            continue
+        # Same quantization on both paths up to rare one-code rounding flips after the activation.
+        assert _snr_db(got, expect) > 30, (what, _snr_db(got, expect))
+
+
+@requires_gpu
+def test_fused_mlp_torch_compile_no_graph_breaks():
+    from transformers import CLIPVisionConfig
+    from transformers.models.clip.modeling_clip import CLIPMLP
+
+    from hf_switchback import SwitchBackConfig, apply_switchback
+
+    torch.manual_seed(0)
+    block = CLIPMLP(
+        CLIPVisionConfig(
+            hidden_size=128, intermediate_size=512, hidden_act="quick_gelu", num_attention_heads=4
+        )
+    )
+    block = apply_switchback(block, SwitchBackConfig(backend="triton")).to("cuda", torch.bfloat16)
+    x = torch.randn(4, 64, 128, device="cuda", dtype=torch.bfloat16)
+    torch._dynamo.reset()
+    explain = torch._dynamo.explain(block)(x)
+    assert explain.graph_break_count == 0, [str(r.reason) for r in explain.break_reasons]
+    assert explain.graph_count == 1
+    compiled = torch.compile(block, fullgraph=True)
+    xe, xc = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+    eager_out = block(xe)
+    eager_out.float().pow(2).sum().backward()
+    eager_grads = [p.grad.clone() for p in block.parameters()] + [xe.grad]
+    block.zero_grad(set_to_none=True)
+    out = compiled(xc)
+    out.float().pow(2).sum().backward()
+    grads = [p.grad for p in block.parameters()] + [xc.grad]
+    assert _snr_db(out, eager_out) > 35
+    for g, e in zip(grads, eager_grads, strict=True):
+        assert _snr_db(g, e) > 30
+
+
 _INTERPRETER_CHECK = textwrap.dedent(
     """
     import torch
@@ -313,6 +508,41 @@ _INTERPRETER_CHECK = textwrap.dedent(
     sa, sb, bias = torch.rand(37), torch.rand(50), torch.randn(50)
     torch.testing.assert_close(ops.scaled_matmul(a, b, sa, sb[0], bias, torch.float32),
                                ref.scaled_matmul(a, b, sa, sb[0], bias, torch.float32), rtol=1e-6, atol=1e-3)
+    # The persistent TMA GEMM (sm90 only on a GPU; the interpreter runs it anywhere): 3 programs walking the
+    # tiles, tails on M, N and K, both epilogue layouts, both weight-scale kinds, with and without bias.
+    from triton.tools.tensor_descriptor import TensorDescriptor
+    from hf_switchback.kernels import matmul
+    for m, n, k, sub, per_row, has_bias in ((37, 40, 48, True, True, True), (70, 24, 80, False, False, False)):
+        a = torch.randint(-127, 128, (m, k), dtype=torch.int8)
+        b = torch.randint(-127, 128, (n, k), dtype=torch.int8)
+        sa, sb = torch.rand(m), torch.rand(n) if per_row else torch.tensor(0.3)
+        bias = torch.randn(n) if has_bias else None
+        c = torch.empty(m, n)
+        descs = [TensorDescriptor.from_tensor(t, shape) for t, shape in ((a, [32, 16]), (b, [16, 16]),
+                 (c, [32, 8 if sub else 16]))]
+        matmul._scaled_mm_tma_kernel[(3,)](*descs, sa, sb, sa if bias is None else bias, a, c, m, n, k, 128,
+            B_SCALE_PER_ROW=per_row, HAS_BIAS=has_bias, IS_INT=True, NUM_SMS=3, BLOCK_M=32, BLOCK_N=16,
+            BLOCK_K=16, GROUP_M=2, EPILOGUE_SUBTILE=sub)
+        torch.testing.assert_close(c, ref.scaled_matmul(a, b, sa, sb, bias, torch.float32), rtol=1e-6, atol=1e-3)
+    # Fused MLP kernels: activation + quantize (one and two passes), activation backward + quantize + sum.
+    for act in ref.ACTIVATIONS:
+        for h, g in ((x, torch.randn(37, 70)), (x.t(), torch.randn(37, 70).t()), (x.bfloat16(), x.bfloat16())):
+            q, s = ops.act_quantize_rowwise(h, torch.int8, act)
+            q_ref, s_ref = ref.act_quantize_rowwise(h, torch.int8, act)
+            tol = 1.5e-5 if h.dtype == torch.float32 else 2**-7
+            assert ((s - s_ref).abs() <= tol * s_ref).all() and (q.int() - q_ref.int()).abs().max() <= 1, act
+            gh, a, q, s, cs = ops.act_backward_quantize_colsum(g, h, torch.int8, act, True)
+            gh_ref, a_ref, *_ = ref.act_backward_quantize_colsum(g, h, torch.int8, act, True)
+            torch.testing.assert_close(gh, gh_ref, rtol=tol, atol=tol)
+            torch.testing.assert_close(a, a_ref, rtol=tol, atol=tol)
+            q2, s2, cs2 = ref.quantize_rowwise_colsum(gh, torch.int8)
+            assert torch.equal(q, q2) and torch.equal(s, s2), act
+            torch.testing.assert_close(cs, cs2, rtol=1e-5, atol=1e-4)
+    h = torch.randn(2, 8200)  # longer than one pass
+    q, s = ops.act_quantize_rowwise(h, torch.int8, "gelu")
+    q_ref, s_ref = ref.act_quantize_rowwise(h, torch.int8, "gelu")
+    assert ((s - s_ref).abs() <= 2e-6 * s_ref).all() and (q.int() - q_ref.int()).abs().max() <= 1
+    assert ops.act_backward_quantize_colsum(g, x, torch.int8, "gelu", False)[1].numel() == 0
     print("interpreter ok")
     """
 )

@@ -89,6 +89,12 @@ class SwitchBackConfig:
     # passes and launches cost more than the 8-bit GEMM saves. None = automatic: 16384 for CUDA tensors
     # under backend="auto" (measured on H100, BENCHMARKS.md), 0 elsewhere. 0 = always quantize.
     min_tokens: int | None = None
+    # When fc1 and fc2 of a transformers CLIPMLP are both converted with this config, run the block
+    # fc1 -> activation -> fc2 as one fused SwitchBack op (hf_switchback.mlp): the activation runs inside
+    # the 8-bit quantize passes and its output is recomputed in backward instead of saved (about half the
+    # block's activation memory, fewer passes over the 4d-wide tensors). Supported activations: gelu (erf),
+    # the tanh approximations and quick_gelu; other blocks keep the separate layers. False: always separate.
+    fuse_mlp: bool = True
 
     def __post_init__(self) -> None:
         _check_choice("weight_scaling", self.weight_scaling, WEIGHT_SCALINGS)
@@ -99,6 +105,8 @@ class SwitchBackConfig:
             raise TypeError(
                 f"SwitchBackConfig.memory_efficient must be a bool, got {type(self.memory_efficient).__name__}"
             )
+        if not isinstance(self.fuse_mlp, bool):
+            raise TypeError(f"SwitchBackConfig.fuse_mlp must be a bool, got {type(self.fuse_mlp).__name__}")
         bad_int = not isinstance(self.min_tokens, int) or isinstance(self.min_tokens, bool)
         if self.min_tokens is not None and (bad_int or self.min_tokens < 0):
             raise ValueError(

@@ -16,6 +16,7 @@ from torch import nn
 from .config import SwitchBackConfig
 from .inference import drop_weight_cache
 from .kernels.backends import check_backend
+from .mlp import sync_fused_mlps
 from .modules import SwitchBackLinear
 
 logger = logging.getLogger(__name__)
@@ -125,16 +126,24 @@ def apply_switchback(
         else:
             replacements[name] = SwitchBackLinear.from_linear(module, config)
     _replace_submodules(model, replacements)
-    logger.info("hf_switchback: %d linear layers use SwitchBack %s", len(targets), config.variant)
+    fused = sync_fused_mlps(model)
+    logger.info(
+        "hf_switchback: %d linear layers use SwitchBack %s (%d MLP blocks fused)",
+        len(targets),
+        config.variant,
+        fused,
+    )
     return model
 
 
 def remove_switchback(model: nn.Module) -> nn.Module:
-    """Turn every SwitchBackLinear of `model` back into nn.Linear with the same Parameters; returns `model`."""
+    """Turn every SwitchBackLinear of `model` back into nn.Linear with the same Parameters (and fused MLP
+    blocks back into their original class); returns `model`."""
     names = [name for name, m in model.named_modules() if isinstance(m, SwitchBackLinear)]
     if isinstance(model, SwitchBackLinear):
         raise TypeError("remove_switchback: call .to_linear() on a bare SwitchBackLinear")
     _replace_submodules(model, {name: model.get_submodule(name).to_linear() for name in names})
+    sync_fused_mlps(model)  # no block qualifies any more: every fused block gets its original class back
     return model
 
 

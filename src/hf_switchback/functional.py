@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from .config import SwitchBackConfig
 from .kernels.backends import get_kernels
+from .kernels.reference import ACTIVATIONS, apply_activation
 
 FP8_FORMATS = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
@@ -103,6 +104,94 @@ class _SwitchBackLinearFn(torch.autograd.Function):
         return grad_x, grad_w, grad_b, None, None, None, None, None
 
 
+class _SwitchBackMLPFn(torch.autograd.Function):
+    """fc1 -> act -> fc2 as one node. x (M, d); w1 (4d, d), b1; w2 (d, 4d), b2; out (M, d) in x's dtype.
+
+    Forward: the activation runs inside fc2's input quantize (h read once, act(h) never written).
+    Saved: x (or its 8-bit form when memory_efficient) and h = fc1's output. Not act(h): backward recomputes
+    it inside the activation-backward pass, which reads h anyway, so it costs a write there instead of one
+    in forward (same bytes) and saves a (M, 4d) 16-bit tensor for the whole time between forward and backward.
+    Backward: act' runs inside the quantize + column sum of fc1's output gradient.
+    """
+
+    @staticmethod
+    def forward(ctx, x, w1, b1, w2, b2, activation, weight_scaling, memory_efficient, fq, gq, backend):
+        kernels = get_kernels(backend, x.device)
+        x_q, x_scale = kernels.quantize_rowwise(x, fq)
+        w1_q, w1_scale = quantize_weight(kernels, w1, weight_scaling, fq)
+        h = kernels.scaled_matmul(x_q, w1_q, x_scale, w1_scale, b1, x.dtype)
+        del w1_q
+        a_q, a_scale = kernels.act_quantize_rowwise(h, fq, activation)
+        w2_q, w2_scale = quantize_weight(kernels, w2, weight_scaling, fq)
+        out = kernels.scaled_matmul(a_q, w2_q, a_scale, w2_scale, b2, x.dtype)
+        if memory_efficient:
+            ctx.save_for_backward(x_q, x_scale, h, w1, w2)
+        else:
+            ctx.save_for_backward(x, h, w1, w2)
+        ctx.config = (
+            activation,
+            weight_scaling,
+            memory_efficient,
+            gq,
+            backend,
+            x.dtype,
+            None if b1 is None else b1.dtype,
+            None if b2 is None else b2.dtype,
+        )
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        activation, weight_scaling, memory_efficient, gq, backend, x_dtype, b1_dtype, b2_dtype = ctx.config
+        if memory_efficient:
+            x_q, x_scale, h, w1, w2 = ctx.saved_tensors
+        else:
+            x, h, w1, w2 = ctx.saved_tensors
+        need_x, need_w1, need_b1, need_w2, need_b2 = ctx.needs_input_grad[:5]
+        need_b1 = need_b1 and b1_dtype is not None
+        need_b2 = need_b2 and b2_dtype is not None
+        need_fc1 = need_x or need_w1 or need_b1
+        kernels = get_kernels(backend, grad_out.device)
+        g = grad_out.contiguous()
+        grad_x = grad_w1 = grad_b1 = grad_w2 = grad_b2 = None
+        wt_quantize = (
+            kernels.quantize_tensorwise_transposed
+            if weight_scaling == "tensor"
+            else kernels.quantize_rowwise_transposed
+        )
+
+        a = None
+        if need_fc1:
+            g_q, g_scale, g_colsum = kernels.quantize_rowwise_colsum(g, gq)
+            w2t_q, w2t_scale = wt_quantize(w2, gq)
+            grad_a = kernels.scaled_matmul(g_q, w2t_q, g_scale, w2t_scale, None, x_dtype)
+            del g_q, w2t_q
+            grad_h, a, gh_q, gh_scale, gh_colsum = kernels.act_backward_quantize_colsum(
+                grad_a, h, gq, activation, need_w2
+            )
+            del grad_a
+            if need_b2:
+                grad_b2 = g_colsum.to(b2_dtype)
+        elif need_w2:
+            a = apply_activation(h, activation)  # only fc2's weight needs a gradient: rare, unfused
+        if need_b2 and grad_b2 is None:
+            grad_b2 = g.sum(dim=0, dtype=torch.float32).to(b2_dtype)
+        if need_w2:
+            grad_w2 = (g.t() @ a.to(g.dtype)).to(w2.dtype)
+        del a
+
+        if need_x:
+            w1t_q, w1t_scale = wt_quantize(w1, gq)
+            grad_x = kernels.scaled_matmul(gh_q, w1t_q, gh_scale, w1t_scale, None, x_dtype)
+        if need_w1:
+            if memory_efficient:
+                x = kernels.dequantize_rowwise(x_q, x_scale, x_dtype)
+            grad_w1 = (grad_h.t() @ x.to(grad_h.dtype)).to(w1.dtype)
+        if need_b1:
+            grad_b1 = gh_colsum.to(b1_dtype)
+        return grad_x, grad_w1, grad_b1, grad_w2, grad_b2, None, None, None, None, None, None
+
+
 def check_input(x: torch.Tensor, weight: torch.Tensor) -> None:
     if not x.is_floating_point() or x.dtype not in _FLOAT_DTYPES:
         raise TypeError(
@@ -170,11 +259,71 @@ def switchback_linear(
     return out.reshape(*leading, weight.shape[0])
 
 
+def switchback_mlp(
+    x: torch.Tensor,
+    fc1_weight: torch.Tensor,
+    fc1_bias: torch.Tensor | None,
+    fc2_weight: torch.Tensor,
+    fc2_bias: torch.Tensor | None,
+    activation: str,
+    config: SwitchBackConfig | None = None,
+) -> torch.Tensor:
+    """SwitchBack version of F.linear(act(F.linear(x, fc1_weight, fc1_bias)), fc2_weight, fc2_bias).
+
+    x (*, d) float; fc1_weight (h, d), fc2_weight (d', h); activation one of kernels.reference.ACTIVATIONS
+    ("gelu", "gelu_tanh", "quick_gelu") -> (*, d') in x's dtype (or the autocast dtype). Same numerics as two
+    switchback_linear calls around the activation, with fewer passes over the (*, h) tensors and only x and
+    fc1's output saved for backward (x in 8-bit when config.memory_efficient).
+    """
+    config = config or SwitchBackConfig()
+    if not isinstance(config, SwitchBackConfig):
+        raise TypeError(f"switchback_mlp: config must be a SwitchBackConfig, got {type(config).__name__}")
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"switchback_mlp: activation must be one of {ACTIVATIONS}, got {activation!r}")
+    check_input(x, fc1_weight)
+    if fc2_weight.shape[1] != fc1_weight.shape[0]:
+        raise RuntimeError(
+            f"switchback_mlp: fc2_weight {tuple(fc2_weight.shape)} does not take fc1's {fc1_weight.shape[0]} outputs"
+        )
+    device_type = x.device.type
+    if torch.is_autocast_enabled(device_type):
+        x = x.to(torch.get_autocast_dtype(device_type))
+    leading = x.shape[:-1]
+    x2d = x.reshape(-1, x.shape[-1])
+    tokens = x2d.shape[0]
+    n_out = fc2_weight.shape[0]
+
+    if tokens == 0 or tokens < token_floor(config, device_type):
+        with torch.autocast(device_type, enabled=False):
+            h = F.linear(x2d, fc1_weight.to(x.dtype), None if fc1_bias is None else fc1_bias.to(x.dtype))
+            b2 = None if fc2_bias is None else fc2_bias.to(x.dtype)
+            out = F.linear(apply_activation(h, activation), fc2_weight.to(x.dtype), b2)
+        return out.reshape(*leading, n_out)
+
+    fwd_qdtype, grad_qdtype = quantized_dtypes(config)
+    with torch.autocast(device_type, enabled=False):
+        out = _SwitchBackMLPFn.apply(
+            x2d.contiguous(),
+            fc1_weight,
+            fc1_bias,
+            fc2_weight,
+            fc2_bias,
+            activation,
+            config.weight_scaling,
+            config.memory_efficient,
+            fwd_qdtype,
+            grad_qdtype,
+            config.backend,
+        )
+    return out.reshape(*leading, n_out)
+
+
 __all__ = [
     "AUTO_MIN_TOKENS_CUDA",
     "check_input",
     "quantize_weight",
     "quantized_dtypes",
     "switchback_linear",
+    "switchback_mlp",
     "token_floor",
 ]

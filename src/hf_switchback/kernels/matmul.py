@@ -136,6 +136,208 @@ def _scaled_mm_kernel(
     tl.store(c_ptrs, out.to(c_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
 
+@triton.jit
+def _tile_pid(tile_id, num_pid_in_group, num_pid_m, GROUP_M: tl.constexpr):
+    group_id = tile_id // num_pid_in_group
+    first_pid_m = group_id * GROUP_M
+    group_size_m = min(num_pid_m - first_pid_m, GROUP_M)
+    pid_m = first_pid_m + (tile_id % group_size_m)
+    pid_n = (tile_id % num_pid_in_group) // group_size_m
+    return pid_m, pid_n
+
+
+@triton.jit
+def _dequant_store(
+    c_desc,
+    out,
+    off_m,
+    off_n,
+    N,
+    bs_ptr,
+    bias_ptr,
+    B_SCALE_PER_ROW: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    WIDTH: tl.constexpr,
+):
+    # out: (BM, WIDTH) float32 already multiplied by the row scales; columns off_n + [0, WIDTH).
+    offs_n = off_n + tl.arange(0, WIDTH)
+    mask_n = offs_n < N
+    if B_SCALE_PER_ROW:
+        out = out * tl.load(bs_ptr + offs_n, mask=mask_n, other=0.0)[None, :]
+    else:
+        out = out * tl.load(bs_ptr)
+    if HAS_BIAS:
+        out = out + tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+    c_desc.store([off_m, off_n], out.to(c_desc.dtype))
+
+
+@triton.jit
+def _scaled_mm_tma_kernel(
+    a_desc,
+    b_desc,
+    c_desc,
+    as_ptr,
+    bs_ptr,
+    bias_ptr,
+    a_ptr,
+    c_ptr,
+    M,
+    N,
+    K,
+    M_BUCKET,
+    B_SCALE_PER_ROW: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    IS_INT: tl.constexpr,
+    NUM_SMS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    EPILOGUE_SUBTILE: tl.constexpr,
+):
+    # Hopper variant of _scaled_mm_kernel: persistent (one program per SM walks the output tiles, so one tile's
+    # epilogue overlaps the next tile's loads) with TMA descriptors for a, b and c. TMA zero-fills reads past
+    # M, N, K and clips stores, so no masks or modulo in the main loop; same epilogue arithmetic and order.
+    # a_ptr and c_ptr (the tensors behind a_desc and c_desc) are not read: they are passed so that the
+    # autotuner, which keys on the dtypes of tensor arguments, tunes int8 / fp8 and each output dtype apart.
+    start_pid = tl.program_id(0)
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    num_tiles = num_pid_m * num_pid_n
+    num_pid_in_group = GROUP_M * num_pid_n
+    # A second tile counter for the epilogue keeps it independent of the loop-carried one (pipelining).
+    tile_id_c = start_pid - NUM_SMS
+    for tile_id in tl.range(start_pid, num_tiles, NUM_SMS, flatten=True):
+        pid_m, pid_n = _tile_pid(tile_id, num_pid_in_group, num_pid_m, GROUP_M)
+        off_am = pid_m * BLOCK_M
+        off_bn = pid_n * BLOCK_N
+        if IS_INT:
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
+        else:
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for ki in range(k_tiles):
+            a = a_desc.load([off_am, ki * BLOCK_K])
+            b = b_desc.load([off_bn, ki * BLOCK_K])
+            if IS_INT:
+                acc = tl.dot(a, b.T, acc, out_dtype=tl.int32)
+            else:
+                acc = tl.dot(a, b.T, acc, out_dtype=tl.float32, max_num_imprecise_acc=BLOCK_K)
+
+        tile_id_c += NUM_SMS
+        pid_m, pid_n = _tile_pid(tile_id_c, num_pid_in_group, num_pid_m, GROUP_M)
+        off_cm = pid_m * BLOCK_M
+        off_cn = pid_n * BLOCK_N
+        offs_m = off_cm + tl.arange(0, BLOCK_M)
+        a_scale = tl.load(as_ptr + offs_m, mask=offs_m < M, other=0.0)
+        out = acc.to(tl.float32) * a_scale[:, None]
+        if EPILOGUE_SUBTILE:
+            # Two (BM, BN/2) halves: half the shared memory for the store staging, left to the main loop.
+            halves = tl.permute(tl.reshape(out, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1))
+            out0, out1 = tl.split(halves)
+            half: tl.constexpr = BLOCK_N // 2
+            _dequant_store(c_desc, out0, off_cm, off_cn, N, bs_ptr, bias_ptr, B_SCALE_PER_ROW, HAS_BIAS, half)
+            _dequant_store(
+                c_desc, out1, off_cm, off_cn + half, N, bs_ptr, bias_ptr, B_SCALE_PER_ROW, HAS_BIAS, half
+            )
+        else:
+            _dequant_store(
+                c_desc, out, off_cm, off_cn, N, bs_ptr, bias_ptr, B_SCALE_PER_ROW, HAS_BIAS, BLOCK_N
+            )
+
+
+def _tma_configs() -> list[triton.Config]:
+    # (BM, BN, BK, warps, stages, epilogue subtile). Shared memory: stages * (BM + BN) * BK bytes for the
+    # operands plus BM * BN(/2) * 2 for the bf16 store staging, under Hopper's 227 KiB.
+    shapes = [
+        (128, 256, 128, 8, 3, True),
+        (128, 256, 128, 8, 4, True),
+        (128, 128, 128, 8, 4, False),
+        (256, 128, 128, 8, 3, True),
+    ]
+    return [
+        triton.Config(
+            {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8, "EPILOGUE_SUBTILE": sub},
+            num_warps=w,
+            num_stages=st,
+            pre_hook=_set_block_shapes,
+        )
+        for bm, bn, bk, w, st, sub in shapes
+    ]
+
+
+def _set_block_shapes(nargs: dict) -> None:
+    bm, bn, bk = nargs["BLOCK_M"], nargs["BLOCK_N"], nargs["BLOCK_K"]
+    nargs["a_desc"].block_shape = [bm, bk]
+    nargs["b_desc"].block_shape = [bn, bk]
+    nargs["c_desc"].block_shape = [bm, bn // 2 if nargs["EPILOGUE_SUBTILE"] else bn]
+
+
+_tma_autotuned_kernel = triton.autotune(configs=_tma_configs(), key=["M_BUCKET", "N", "K"])(
+    _scaled_mm_tma_kernel
+)
+# Use the persistent TMA kernel where it applies (sm90, aligned shapes). False: always the portable kernel.
+USE_TMA = True
+
+
+@functools.cache
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _tma_applies(a_q: torch.Tensor, b_q: torch.Tensor, c: torch.Tensor) -> bool:
+    """Hopper (sm90), large M, contiguous operands, TMA's 16-byte alignment of every row stride and base."""
+    if not USE_TMA or a_q.shape[0] < _AUTOTUNE_MIN_M:
+        return False
+    if _capability(a_q.device.index or 0)[0] != 9:
+        return False
+    tensors = (a_q, b_q, c)
+    return all(
+        t.is_contiguous() and t.data_ptr() % 16 == 0 and (t.shape[1] * t.element_size()) % 16 == 0
+        for t in tensors
+    )
+
+
+@functools.cache
+def _capability(device_index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device_index)
+
+
+def _scaled_mm_tma(a_q, b_q, c, a_scale, b_scale, bias, flags) -> None:
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    m, k = a_q.shape
+    n = b_q.shape[0]
+    # Block shapes are placeholders: each config's pre_hook sets its own before the launch.
+    a_desc = TensorDescriptor.from_tensor(a_q, [1, 16])
+    b_desc = TensorDescriptor.from_tensor(b_q, [1, 16])
+    c_desc = TensorDescriptor.from_tensor(c, [1, 16])
+    num_sms = _num_sms(a_q.device.index or 0)
+
+    def grid(meta):
+        return (min(num_sms, triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"])),)
+
+    _tma_autotuned_kernel[grid](
+        a_desc,
+        b_desc,
+        c_desc,
+        a_scale,
+        b_scale,
+        # Without bias any pointer will do; c's keeps the tuning key (tensor dtypes) of the biased call.
+        bias if bias is not None else c,
+        a_q,
+        c,
+        m,
+        n,
+        k,
+        triton.next_power_of_2(m),
+        NUM_SMS=num_sms,
+        B_SCALE_PER_ROW=flags["B_SCALE_PER_ROW"],
+        HAS_BIAS=flags["HAS_BIAS"],
+        IS_INT=flags["IS_INT"],
+    )
+
+
 _autotuned_kernel = triton.autotune(configs=_configs(), key=["M_BUCKET", "N", "K", "stride_am", "stride_bn"])(
     _scaled_mm_kernel
 )
@@ -195,7 +397,9 @@ def scaled_matmul(
         IS_INT=is_int,
         UPCAST=not is_int and _needs_fp8_upcast(a_q.device.index or 0),
     )
-    if m >= _AUTOTUNE_MIN_M:
+    if not flags["UPCAST"] and _tma_applies(a_q, b_q, c):
+        _scaled_mm_tma(a_q, b_q, c, a_scale, b_scale, bias, flags)
+    elif m >= _AUTOTUNE_MIN_M:
         # EVEN_K must agree with the tuned BLOCK_K, so it is decided per config (64 divides 128).
         flags["EVEN_K"] = k % 128 == 0
         grid = lambda meta: (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)  # noqa: E731

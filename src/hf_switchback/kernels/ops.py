@@ -47,6 +47,37 @@ def _(x, qdtype):
     )
 
 
+@torch.library.custom_op(f"{_LIB}::act_quantize_rowwise", mutates_args=())
+def _act_quantize_rowwise(
+    h: torch.Tensor, qdtype: torch.dtype, activation: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return _quantize.act_quantize_rowwise(h, qdtype, activation)
+
+
+@_act_quantize_rowwise.register_fake
+def _(h, qdtype, activation):
+    return h.new_empty(h.shape, dtype=qdtype), h.new_empty((h.shape[0],), dtype=torch.float32)
+
+
+@torch.library.custom_op(f"{_LIB}::act_backward_quantize_colsum", mutates_args=())
+def _act_backward_quantize_colsum(
+    grad: torch.Tensor, h: torch.Tensor, qdtype: torch.dtype, activation: str, want_act: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _quantize.act_backward_quantize_colsum(grad, h, qdtype, activation, want_act)
+
+
+@_act_backward_quantize_colsum.register_fake
+def _(grad, h, qdtype, activation, want_act):
+    m, k = grad.shape
+    return (
+        grad.new_empty((m, k)),
+        h.new_empty((m, k) if want_act else (0,)),
+        grad.new_empty((m, k), dtype=qdtype),
+        grad.new_empty((m,), dtype=torch.float32),
+        grad.new_empty((k,), dtype=torch.float32),
+    )
+
+
 @torch.library.custom_op(f"{_LIB}::quantize_tensorwise", mutates_args=())
 def _quantize_tensorwise(x: torch.Tensor, qdtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     return _quantize.quantize_tensorwise(x, qdtype)
@@ -125,6 +156,20 @@ def quantize_rowwise_colsum(
     return torch.ops.hf_switchback.quantize_rowwise_colsum(x, qdtype)
 
 
+def act_quantize_rowwise(
+    h: torch.Tensor, qdtype: torch.dtype, activation: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(M, K) float -> quantize_rowwise(act(h)) without writing act(h)."""
+    return torch.ops.hf_switchback.act_quantize_rowwise(h, qdtype, activation)
+
+
+def act_backward_quantize_colsum(
+    grad: torch.Tensor, h: torch.Tensor, qdtype: torch.dtype, activation: str, want_act: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """grad, h (M, K) -> (grad_h, act(h) or (0,), q, scale (M,), grad_h column sum (K,)); see the twin."""
+    return torch.ops.hf_switchback.act_backward_quantize_colsum(grad, h, qdtype, activation, want_act)
+
+
 def quantize_tensorwise(
     x: torch.Tensor, qdtype: torch.dtype = torch.int8
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -163,6 +208,8 @@ def scaled_matmul(
 
 __all__ = [
     "QMAX",
+    "act_backward_quantize_colsum",
+    "act_quantize_rowwise",
     "dequantize_rowwise",
     "quantize_rowwise",
     "quantize_rowwise_colsum",

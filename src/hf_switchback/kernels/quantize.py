@@ -56,6 +56,34 @@ def _to_q(x, safe_scale, inv_scale, QMAX_C: tl.constexpr, IS_INT: tl.constexpr, 
     return scaled.to(Q_DTYPE)
 
 
+# Activations fused into the row quantizes of a SwitchBack MLP (kernels/reference.ACTIVATIONS lists them).
+ACT_CODES = {None: 0, "gelu": 1, "gelu_tanh": 2, "quick_gelu": 3}
+
+
+@triton.jit
+def _act_fwd_bwd(h, ACT: tl.constexpr):
+    """(act(h), act'(h)) in float32. tanh is written through the sigmoid: 1 + tanh(u) = 2 sigmoid(2u) and
+    1 - tanh(u)^2 = 4 s (1 - s), which avoids the cancellation of tanh near 0 and needs only exp."""
+    if ACT == 1:
+        cdf = 0.5 * (1.0 + tl.erf(h * 0.7071067811865476))
+        return h * cdf, cdf + h * tl.exp(-0.5 * h * h) * 0.3989422804014327
+    elif ACT == 2:
+        s = tl.sigmoid(2.0 * (0.7978845608028654 * (h + 0.044715 * h * h * h)))
+        du = 0.7978845608028654 * (1.0 + 0.134145 * h * h)
+        return h * s, s + 2.0 * h * s * (1.0 - s) * du
+    else:
+        s = tl.sigmoid(1.702 * h)
+        return h * s, s + 1.702 * h * s * (1.0 - s)
+
+
+@triton.jit
+def _act_fwd(x, x_ptr, ACT: tl.constexpr):
+    # act(x) rounded to the input's dtype, as the unfused activation module would store it; ACT=0: x itself.
+    if ACT != 0:
+        x = _act_fwd_bwd(x, ACT)[0].to(x_ptr.dtype.element_ty).to(tl.float32)
+    return x
+
+
 @triton.jit
 def _rowwise_kernel(
     x_ptr,
@@ -70,22 +98,24 @@ def _rowwise_kernel(
     Q_DTYPE: tl.constexpr,
     BLOCK_K: tl.constexpr,
     SINGLE_PASS: tl.constexpr,
+    ACT: tl.constexpr = 0,
 ):
     # One program per row: absmax, scale and q in one launch, the row read once when it fits in registers.
+    # ACT != 0 quantizes act(x) instead of x (the input of fc2 in a fused MLP), never writing act(x).
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * stride_xm
     q_row = q_ptr + row * stride_qm
     offs = tl.arange(0, BLOCK_K)
     if SINGLE_PASS:
         mask = offs < K
-        x = tl.load(x_row + offs * stride_xk, mask=mask, other=0.0).to(tl.float32)
+        x = _act_fwd(tl.load(x_row + offs * stride_xk, mask=mask, other=0.0).to(tl.float32), x_ptr, ACT)
         absmax = tl.max(tl.abs(x), axis=0)
     else:
         running = tl.zeros([BLOCK_K], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             mask = k0 + offs < K
             x = tl.load(x_row + (k0 + offs) * stride_xk, mask=mask, other=0.0).to(tl.float32)
-            running = tl.maximum(running, tl.abs(x))
+            running = tl.maximum(running, tl.abs(_act_fwd(x, x_ptr, ACT)))
         absmax = tl.max(running, axis=0)
     scale = tl.div_rn(absmax, QMAX_C)
     safe = tl.where(scale == 0.0, 1.0, scale)
@@ -97,6 +127,7 @@ def _rowwise_kernel(
         for k0 in range(0, K, BLOCK_K):
             mask = k0 + offs < K
             x = tl.load(x_row + (k0 + offs) * stride_xk, mask=mask, other=0.0).to(tl.float32)
+            x = _act_fwd(x, x_ptr, ACT)
             tl.store(q_row + k0 + offs, _to_q(x, safe, inv, QMAX_C, IS_INT, Q_DTYPE), mask=mask)
 
 
@@ -136,6 +167,59 @@ def _rowwise_colsum_kernel(
         inv = tl.div_rn(1.0, safe)
         tl.store(s_ptr + row, scale)
         tl.store(q_ptr + row * stride_qm + offs, _to_q(x, safe, inv, QMAX_C, IS_INT, Q_DTYPE), mask=kmask)
+    tl.store(part_ptr + pid.to(tl.int64) * K + offs, colsum, mask=kmask)
+
+
+@triton.jit
+def _act_backward_colsum_kernel(
+    g_ptr,
+    h_ptr,
+    gh_ptr,
+    a_ptr,
+    q_ptr,
+    s_ptr,
+    part_ptr,
+    M,
+    K,
+    stride_gm,
+    stride_gk,
+    stride_hm,
+    stride_hk,
+    QMAX_C: tl.constexpr,
+    IS_INT: tl.constexpr,
+    Q_DTYPE: tl.constexpr,
+    ACT: tl.constexpr,
+    WRITE_A: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    ROWS: tl.constexpr,
+):
+    # The activation's backward fused with the quantize + column sum of its result: per row, gh = g * act'(h)
+    # (rounded to g's dtype, as the unfused backward would store it), written 16-bit for the grad-weight GEMM
+    # and row-quantized for the grad-input GEMM; its float32 column sum is fc1's bias gradient. WRITE_A also
+    # writes act(h) (fc2's grad-weight operand, recomputed here instead of saved in forward). Outputs are
+    # contiguous. Row handling as in _rowwise_colsum_kernel.
+    pid = tl.program_id(0)
+    offs = tl.arange(0, BLOCK_K)
+    kmask = offs < K
+    colsum = tl.zeros([BLOCK_K], dtype=tl.float32)
+    for r in range(ROWS):
+        row_raw = pid.to(tl.int64) * ROWS + r
+        row = tl.minimum(row_raw, M - 1)
+        g = tl.load(g_ptr + row * stride_gm + offs * stride_gk, mask=kmask, other=0.0).to(tl.float32)
+        h = tl.load(h_ptr + row * stride_hm + offs * stride_hk, mask=kmask, other=0.0).to(tl.float32)
+        act, dact = _act_fwd_bwd(h, ACT)
+        gh = (g * dact).to(gh_ptr.dtype.element_ty)
+        tl.store(gh_ptr + row * K + offs, gh, mask=kmask)
+        if WRITE_A:
+            tl.store(a_ptr + row * K + offs, act.to(a_ptr.dtype.element_ty), mask=kmask)
+        x = gh.to(tl.float32)
+        colsum += tl.where(row_raw < M, x, 0.0)
+        absmax = tl.max(tl.abs(x), axis=0)
+        scale = tl.div_rn(absmax, QMAX_C)
+        safe = tl.where(scale == 0.0, 1.0, scale)
+        inv = tl.div_rn(1.0, safe)
+        tl.store(s_ptr + row, scale)
+        tl.store(q_ptr + row * K + offs, _to_q(x, safe, inv, QMAX_C, IS_INT, Q_DTYPE), mask=kmask)
     tl.store(part_ptr + pid.to(tl.int64) * K + offs, colsum, mask=kmask)
 
 
@@ -207,6 +291,19 @@ def _qargs(qdtype: torch.dtype) -> dict:
 
 def quantize_rowwise(x: torch.Tensor, qdtype: torch.dtype = torch.int8) -> tuple[torch.Tensor, torch.Tensor]:
     """(M, K) float -> (q (M, K) qdtype contiguous, scale (M,) float32), one scale per row."""
+    return _quantize_rowwise(x, qdtype, None)
+
+
+def act_quantize_rowwise(
+    h: torch.Tensor, qdtype: torch.dtype, activation: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """quantize_rowwise(act(h) rounded to h's dtype), h read once and act(h) never written."""
+    if activation not in ACT_CODES or activation is None:
+        raise ValueError(f"unsupported activation {activation!r}; expected one of {list(ACT_CODES)[1:]}")
+    return _quantize_rowwise(h, qdtype, activation)
+
+
+def _quantize_rowwise(x: torch.Tensor, qdtype: torch.dtype, activation: str | None):
     m, k = x.shape
     q = torch.empty((m, k), dtype=qdtype, device=x.device)
     scale = torch.zeros((m,), dtype=torch.float32, device=x.device)
@@ -223,6 +320,7 @@ def quantize_rowwise(x: torch.Tensor, qdtype: torch.dtype = torch.int8) -> tuple
         q.stride(0),
         BLOCK_K=block,
         SINGLE_PASS=k <= _MAX_SINGLE_PASS,
+        ACT=ACT_CODES[activation],
         num_warps=max(1, min(16, block // 256)),
         **_qargs(qdtype),
     )
@@ -250,7 +348,7 @@ def quantize_rowwise_colsum(
         return q, scale, x.sum(dim=0, dtype=torch.float32)
     q = torch.empty((m, k), dtype=qdtype, device=x.device)
     scale = torch.empty((m,), dtype=torch.float32, device=x.device)
-    rows = min(_COLSUM_MAX_ROWS, triton.next_power_of_2(triton.cdiv(m, _COLSUM_PROGRAMS)))
+    rows = _colsum_rows(m)
     grid = triton.cdiv(m, rows)
     part = torch.empty((grid, k), dtype=torch.float32, device=x.device)
     block = triton.next_power_of_2(k)
@@ -270,6 +368,58 @@ def quantize_rowwise_colsum(
         **_qargs(qdtype),
     )
     return q, scale, part.sum(dim=0)
+
+
+def _colsum_rows(m: int) -> int:
+    return min(_COLSUM_MAX_ROWS, triton.next_power_of_2(triton.cdiv(m, _COLSUM_PROGRAMS)))
+
+
+def act_backward_quantize_colsum(
+    grad: torch.Tensor, h: torch.Tensor, qdtype: torch.dtype, activation: str, want_act: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Backward of act at h with output gradient `grad`, fused with what fc1's backward needs of it.
+
+    grad, h (M, K) float -> (grad_h (M, K) grad.dtype, act(h) (M, K) h.dtype or (0,) when not want_act,
+    q (M, K) qdtype, scale (M,) float32, grad_h.sum(0) float32): q, scale = quantize_rowwise(grad_h).
+    Reads grad and h once. Rows longer than the single-pass limit use the torch twin.
+    """
+    from . import reference
+
+    m, k = grad.shape
+    if activation not in ACT_CODES or activation is None:
+        raise ValueError(f"unsupported activation {activation!r}; expected one of {list(ACT_CODES)[1:]}")
+    if m == 0 or k == 0 or k > _MAX_SINGLE_PASS:
+        return reference.act_backward_quantize_colsum(grad, h, qdtype, activation, want_act)
+    gh = torch.empty((m, k), dtype=grad.dtype, device=grad.device)
+    act = torch.empty((m, k) if want_act else (0,), dtype=h.dtype, device=h.device)
+    q = torch.empty((m, k), dtype=qdtype, device=grad.device)
+    scale = torch.empty((m,), dtype=torch.float32, device=grad.device)
+    rows = _colsum_rows(m)
+    grid = triton.cdiv(m, rows)
+    part = torch.empty((grid, k), dtype=torch.float32, device=grad.device)
+    block = triton.next_power_of_2(k)
+    _act_backward_colsum_kernel[(grid,)](
+        grad,
+        h,
+        gh,
+        act if want_act else gh,  # any valid pointer of the right dtype when not written
+        q,
+        scale,
+        part,
+        m,
+        k,
+        grad.stride(0),
+        grad.stride(1),
+        h.stride(0),
+        h.stride(1),
+        ACT=ACT_CODES[activation],
+        WRITE_A=want_act,
+        BLOCK_K=block,
+        ROWS=rows,
+        num_warps=max(1, min(16, block // 256)),
+        **_qargs(qdtype),
+    )
+    return gh, act, q, scale, part.sum(dim=0)
 
 
 def _absmax_partials(x: torch.Tensor) -> torch.Tensor:
@@ -365,7 +515,10 @@ def dequantize_rowwise(
 
 
 __all__ = [
+    "ACT_CODES",
     "QMAX",
+    "act_backward_quantize_colsum",
+    "act_quantize_rowwise",
     "dequantize_rowwise",
     "quantize_rowwise",
     "quantize_rowwise_colsum",

@@ -95,6 +95,61 @@ def dequantize_tensorwise(
     return (q.float() * scale).to(dtype)
 
 
+# Activations a fused SwitchBack MLP runs inside its quantize passes (fc1 -> act -> fc2):
+# "gelu" erf GELU (OpenCLIP-style configs), "gelu_tanh" its tanh approximation, "quick_gelu" x * sigmoid(1.702 x)
+# (OpenAI CLIP configs).
+ACTIVATIONS = ("gelu", "gelu_tanh", "quick_gelu")
+
+
+def _check_activation(activation: str) -> None:
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"unsupported activation {activation!r}; expected one of {ACTIVATIONS}")
+
+
+def apply_activation(h: torch.Tensor, activation: str) -> torch.Tensor:
+    """act(h) computed in float32 and rounded once to h's dtype (what torch's GELU kernels do)."""
+    _check_activation(activation)
+    hf = h.float()
+    if activation == "quick_gelu":
+        out = hf * torch.sigmoid(1.702 * hf)
+    else:
+        out = torch.nn.functional.gelu(hf, approximate="tanh" if activation == "gelu_tanh" else "none")
+    return out.to(h.dtype)
+
+
+def activation_backward(grad: torch.Tensor, h: torch.Tensor, activation: str) -> torch.Tensor:
+    """grad * act'(h) in float32, rounded to grad's dtype."""
+    _check_activation(activation)
+    g, hf = grad.float(), h.float()
+    if activation == "quick_gelu":
+        s = torch.sigmoid(1.702 * hf)
+        out = g * (s + 1.702 * hf * s * (1 - s))
+    else:
+        approximate = "tanh" if activation == "gelu_tanh" else "none"
+        out = torch.ops.aten.gelu_backward(g, hf, approximate=approximate)
+    return out.to(grad.dtype)
+
+
+def act_quantize_rowwise(
+    h: torch.Tensor, qdtype: torch.dtype, activation: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """quantize_rowwise(act(h)): fc2's input operand in a fused MLP. The Triton twin never writes act(h)."""
+    return quantize_rowwise(apply_activation(h, activation), qdtype)
+
+
+def act_backward_quantize_colsum(
+    grad: torch.Tensor, h: torch.Tensor, qdtype: torch.dtype, activation: str, want_act: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(grad_h, act(h) or an empty (0,) tensor, *quantize_rowwise_colsum(grad_h)) for grad_h = grad * act'(h).
+
+    The backward of the activation plus everything fc1's backward reads from grad_h (its 8-bit form, its
+    column sum = fc1's bias gradient), and act(h) for fc2's grad-weight when want_act (recomputed, not saved).
+    """
+    grad_h = activation_backward(grad, h, activation)
+    act = apply_activation(h, activation) if want_act else h.new_empty((0,))
+    return (grad_h, act, *quantize_rowwise_colsum(grad_h, qdtype))
+
+
 def int8_matmul_int32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """Exact int32 accumulation of (M, K) int8 @ (N, K).T int8 -> (M, N) int32."""
     m, n = a.shape[0], b.shape[0]
@@ -133,7 +188,12 @@ def scaled_matmul(
 
 
 __all__ = [
+    "ACTIVATIONS",
     "QMAX",
+    "act_backward_quantize_colsum",
+    "act_quantize_rowwise",
+    "activation_backward",
+    "apply_activation",
     "dequantize_rowwise",
     "dequantize_tensorwise",
     "int8_matmul_int32",

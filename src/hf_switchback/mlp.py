@@ -1,0 +1,128 @@
+"""Fused SwitchBack MLP: a CLIP block fc1 -> activation -> fc2 run as one op (functional.switchback_mlp).
+
+When apply_switchback converts both linears of a transformers `CLIPMLP` with one config (and
+`config.fuse_mlp`, the default), the block's class is swapped for a generated subclass whose forward calls
+`switchback_mlp` — the same technique `fully_shard` uses. Nothing else changes: the module is still an
+instance of CLIPMLP, fc1 / fc2 are the same SwitchBackLinear modules holding the same Parameters, so
+state_dict keys, FSDP2's parameter records and PEFT-style target names are untouched, and
+remove_switchback restores the original class. The forward re-checks at every call that the block still
+qualifies (both layers SwitchBackLinear with one config, the activation it was fused with, no inference
+cache) and otherwise runs the stock CLIPMLP forward, so a later change never silently computes something else.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import nn
+
+from .functional import switchback_mlp
+from .inference import has_weight_cache
+from .modules import SwitchBackLinear
+
+# Instance attribute set on fused blocks: (activation name for the kernels, type of activation_fn at fuse time).
+_ACTIVATION_ATTR = "_switchback_activation"
+
+
+def activation_kind(act: nn.Module) -> str | None:
+    """The fused kernels' name for an activation module ("gelu", "gelu_tanh", "quick_gelu"), else None.
+
+    Exact types only: a subclass may compute something else in its forward.
+    """
+    if type(act) is nn.GELU:
+        return "gelu_tanh" if act.approximate == "tanh" else "gelu"
+    try:
+        from transformers import activations as hf
+    except ImportError:
+        return None
+    kinds = {
+        "QuickGELUActivation": "quick_gelu",  # hidden_act="quick_gelu" (OpenAI CLIP)
+        "GELUActivation": "gelu",  # hidden_act="gelu" (erf; OpenCLIP-converted configs)
+        "GELUTanh": "gelu_tanh",  # "gelu_pytorch_tanh"
+        "PytorchGELUTanh": "gelu_tanh",
+        "NewGELUActivation": "gelu_tanh",  # "gelu_new": the same tanh formula
+        "FastGELUActivation": "gelu_tanh",  # "gelu_fast": the same formula, constants written out
+    }
+    for class_name, kind in kinds.items():
+        cls = getattr(hf, class_name, None)
+        if cls is not None and type(act) is cls:
+            return kind
+    return None
+
+
+def _mlp_base_classes() -> tuple[type, ...]:
+    try:
+        from transformers.models.clip.modeling_clip import CLIPMLP
+    except ImportError:
+        return ()
+    return (CLIPMLP,)
+
+
+def _unfused_class(module: nn.Module) -> type:
+    return getattr(type(module), "_switchback_unfused_class", type(module))
+
+
+def _qualifies(module: nn.Module) -> str | None:
+    """Activation kind if `module` is a stock CLIPMLP whose fc1 and fc2 are SwitchBack with one fusing config."""
+    base = _unfused_class(module)
+    if not any(issubclass(base, c) and base.forward is c.forward for c in _mlp_base_classes()):
+        return None
+    fc1, fc2 = getattr(module, "fc1", None), getattr(module, "fc2", None)
+    if not (isinstance(fc1, SwitchBackLinear) and isinstance(fc2, SwitchBackLinear)):
+        return None
+    cfg = fc1.switchback_config
+    if not cfg.fuse_mlp or fc2.switchback_config != cfg:
+        return None
+    return activation_kind(module.activation_fn)
+
+
+def _fused_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    fc1, fc2 = self.fc1, self.fc2
+    kind, act_type = getattr(self, _ACTIVATION_ATTR)
+    cfg = fc1.switchback_config if isinstance(fc1, SwitchBackLinear) else None
+    if (
+        cfg is None
+        or not isinstance(fc2, SwitchBackLinear)
+        or not cfg.fuse_mlp
+        or not (fc2.switchback_config is cfg or fc2.switchback_config == cfg)
+        or type(self.activation_fn) is not act_type
+        # Inference mode (prepare_for_inference) serves no-grad forwards from the layers' weight caches.
+        or has_weight_cache(fc1)
+        or has_weight_cache(fc2)
+    ):
+        return self._switchback_unfused_class.forward(self, hidden_states)
+    return switchback_mlp(hidden_states, fc1.weight, fc1.bias, fc2.weight, fc2.bias, kind, cfg)
+
+
+@functools.cache
+def _fused_class(base: type) -> type:
+    return type(
+        f"SwitchBack{base.__name__}",
+        (base,),
+        {"forward": _fused_forward, "_switchback_unfused_class": base, "__module__": __name__},
+    )
+
+
+def is_fused_mlp(module: nn.Module) -> bool:
+    return getattr(type(module), "_switchback_unfused_class", None) is not None
+
+
+def sync_fused_mlps(model: nn.Module) -> int:
+    """Fuse every block that qualifies, unfuse every fused block that no longer does; returns # fused."""
+    fused = 0
+    for module in model.modules():
+        kind = _qualifies(module)
+        if kind is not None:
+            if not is_fused_mlp(module):
+                module.__class__ = _fused_class(type(module))
+            setattr(module, _ACTIVATION_ATTR, (kind, type(module.activation_fn)))
+            fused += 1
+        elif is_fused_mlp(module) and type(module) is _fused_class(_unfused_class(module)):
+            # (A class derived from ours later, e.g. by fully_shard, is left as is: its forward falls back.)
+            module.__class__ = _unfused_class(module)
+            module.__dict__.pop(_ACTIVATION_ATTR, None)
+    return fused
+
+
+__all__ = ["activation_kind", "is_fused_mlp", "sync_fused_mlps"]
