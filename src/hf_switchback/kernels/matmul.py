@@ -18,12 +18,14 @@ Coverage:
 from __future__ import annotations
 
 import functools
+import logging
 
 import torch
 import triton
 import triton.language as tl
 
 _AUTOTUNE_MIN_M = 1024
+logger = logging.getLogger(__name__)
 
 
 def _configs() -> list[triton.Config]:
@@ -338,6 +340,24 @@ def _scaled_mm_tma(a_q, b_q, c, a_scale, b_scale, bias, flags) -> None:
     )
 
 
+def _run_tma(a_q, b_q, c, a_scale, b_scale, bias, flags) -> bool:
+    """Launch the TMA kernel; if it cannot be built here (a Triton version without tensor descriptors or
+    with a compiler bug), warn once, switch it off for the process and return False (the caller then runs
+    the portable kernel, which computes the same result)."""
+    global USE_TMA
+    try:
+        _scaled_mm_tma(a_q, b_q, c, a_scale, b_scale, bias, flags)
+    except Exception as err:  # compile errors surface as many exception types across Triton versions
+        if isinstance(err, torch.cuda.OutOfMemoryError):
+            raise
+        logger.warning(
+            "hf_switchback: TMA GEMM unavailable (%s: %s); using the portable kernel", type(err).__name__, err
+        )
+        USE_TMA = False
+        return False
+    return True
+
+
 _autotuned_kernel = triton.autotune(configs=_configs(), key=["M_BUCKET", "N", "K", "stride_am", "stride_bn"])(
     _scaled_mm_kernel
 )
@@ -379,7 +399,9 @@ def scaled_matmul(
         c,
         a_scale,
         b_scale,
-        bias if bias is not None else a_scale,  # any valid pointer; unused when HAS_BIAS is False
+        # Any valid pointer when HAS_BIAS is False; c's keeps the autotuning key (tensor dtypes) of the biased
+        # call of the same shape, so forward and grad-input GEMMs of one shape share one tuning run.
+        bias if bias is not None else c,
         m,
         n,
         k,
@@ -397,9 +419,10 @@ def scaled_matmul(
         IS_INT=is_int,
         UPCAST=not is_int and _needs_fp8_upcast(a_q.device.index or 0),
     )
-    if not flags["UPCAST"] and _tma_applies(a_q, b_q, c):
-        _scaled_mm_tma(a_q, b_q, c, a_scale, b_scale, bias, flags)
-    elif m >= _AUTOTUNE_MIN_M:
+    tma = not flags["UPCAST"] and _tma_applies(a_q, b_q, c)
+    if tma and _run_tma(a_q, b_q, c, a_scale, b_scale, bias, flags):
+        return c
+    if m >= _AUTOTUNE_MIN_M:
         # EVEN_K must agree with the tuned BLOCK_K, so it is decided per config (64 divides 128).
         flags["EVEN_K"] = k % 128 == 0
         grid = lambda meta: (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)  # noqa: E731
