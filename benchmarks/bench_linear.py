@@ -187,6 +187,11 @@ def variants(
 ) -> list[tuple[str, Callable[[nn.Module], nn.Module], bool]]:
     """(name, make(model) -> model, compile?)."""
     out: list[tuple[str, Callable[[nn.Module], nn.Module], bool]] = [("bf16 nn.Linear", lambda m: m, False)]
+    for precision in ("int8", "fp8"):
+        for scaling in ("tensor", "row"):
+            for mem in (False, True):
+                cfg = SwitchBackConfig(precision=precision, weight_scaling=scaling, memory_efficient=mem)
+                out.append((f"switchback {cfg.variant}", lambda m, cfg=cfg: switchback(m, cfg), False))
     if tma_ab:
         # The portable (non-persistent, pointer-based) GEMM everywhere: kernels.matmul.USE_TMA = False.
         for precision in ("int8", "fp8"):
@@ -213,11 +218,6 @@ def variants(
             out.append((f"switchback {cfg.variant}{UNFUSED}", lambda m, cfg=cfg: switchback(m, cfg), False))
     if include_compile:
         out.append(("bf16 nn.Linear + compile", lambda m: m, True))
-    for precision in ("int8", "fp8"):
-        for scaling in ("tensor", "row"):
-            for mem in (False, True):
-                cfg = SwitchBackConfig(precision=precision, weight_scaling=scaling, memory_efficient=mem)
-                out.append((f"switchback {cfg.variant}", lambda m, cfg=cfg: switchback(m, cfg), False))
     if tokens < AUTO_MIN_TOKENS_CUDA:
         # Below the floor backend="auto" runs bf16; these rows show what forcing the 8-bit kernels would cost.
         for precision in ("int8", "fp8"):
@@ -382,8 +382,6 @@ def main() -> None:
     print("|---|---|---:|---:|---:|---:|---|")
     for d in args.dims:
         for tokens in args.tokens:
-            if args.gemm:
-                bench_gemms(d, tokens)
             for case in args.cases:
                 run_case(
                     case,
@@ -396,6 +394,8 @@ def main() -> None:
                     args.act,
                     args.tma_ab,
                 )
+            if args.gemm:
+                bench_gemms(d, tokens)
 
 
 if __name__ == "__main__":
