@@ -33,6 +33,7 @@ from hf_switchback import SwitchBackConfig, apply_switchback, functional
 from hf_switchback.functional import AUTO_MIN_TOKENS_CUDA, quantized_dtypes
 from hf_switchback.kernels import matmul as kmatmul
 from hf_switchback.kernels import ops
+from hf_switchback.kernels import quantize as kquantize
 from hf_switchback.mlp import is_fused_mlp
 from hf_switchback.modules import SwitchBackLinear
 
@@ -174,6 +175,7 @@ def fused_quant_ms(d: int, tokens: int, cfg: SwitchBackConfig, act: str) -> floa
 UNFUSED = " [unfused bias grad]"
 UNFUSED_MLP = " [unfused mlp]"
 NO_TMA = " [no tma]"
+ROWS_BWD = " [rows act-bwd]"
 # hidden_act -> the fused kernels' activation name
 _ACT_KIND = {"gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu", "quick_gelu": "quick_gelu"}
 
@@ -184,6 +186,7 @@ def variants(
     bias_grad_ab: bool = False,
     mlp_ab: bool = False,
     tma_ab: bool = False,
+    bwd_ab: bool = False,
 ) -> list[tuple[str, Callable[[nn.Module], nn.Module], bool]]:
     """(name, make(model) -> model, compile?)."""
     out: list[tuple[str, Callable[[nn.Module], nn.Module], bool]] = [("bf16 nn.Linear", lambda m: m, False)]
@@ -192,11 +195,16 @@ def variants(
             for mem in (False, True):
                 cfg = SwitchBackConfig(precision=precision, weight_scaling=scaling, memory_efficient=mem)
                 out.append((f"switchback {cfg.variant}", lambda m, cfg=cfg: switchback(m, cfg), False))
+    if bwd_ab:
+        # The fused block's activation backward on whole-row programs (kernels.quantize.ACT_BACKWARD_IMPL).
+        for precision in ("int8", "fp8"):
+            cfg = SwitchBackConfig(precision=precision)
+            out.append((f"switchback {cfg.variant}{ROWS_BWD}", lambda m, cfg=cfg: switchback(m, cfg), False))
     if tma_ab:
         # The portable (non-persistent, pointer-based) GEMM everywhere: kernels.matmul.USE_TMA = False.
         for precision in ("int8", "fp8"):
-            for fuse in (False, True):
-                cfg = SwitchBackConfig(precision=precision, fuse_mlp=fuse)
+            for fuse, mem in ((False, False), (True, False), (False, True)):
+                cfg = SwitchBackConfig(precision=precision, fuse_mlp=fuse, memory_efficient=mem)
                 tag = "" if fuse else UNFUSED_MLP
                 out.append(
                     (f"switchback {cfg.variant}{tag}{NO_TMA}", lambda m, cfg=cfg: switchback(m, cfg), False)
@@ -245,6 +253,8 @@ def run_case(
     mlp_ab: bool = False,
     hidden_act: str = "gelu_pytorch_tanh",
     tma_ab: bool = False,
+    bwd_ab: bool = False,
+    exact: bool = False,
 ) -> list[Row]:
     torch.manual_seed(0)
     ref = build_case(case, d, hidden_act).to("cuda", torch.bfloat16)
@@ -256,13 +266,16 @@ def run_case(
     rows: list[Row] = []
     base_ms = None
     for name, make, compiled in variants(
-        case in compile_cases, tokens, bias_grad_ab, mlp_ab and case == "block", tma_ab
+        case in compile_cases, tokens, bias_grad_ab, mlp_ab and case == "block", tma_ab, bwd_ab
     ):
-        if only and name != "bf16 nn.Linear" and not any(o in name for o in only):
+        short = name.removeprefix("switchback ")
+        selected = any(o == short for o in only) if exact else any(o in name for o in only or ())
+        if only and name != "bf16 nn.Linear" and not selected:
             continue
         row = Row(label, name)
         functional.FUSED_BIAS_GRAD = not name.endswith(UNFUSED)
         kmatmul.USE_TMA = not name.endswith(NO_TMA)
+        kquantize.ACT_BACKWARD_IMPL = "rows" if name.endswith(ROWS_BWD) else "tiles"
         try:
             model = make(copy.deepcopy(ref))
             run_model = torch.compile(model) if compiled else model
@@ -282,6 +295,7 @@ def run_case(
             row.ratio = base_ms / row.ms
         functional.FUSED_BIAS_GRAD = True
         kmatmul.USE_TMA = True
+        kquantize.ACT_BACKWARD_IMPL = "tiles"
         rows.append(row)
         print(format_row(row), flush=True)
         torch._dynamo.reset()
@@ -314,6 +328,30 @@ def bench_gemms(d: int, tokens: int) -> None:
                 cells.append(f"{str(qdtype).split('.')[-1]} {tag} {ms:.3f} ms ({base / ms:.2f}x)")
         kmatmul.USE_TMA = True
         print(f"| gemm {name} d={d} M={tokens} | " + " | ".join(cells) + " |", flush=True)
+
+
+def bench_row_kernels(d: int, tokens: int, act: str) -> None:
+    """The (tokens, 4d) passes of a block, each alone: the fused kernels vs the torch ops they replace."""
+    bf = dict(device="cuda", dtype=torch.bfloat16)
+    h, g = torch.randn(tokens, 4 * d, **bf), torch.randn(tokens, 4 * d, **bf)
+    approximate = "tanh" if act == "gelu_tanh" else "none"
+    timings = {
+        "torch gelu fwd": lambda: torch.nn.functional.gelu(h, approximate=approximate),
+        "torch gelu bwd": lambda: torch.ops.aten.gelu_backward(g, h, approximate=approximate),
+        "quantize_rowwise": lambda: ops.quantize_rowwise(h, torch.int8),
+        "quantize_rowwise_colsum": lambda: ops.quantize_rowwise_colsum(g, torch.int8),
+        "act_quantize_rowwise": lambda: ops.act_quantize_rowwise(h, torch.int8, act),
+    }
+    for impl in ("tiles", "rows"):
+
+        def bwd(impl=impl):
+            kquantize.ACT_BACKWARD_IMPL = impl
+            return ops.act_backward_quantize_colsum(g, h, torch.int8, act, True)
+
+        timings[f"act_backward_quantize_colsum ({impl})"] = bwd
+    cells = [f"{name} {do_bench(fn, rep=50):.3f} ms" for name, fn in timings.items()]
+    kquantize.ACT_BACKWARD_IMPL = "tiles"
+    print(f"| row kernels ({tokens}, {4 * d}) bf16 | " + " | ".join(cells) + " |", flush=True)
 
 
 def _fmt(value: float | None, spec: str) -> str:
@@ -358,6 +396,17 @@ def main() -> None:
     )
     parser.add_argument("--gemm", action="store_true", help="also time the bare GEMMs of each d x tokens")
     parser.add_argument(
+        "--kernels", action="store_true", help="also time the (tokens, 4d) row kernels one by one"
+    )
+    parser.add_argument(
+        "--bwd-ab",
+        action="store_true",
+        help="add fused-block variants with the whole-row activation backward (ACT_BACKWARD_IMPL='rows')",
+    )
+    parser.add_argument(
+        "--exact", action="store_true", help="--only names must equal a variant name (without 'switchback ')"
+    )
+    parser.add_argument(
         "--act",
         default="gelu_pytorch_tanh",
         choices=sorted(_ACT_KIND),
@@ -393,7 +442,11 @@ def main() -> None:
                     args.mlp_ab,
                     args.act,
                     args.tma_ab,
+                    args.bwd_ab,
+                    args.exact,
                 )
+            if args.kernels:
+                bench_row_kernels(d, tokens, _ACT_KIND[args.act])
             if args.gemm:
                 bench_gemms(d, tokens)
 

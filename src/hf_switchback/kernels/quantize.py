@@ -224,6 +224,50 @@ def _act_backward_colsum_kernel(
 
 
 @triton.jit
+def _act_backward_tiles_kernel(
+    g_ptr,
+    h_ptr,
+    gh_ptr,
+    a_ptr,
+    absmax_ptr,
+    part_ptr,
+    M,
+    K,
+    stride_gm,
+    stride_gk,
+    stride_hm,
+    stride_hk,
+    ACT: tl.constexpr,
+    WRITE_A: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    # Phase 1 of the tiled activation backward: a (BLOCK_M, BLOCK_K) tile per program, no row needs to fit in
+    # one program (full occupancy, every load independent). Writes gh = g * act'(h) (and act(h)), folds the
+    # tile's row absmax into absmax[row] (atomic max of non-negative floats: order-free, exact) and writes
+    # the tile's column sum to part[pid_m, :]. Phase 2 (_quantize_2d_kernel, per-row scales) quantizes gh.
+    pid_m = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+    mask_m = offs_m < M
+    kmask = offs_k < K
+    mask = mask_m[:, None] & kmask[None, :]
+    rows = offs_m[:, None].to(tl.int64)
+    g = tl.load(g_ptr + rows * stride_gm + offs_k[None, :] * stride_gk, mask=mask, other=0.0).to(tl.float32)
+    h = tl.load(h_ptr + rows * stride_hm + offs_k[None, :] * stride_hk, mask=mask, other=0.0).to(tl.float32)
+    act, dact = _act_fwd_bwd(h, ACT)
+    gh = (g * dact).to(gh_ptr.dtype.element_ty)
+    out_offs = rows * K + offs_k[None, :]
+    tl.store(gh_ptr + out_offs, gh, mask=mask)
+    if WRITE_A:
+        tl.store(a_ptr + out_offs, act.to(a_ptr.dtype.element_ty), mask=mask)
+    x = tl.where(mask, gh.to(tl.float32), 0.0)
+    tl.atomic_max(absmax_ptr + offs_m, tl.max(tl.abs(x), axis=1), mask=mask_m)
+    tl.store(part_ptr + pid_m.to(tl.int64) * K + offs_k, tl.sum(x, axis=0), mask=kmask)
+
+
+@triton.jit
 def _col_absmax_kernel(
     x_ptr, part_ptr, M, K, stride_xm, stride_xk, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr
 ):
@@ -256,8 +300,9 @@ def _quantize_2d_kernel(
     Q_DTYPE: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    PER_ROW: tl.constexpr = False,
 ):
-    # Quantize a tile with a known absmax (one per column, or one for the tensor); q may be written
+    # Quantize a tile with a known absmax (one per row, one per column, or one for the tensor); q may be written
     # transposed by passing swapped output strides (stride 1 is specialized, so the store stays coalesced).
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -265,7 +310,15 @@ def _quantize_2d_kernel(
     offs_k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
     kmask = offs_k < K
     mask = (offs_m[:, None] < M) & kmask[None, :]
-    if PER_COLUMN:
+    if PER_ROW:
+        mmask = offs_m < M
+        absmax = tl.load(absmax_ptr + offs_m, mask=mmask, other=0.0)
+        scale = tl.div_rn(absmax, QMAX_C)
+        if pid_k == 0:
+            tl.store(s_ptr + offs_m, scale, mask=mmask)
+        safe = tl.where(scale == 0.0, 1.0, scale)[:, None]
+        inv = tl.div_rn(1.0, safe)
+    elif PER_COLUMN:
         absmax = tl.load(absmax_ptr + offs_k, mask=kmask, other=0.0)
         scale = tl.div_rn(absmax, QMAX_C)
         if pid_m == 0:
@@ -374,6 +427,63 @@ def _colsum_rows(m: int) -> int:
     return min(_COLSUM_MAX_ROWS, triton.next_power_of_2(triton.cdiv(m, _COLSUM_PROGRAMS)))
 
 
+# How act_backward_quantize_colsum runs on the GPU: "tiles" = two 2-D tiled passes (activation backward with
+# row absmax and column sums, then quantize with the known scales: re-reads grad_h once, every program
+# independent); "rows" = one pass with whole rows per program (reads less, but a row of 4d values must fit
+# in one program's registers, which limits occupancy). Both give bitwise the same q, scale.
+ACT_BACKWARD_IMPL = "tiles"
+_BWD_TILE_M, _BWD_TILE_K = 32, 256
+
+
+def _act_backward_tiles(grad, h, qdtype, activation, want_act):
+    m, k = grad.shape
+    gh = torch.empty((m, k), dtype=grad.dtype, device=grad.device)
+    act = torch.empty((m, k) if want_act else (0,), dtype=h.dtype, device=h.device)
+    absmax = torch.zeros((m,), dtype=torch.float32, device=grad.device)
+    grid = (triton.cdiv(m, _BWD_TILE_M), triton.cdiv(k, _BWD_TILE_K))
+    part = torch.empty((grid[0], k), dtype=torch.float32, device=grad.device)
+    _act_backward_tiles_kernel[grid](
+        grad,
+        h,
+        gh,
+        act if want_act else gh,
+        absmax,
+        part,
+        m,
+        k,
+        grad.stride(0),
+        grad.stride(1),
+        h.stride(0),
+        h.stride(1),
+        ACT=ACT_CODES[activation],
+        WRITE_A=want_act,
+        BLOCK_M=_BWD_TILE_M,
+        BLOCK_K=_BWD_TILE_K,
+        num_warps=8,
+    )
+    q = torch.empty((m, k), dtype=qdtype, device=grad.device)
+    scale = torch.empty((m,), dtype=torch.float32, device=grad.device)
+    grid = (triton.cdiv(m, _TILE_M), triton.cdiv(k, _TILE_K))
+    _quantize_2d_kernel[grid](
+        gh,
+        q,
+        absmax,
+        scale,
+        m,
+        k,
+        gh.stride(0),
+        gh.stride(1),
+        q.stride(0),
+        q.stride(1),
+        PER_COLUMN=False,
+        PER_ROW=True,
+        BLOCK_M=_TILE_M,
+        BLOCK_K=_TILE_K,
+        **_qargs(qdtype),
+    )
+    return gh, act, q, scale, part.sum(dim=0)
+
+
 def act_backward_quantize_colsum(
     grad: torch.Tensor, h: torch.Tensor, qdtype: torch.dtype, activation: str, want_act: bool
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -381,14 +491,19 @@ def act_backward_quantize_colsum(
 
     grad, h (M, K) float -> (grad_h (M, K) grad.dtype, act(h) (M, K) h.dtype or (0,) when not want_act,
     q (M, K) qdtype, scale (M,) float32, grad_h.sum(0) float32): q, scale = quantize_rowwise(grad_h).
-    Reads grad and h once. Rows longer than the single-pass limit use the torch twin.
+    ACT_BACKWARD_IMPL picks the kernels. The "rows" kernel takes rows up to the single-pass limit (longer
+    ones use the torch twin).
     """
     from . import reference
 
     m, k = grad.shape
     if activation not in ACT_CODES or activation is None:
         raise ValueError(f"unsupported activation {activation!r}; expected one of {list(ACT_CODES)[1:]}")
-    if m == 0 or k == 0 or k > _MAX_SINGLE_PASS:
+    if m == 0 or k == 0:
+        return reference.act_backward_quantize_colsum(grad, h, qdtype, activation, want_act)
+    if ACT_BACKWARD_IMPL == "tiles":
+        return _act_backward_tiles(grad, h, qdtype, activation, want_act)
+    if k > _MAX_SINGLE_PASS:
         return reference.act_backward_quantize_colsum(grad, h, qdtype, activation, want_act)
     gh = torch.empty((m, k), dtype=grad.dtype, device=grad.device)
     act = torch.empty((m, k) if want_act else (0,), dtype=h.dtype, device=h.device)
