@@ -127,7 +127,8 @@ def quant_ms(case: str, d: int, tokens: int, cfg: SwitchBackConfig, fused_act: s
     """The quantize kernels of one fwd+bwd of the case, each timed alone, summed.
 
     fused_act (a fused MLP block): its kernels instead, whose activation-fused passes also do the
-    activation's forward and backward (the unfused rows run those as separate torch ops, not counted)."""
+    activation's forward and backward (the unfused rows run those as separate torch ops, not counted);
+    with the activation backward in the GEMM epilogue, only the per-row quantize after it is counted."""
     qf, qg = quantized_dtypes(cfg)
     if fused_act is not None:
         return fused_quant_ms(d, tokens, cfg, fused_act)
@@ -164,7 +165,12 @@ def fused_quant_ms(d: int, tokens: int, cfg: SwitchBackConfig, act: str) -> floa
     total = do_bench(lambda: ops.quantize_rowwise(x, qf), rep=20)
     total += do_bench(lambda: ops.act_quantize_rowwise(h, qf, act), rep=20)
     total += do_bench(lambda: ops.quantize_rowwise_colsum(g, qg), rep=20)
-    total += do_bench(lambda: ops.act_backward_quantize_colsum(gh, h, qg, act, True), rep=20)
+    if kmatmul.FUSE_ACT_EPILOGUE:
+        # The activation backward runs inside the grad-input GEMM; what remains is the per-row quantize.
+        absmax = gh.float().abs().amax(dim=1)
+        total += do_bench(lambda: kquantize.quantize_rowwise_known_absmax(gh, absmax, qg), rep=20)
+    else:
+        total += do_bench(lambda: ops.act_backward_quantize_colsum(gh, h, qg, act, True), rep=20)
     total += 2 * do_bench(lambda: wq(w, qf), rep=20) + 2 * do_bench(lambda: wtq(w, qg), rep=20)
     if cfg.memory_efficient:
         xq, xs = ops.quantize_rowwise(x, qf)
@@ -175,7 +181,9 @@ def fused_quant_ms(d: int, tokens: int, cfg: SwitchBackConfig, act: str) -> floa
 UNFUSED = " [unfused bias grad]"
 UNFUSED_MLP = " [unfused mlp]"
 NO_TMA = " [no tma]"
-ROWS_BWD = " [rows act-bwd]"
+# The fused block's activation backward: in fc2's grad-input GEMM epilogue (default, Hopper TMA kernel), or
+# as a separate pass after it: 2-D tiles, or whole rows per program (kernels.quantize.ACT_BACKWARD_IMPL).
+ACT_BWD = {" [act-bwd tiles]": "tiles", " [act-bwd rows]": "rows"}
 # hidden_act -> the fused kernels' activation name
 _ACT_KIND = {"gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu", "quick_gelu": "quick_gelu"}
 
@@ -196,10 +204,10 @@ def variants(
                 cfg = SwitchBackConfig(precision=precision, weight_scaling=scaling, memory_efficient=mem)
                 out.append((f"switchback {cfg.variant}", lambda m, cfg=cfg: switchback(m, cfg), False))
     if bwd_ab:
-        # The fused block's activation backward on whole-row programs (kernels.quantize.ACT_BACKWARD_IMPL).
         for precision in ("int8", "fp8"):
-            cfg = SwitchBackConfig(precision=precision)
-            out.append((f"switchback {cfg.variant}{ROWS_BWD}", lambda m, cfg=cfg: switchback(m, cfg), False))
+            for tag in ACT_BWD:
+                cfg = SwitchBackConfig(precision=precision)
+                out.append((f"switchback {cfg.variant}{tag}", lambda m, cfg=cfg: switchback(m, cfg), False))
     if tma_ab:
         # The portable (non-persistent, pointer-based) GEMM everywhere: kernels.matmul.USE_TMA = False.
         for precision in ("int8", "fp8"):
@@ -275,7 +283,9 @@ def run_case(
         row = Row(label, name)
         functional.FUSED_BIAS_GRAD = not name.endswith(UNFUSED)
         kmatmul.USE_TMA = not name.endswith(NO_TMA)
-        kquantize.ACT_BACKWARD_IMPL = "rows" if name.endswith(ROWS_BWD) else "tiles"
+        bwd_impl = next((impl for tag, impl in ACT_BWD.items() if name.endswith(tag)), None)
+        kmatmul.FUSE_ACT_EPILOGUE = bwd_impl is None
+        kquantize.ACT_BACKWARD_IMPL = bwd_impl or "tiles"
         try:
             model = make(copy.deepcopy(ref))
             run_model = torch.compile(model) if compiled else model
@@ -296,6 +306,7 @@ def run_case(
         functional.FUSED_BIAS_GRAD = True
         kmatmul.USE_TMA = True
         kquantize.ACT_BACKWARD_IMPL = "tiles"
+        kmatmul.FUSE_ACT_EPILOGUE = True
         rows.append(row)
         print(format_row(row), flush=True)
         torch._dynamo.reset()
@@ -401,7 +412,7 @@ def main() -> None:
     parser.add_argument(
         "--bwd-ab",
         action="store_true",
-        help="add fused-block variants with the whole-row activation backward (ACT_BACKWARD_IMPL='rows')",
+        help="add fused-block variants with the activation backward as a separate pass (tiles / rows)",
     )
     parser.add_argument(
         "--exact", action="store_true", help="--only names must equal a variant name (without 'switchback ')"

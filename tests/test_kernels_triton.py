@@ -147,11 +147,14 @@ ROUND_TOL = {torch.float32: 1.5e-5, torch.bfloat16: 2**-7, torch.float16: 2**-10
 ACTIVATIONS = ["gelu", "gelu_tanh", "quick_gelu"]
 
 
+# (input dtype, quantized dtype): every input dtype with int8, fp8 from bfloat16 (the training dtype).
+ACT_DTYPES = [(d, torch.int8) for d in FLOATS] + [(torch.bfloat16, q) for q in QDTYPES[1:]]
+
+
 @requires_gpu
 @pytest.mark.parametrize("activation", ACTIVATIONS)
-@pytest.mark.parametrize("qdtype", QDTYPES)
-@pytest.mark.parametrize("dtype", FLOATS)
-@pytest.mark.parametrize("shape", [(1, 1), (5, 77), (300, 1280), (65, 5120), (7, 10000), (0, 64), (64, 0)])
+@pytest.mark.parametrize("dtype,qdtype", ACT_DTYPES, ids=str)
+@pytest.mark.parametrize("shape", [(1, 1), (5, 77), (65, 5120), (7, 10000), (0, 64)])
 def test_act_quantize_rowwise(shape, dtype, qdtype, activation):
     """Fused activation + row quantize (fc2's input): vs quantize_rowwise(act(h)) run on the CPU."""
     h = _input(shape, dtype)
@@ -172,19 +175,18 @@ def test_act_quantize_rowwise(shape, dtype, qdtype, activation):
 
 @requires_gpu
 @pytest.mark.parametrize("activation", ACTIVATIONS)
-@pytest.mark.parametrize("qdtype", QDTYPES)
-@pytest.mark.parametrize("dtype", FLOATS)
-@pytest.mark.parametrize("shape", [(1, 1), (5, 77), (300, 1280), (2100, 2560), (7, 10000), (0, 64)])
+@pytest.mark.parametrize("dtype,qdtype", ACT_DTYPES[:4], ids=str)
+@pytest.mark.parametrize("shape", [(1, 1), (5, 77), (2100, 2560), (0, 64)])
 @pytest.mark.parametrize("want_act", [True, False])
 @pytest.mark.parametrize("impl", ["tiles", "rows"])
 def test_act_backward_quantize_colsum(shape, dtype, qdtype, activation, want_act, impl, monkeypatch):
     """Fused activation backward + grad quantize + column sum: grad_h and act(h) within one rounding of the
     torch twin; q / scale bitwise equal to quantizing the kernel's own grad_h; the sum up to float32 order.
-    Both GPU implementations (ACT_BACKWARD_IMPL); the non-default "rows" one in bfloat16 only."""
+    Both GPU implementations (ACT_BACKWARD_IMPL); the non-default "rows" one in bfloat16 -> int8 only."""
     from hf_switchback.kernels import quantize
 
-    if impl == "rows" and dtype != torch.bfloat16:
-        pytest.skip("the rows implementation is checked in bfloat16")
+    if impl == "rows" and (dtype, qdtype) != (torch.bfloat16, torch.int8):
+        pytest.skip("the rows implementation is checked in bfloat16 -> int8")
     monkeypatch.setattr(quantize, "ACT_BACKWARD_IMPL", impl)
     h, g = _input(shape, dtype), _input(shape, dtype, zero_rows=False)
     gh, act, q, s, colsum = _ops().act_backward_quantize_colsum(g, h, qdtype, activation, want_act)
@@ -252,7 +254,7 @@ def test_scaled_matmul_matches_reference(shape, out_dtype, qdtype, per_row):
 
 # Autotuned shapes (M >= 1024) with tails on every axis: N not a multiple of any BLOCK_N, K not a multiple of
 # BLOCK_K (but of 16, as TMA needs), M not a multiple of BLOCK_M.
-TMA_SHAPES = [(1024, 256, 1280), (2000, 520, 1296), (1100, 264, 400)]
+TMA_SHAPES = [(2000, 520, 1296), (1100, 264, 400)]
 
 
 @requires_gpu
@@ -411,6 +413,59 @@ def test_torch_compile_no_graph_breaks():
         assert _snr_db(g, e) > 30
 
 
+@requires_gpu
+@pytest.mark.parametrize("config", [0, 2], ids=["subtile", "whole"])
+@pytest.mark.parametrize("shape", [(1100, 264, 400), (2000, 520, 1296), (300, 136, 96)])
+@pytest.mark.parametrize("want_act", [True, False])
+@pytest.mark.parametrize(
+    "qdtype,dtype,activation",
+    [
+        (torch.int8, torch.bfloat16, "gelu"),
+        (torch.int8, torch.bfloat16, "gelu_tanh"),
+        (torch.int8, torch.bfloat16, "quick_gelu"),
+        (torch.float8_e4m3fn, torch.bfloat16, "gelu_tanh"),
+        (torch.int8, torch.float32, "quick_gelu"),
+    ],
+    ids=str,
+)
+def test_scaled_matmul_act_backward(qdtype, dtype, activation, want_act, shape, config, monkeypatch):
+    """fc2's grad-input GEMM with the activation backward in its epilogue (TMA kernel, M >= 1024) or after
+    it (small M): grad_h within a rounding of the composite twin, q / scale bitwise equal to quantizing the
+    kernel's own grad_h, column sums up to float32 order."""
+    from hf_switchback.kernels import matmul
+
+    tuner = matmul._tma_autotuned_kernel
+    monkeypatch.setattr(tuner, "configs", [tuner.configs[config]])
+    monkeypatch.setattr(tuner, "cache", {})
+    m, n, k = shape
+    a, b = _random_q((m, k), qdtype), _random_q((n, k), qdtype)
+    a_scale, b_scale = torch.rand(m) * 0.01, torch.tensor(0.003)
+    h = (torch.randn(m, n) * 2).to(dtype)
+    args = (a_scale, b_scale, h)
+    gh, act, q, s, colsum = _ops().scaled_matmul_act_backward(
+        a.cuda(), b.cuda(), *(t.cuda() for t in args), qdtype, activation, want_act
+    )
+    if m >= 1024 and torch.cuda.get_device_capability()[0] == 9:
+        assert matmul.FUSE_ACT_EPILOGUE  # the fused epilogue ran (a build failure would have switched it off)
+    gh_ref, act_ref, *_ = ref.scaled_matmul_act_backward(a, b, *args, qdtype, activation, want_act)
+    grad_a = ref.scaled_matmul(a, b, a_scale, b_scale, None, torch.float32)
+    assert gh.dtype == dtype and gh.shape == (m, n) and act.shape == act_ref.shape
+    ulp = {torch.float32: 2**-23, torch.bfloat16: 2**-8}[dtype]
+    accumulation = (
+        0.0 if qdtype == torch.int8 else k * 2**-13
+    )  # fp8: see test_scaled_matmul_matches_reference
+    bound = (2 * ulp + ROUND_TOL[dtype] + accumulation) * 1.2 * grad_a.abs() + 1e-30
+    assert ((gh.cpu().float() - gh_ref.float()).abs() <= bound).all()
+    if want_act:
+        assert (
+            (act.cpu().float() - act_ref.float()).abs() <= ROUND_TOL[dtype] * h.float().abs() + 1e-30
+        ).all()
+    q_own, s_own, sum_own = ref.quantize_rowwise_colsum(gh.cpu(), qdtype)
+    assert torch.equal(s.cpu(), s_own) and torch.equal(_bits(q), _bits(q_own))
+    sum_bound = m * 2**-24 * gh.cpu().float().abs().sum(0) + 1e-30
+    assert ((colsum.cpu() - sum_own).abs() <= sum_bound).all()
+
+
 MLP_CONFIGS = [
     dict(precision="int8", weight_scaling="tensor", memory_efficient=False),
     dict(precision="int8", weight_scaling="row", memory_efficient=True),
@@ -421,16 +476,23 @@ MLP_CONFIGS = [
 
 @requires_gpu
 @pytest.mark.parametrize("cfg", MLP_CONFIGS, ids=lambda c: "-".join(str(v) for v in c.values()))
-@pytest.mark.parametrize("dtype", FLOATS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
 @pytest.mark.parametrize("hidden_act", ["quick_gelu", "gelu", "gelu_pytorch_tanh"])
-@pytest.mark.parametrize("lead", [(2, 77), (1,), (0,)], ids=["3d", "M1", "M0"])
-def test_fused_mlp_triton_matches_torch_backend(cfg, dtype, hidden_act, lead):
+# (8, 160): 1280 tokens, on the autotuned GEMMs (the TMA kernel and its fused epilogue on Hopper).
+@pytest.mark.parametrize("lead", [(2, 77), (8, 160), (0,)], ids=["3d", "1280", "M0"])
+def test_fused_mlp_triton_matches_torch_backend(cfg, dtype, hidden_act, lead, monkeypatch):
     """A fused CLIPMLP on the Triton kernels (GPU) vs the same block on the torch reference kernels (CPU)."""
     from transformers import CLIPVisionConfig
     from transformers.models.clip.modeling_clip import CLIPMLP
 
     from hf_switchback import SwitchBackConfig, apply_switchback
+    from hf_switchback.kernels import matmul
     from hf_switchback.mlp import is_fused_mlp
+
+    # One tile config (the GEMM tests cover the others): autotuning every key here would take minutes.
+    for tuner in (matmul._tma_autotuned_kernel, matmul._autotuned_kernel):
+        monkeypatch.setattr(tuner, "configs", tuner.configs[:1])
+        monkeypatch.setattr(tuner, "cache", {})
 
     torch.manual_seed(0)
     base = CLIPMLP(
@@ -532,10 +594,28 @@ _INTERPRETER_CHECK = textwrap.dedent(
         c = torch.empty(m, n)
         descs = [TensorDescriptor.from_tensor(t, shape) for t, shape in ((a, [32, 16]), (b, [16, 16]),
                  (c, [32, 8 if sub else 16]))]
-        matmul._scaled_mm_tma_kernel[(3,)](*descs, sa, sb, sa if bias is None else bias, a, c, m, n, k, 128,
+        matmul._scaled_mm_tma_kernel[(3,)](*descs, sa, sb, sa if bias is None else bias, a, c, c, c, sa, sa,
+            m, n, k, 128, ACT=0, WRITE_A=False,
             B_SCALE_PER_ROW=per_row, HAS_BIAS=has_bias, IS_INT=True, NUM_SMS=3, BLOCK_M=32, BLOCK_N=16,
             BLOCK_K=16, GROUP_M=2, EPILOGUE_SUBTILE=sub)
         torch.testing.assert_close(c, ref.scaled_matmul(a, b, sa, sb, bias, torch.float32), rtol=1e-6, atol=1e-3)
+    # The same kernel with the fused activation-backward epilogue, then the per-row quantize with known absmax.
+    from hf_switchback.kernels import quantize
+    a = torch.randint(-127, 128, (70, 48), dtype=torch.int8)
+    b = torch.randint(-127, 128, (40, 48), dtype=torch.int8)
+    sa, sb, h = torch.rand(70) * 0.01, torch.tensor(0.003), torch.randn(70, 40) * 2
+    gh, act, absmax, part = torch.empty(70, 40), torch.empty(70, 40), torch.zeros(70), torch.zeros(3, 40)
+    descs = [TensorDescriptor.from_tensor(t, shape) for t, shape in ((a, [32, 16]), (b, [16, 16]), (gh, [32, 8]))]
+    matmul._scaled_mm_tma_kernel[(3,)](*descs, sa, sb, gh, a, gh, h, act, absmax, part, 70, 40, 48, 128,
+        B_SCALE_PER_ROW=False, HAS_BIAS=False, IS_INT=True, NUM_SMS=3, ACT=quantize.ACT_CODES["gelu"],
+        WRITE_A=True, BLOCK_M=32, BLOCK_N=16, BLOCK_K=16, GROUP_M=2, EPILOGUE_SUBTILE=True)
+    q, s = quantize.quantize_rowwise_known_absmax(gh, absmax, torch.int8)
+    gh_ref, act_ref, *_ = ref.scaled_matmul_act_backward(a, b, sa, sb, h, torch.int8, "gelu", True)
+    torch.testing.assert_close(gh, gh_ref, rtol=2e-5, atol=2e-5)
+    torch.testing.assert_close(act, act_ref, rtol=2e-5, atol=2e-5)
+    q2, s2, cs2 = ref.quantize_rowwise_colsum(gh, torch.int8)
+    assert torch.equal(q, q2) and torch.equal(s, s2)
+    torch.testing.assert_close(part.sum(0), cs2, rtol=1e-5, atol=1e-4)
     # Fused MLP kernels: activation + quantize (one and two passes), activation backward + quantize + sum.
     for act in ref.ACTIVATIONS:
         for h, g in ((x, torch.randn(37, 70)), (x.t(), torch.randn(37, 70).t()), (x.bfloat16(), x.bfloat16())):

@@ -164,12 +164,11 @@ class _SwitchBackMLPFn(torch.autograd.Function):
         if need_fc1:
             g_q, g_scale, g_colsum = kernels.quantize_rowwise_colsum(g, gq)
             w2t_q, w2t_scale = wt_quantize(w2, gq)
-            grad_a = kernels.scaled_matmul(g_q, w2t_q, g_scale, w2t_scale, None, x_dtype)
-            del g_q, w2t_q
-            grad_h, a, gh_q, gh_scale, gh_colsum = kernels.act_backward_quantize_colsum(
-                grad_a, h, gq, activation, need_w2
+            # grad_h = (G W2) * act'(h): on Hopper the activation backward runs in the GEMM's epilogue.
+            grad_h, a, gh_q, gh_scale, gh_colsum = kernels.scaled_matmul_act_backward(
+                g_q, w2t_q, g_scale, w2t_scale, h, gq, activation, need_w2
             )
-            del grad_a
+            del g_q, w2t_q
             if need_b2:
                 grad_b2 = g_colsum.to(b2_dtype)
         elif need_w2:

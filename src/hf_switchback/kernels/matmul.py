@@ -24,6 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .quantize import ACT_CODES, _act_fwd_bwd, quantize_rowwise_known_absmax
+
 _AUTOTUNE_MIN_M = 1024
 logger = logging.getLogger(__name__)
 
@@ -174,6 +176,99 @@ def _dequant_store(
 
 
 @triton.jit
+def _act_backward_store(
+    c_desc,
+    out,
+    off_m,
+    off_n,
+    M,
+    N,
+    pid_m,
+    bs_ptr,
+    h_ptr,
+    act_ptr,
+    absmax_ptr,
+    part_ptr,
+    B_SCALE_PER_ROW: tl.constexpr,
+    ACT: tl.constexpr,
+    WRITE_A: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    WIDTH: tl.constexpr,
+):
+    # The tile is grad_a = G @ W (fc2's grad-input, rounded to c's dtype as the unfused GEMM would store it).
+    # Instead of storing it, finish the activation backward here: gh = grad_a * act'(h) goes to c (h, act and
+    # c are contiguous (M, N)), act(h) to act_ptr when WRITE_A, the row absmax of gh into absmax[row] (atomic
+    # max) and its column sums to part[pid_m, :]. A per-row quantize pass then turns gh into fc1's 8-bit
+    # grad operand: grad_a is never written nor read back.
+    offs_n = off_n + tl.arange(0, WIDTH)
+    mask_n = offs_n < N
+    if B_SCALE_PER_ROW:
+        out = out * tl.load(bs_ptr + offs_n, mask=mask_n, other=0.0)[None, :]
+    else:
+        out = out * tl.load(bs_ptr)
+    grad_a = out.to(c_desc.dtype).to(tl.float32)
+    offs_m = off_m + tl.arange(0, BLOCK_M)
+    mask_m = offs_m < M
+    mask = mask_m[:, None] & mask_n[None, :]
+    offs = offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
+    h = tl.load(h_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    act, dact = _act_fwd_bwd(h, ACT)
+    gh = (grad_a * dact).to(c_desc.dtype)
+    c_desc.store([off_m, off_n], gh)
+    if WRITE_A:
+        tl.store(act_ptr + offs, act.to(act_ptr.dtype.element_ty), mask=mask)
+    x = tl.where(mask, gh.to(tl.float32), 0.0)
+    tl.atomic_max(absmax_ptr + offs_m, tl.max(tl.abs(x), axis=1), mask=mask_m)
+    tl.store(part_ptr + pid_m.to(tl.int64) * N + offs_n, tl.sum(x, axis=0), mask=mask_n)
+
+
+@triton.jit
+def _tile_store(
+    c_desc,
+    out,
+    off_m,
+    off_n,
+    M,
+    N,
+    pid_m,
+    bs_ptr,
+    bias_ptr,
+    h_ptr,
+    act_ptr,
+    absmax_ptr,
+    part_ptr,
+    B_SCALE_PER_ROW: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    ACT: tl.constexpr,
+    WRITE_A: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    WIDTH: tl.constexpr,
+):
+    if ACT == 0:
+        _dequant_store(c_desc, out, off_m, off_n, N, bs_ptr, bias_ptr, B_SCALE_PER_ROW, HAS_BIAS, WIDTH)
+    else:
+        _act_backward_store(
+            c_desc,
+            out,
+            off_m,
+            off_n,
+            M,
+            N,
+            pid_m,
+            bs_ptr,
+            h_ptr,
+            act_ptr,
+            absmax_ptr,
+            part_ptr,
+            B_SCALE_PER_ROW,
+            ACT,
+            WRITE_A,
+            BLOCK_M,
+            WIDTH,
+        )
+
+
+@triton.jit
 def _scaled_mm_tma_kernel(
     a_desc,
     b_desc,
@@ -183,6 +278,10 @@ def _scaled_mm_tma_kernel(
     bias_ptr,
     a_ptr,
     c_ptr,
+    h_ptr,
+    act_ptr,
+    absmax_ptr,
+    part_ptr,
     M,
     N,
     K,
@@ -191,6 +290,8 @@ def _scaled_mm_tma_kernel(
     HAS_BIAS: tl.constexpr,
     IS_INT: tl.constexpr,
     NUM_SMS: tl.constexpr,
+    ACT: tl.constexpr,
+    WRITE_A: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -202,6 +303,8 @@ def _scaled_mm_tma_kernel(
     # M, N, K and clips stores, so no masks or modulo in the main loop; same epilogue arithmetic and order.
     # a_ptr and c_ptr (the tensors behind a_desc and c_desc) are not read: they are passed so that the
     # autotuner, which keys on the dtypes of tensor arguments, tunes int8 / fp8 and each output dtype apart.
+    # ACT != 0 swaps the epilogue for the activation backward of a fused MLP (_act_backward_store); h_ptr,
+    # act_ptr, absmax_ptr and part_ptr are only used then.
     start_pid = tl.program_id(0)
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
@@ -238,13 +341,69 @@ def _scaled_mm_tma_kernel(
             halves = tl.permute(tl.reshape(out, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1))
             out0, out1 = tl.split(halves)
             half: tl.constexpr = BLOCK_N // 2
-            _dequant_store(c_desc, out0, off_cm, off_cn, N, bs_ptr, bias_ptr, B_SCALE_PER_ROW, HAS_BIAS, half)
-            _dequant_store(
-                c_desc, out1, off_cm, off_cn + half, N, bs_ptr, bias_ptr, B_SCALE_PER_ROW, HAS_BIAS, half
+            _tile_store(
+                c_desc,
+                out0,
+                off_cm,
+                off_cn,
+                M,
+                N,
+                pid_m,
+                bs_ptr,
+                bias_ptr,
+                h_ptr,
+                act_ptr,
+                absmax_ptr,
+                part_ptr,
+                B_SCALE_PER_ROW,
+                HAS_BIAS,
+                ACT,
+                WRITE_A,
+                BLOCK_M,
+                half,
+            )
+            _tile_store(
+                c_desc,
+                out1,
+                off_cm,
+                off_cn + half,
+                M,
+                N,
+                pid_m,
+                bs_ptr,
+                bias_ptr,
+                h_ptr,
+                act_ptr,
+                absmax_ptr,
+                part_ptr,
+                B_SCALE_PER_ROW,
+                HAS_BIAS,
+                ACT,
+                WRITE_A,
+                BLOCK_M,
+                half,
             )
         else:
-            _dequant_store(
-                c_desc, out, off_cm, off_cn, N, bs_ptr, bias_ptr, B_SCALE_PER_ROW, HAS_BIAS, BLOCK_N
+            _tile_store(
+                c_desc,
+                out,
+                off_cm,
+                off_cn,
+                M,
+                N,
+                pid_m,
+                bs_ptr,
+                bias_ptr,
+                h_ptr,
+                act_ptr,
+                absmax_ptr,
+                part_ptr,
+                B_SCALE_PER_ROW,
+                HAS_BIAS,
+                ACT,
+                WRITE_A,
+                BLOCK_M,
+                BLOCK_N,
             )
 
 
@@ -256,6 +415,8 @@ def _tma_configs() -> list[triton.Config]:
         (128, 256, 128, 8, 4, True),
         (128, 128, 128, 8, 4, False),
         (256, 128, 128, 8, 3, True),
+        (128, 128, 256, 8, 3, False),
+        (128, 256, 64, 8, 6, True),
     ]
     return [
         triton.Config(
@@ -275,9 +436,11 @@ def _set_block_shapes(nargs: dict) -> None:
     nargs["c_desc"].block_shape = [bm, bn // 2 if nargs["EPILOGUE_SUBTILE"] else bn]
 
 
-_tma_autotuned_kernel = triton.autotune(configs=_tma_configs(), key=["M_BUCKET", "N", "K"])(
-    _scaled_mm_tma_kernel
-)
+# reset_to_zero: the fused activation-backward epilogue accumulates into absmax (atomic max) and writes
+# per-BLOCK_M partial sums; every benchmarked config must start from zeros (plain GEMMs pass scratch tensors).
+_tma_autotuned_kernel = triton.autotune(
+    configs=_tma_configs(), key=["M_BUCKET", "N", "K"], reset_to_zero=["absmax_ptr", "part_ptr"]
+)(_scaled_mm_tma_kernel)
 # Use the persistent TMA kernel where it applies (sm90, aligned shapes). False: always the portable kernel.
 USE_TMA = True
 
@@ -305,7 +468,8 @@ def _capability(device_index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(device_index)
 
 
-def _scaled_mm_tma(a_q, b_q, c, a_scale, b_scale, bias, flags) -> None:
+def _scaled_mm_tma(a_q, b_q, c, a_scale, b_scale, bias, flags, act=None) -> None:
+    """act = (h, act_out or None, absmax, part, ACT code) for the fused activation-backward epilogue."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     m, k = a_q.shape
@@ -315,6 +479,7 @@ def _scaled_mm_tma(a_q, b_q, c, a_scale, b_scale, bias, flags) -> None:
     b_desc = TensorDescriptor.from_tensor(b_q, [1, 16])
     c_desc = TensorDescriptor.from_tensor(c, [1, 16])
     num_sms = _num_sms(a_q.device.index or 0)
+    scratch = torch.empty((1,), dtype=torch.float32, device=a_q.device)
 
     def grid(meta):
         return (min(num_sms, triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"])),)
@@ -329,6 +494,11 @@ def _scaled_mm_tma(a_q, b_q, c, a_scale, b_scale, bias, flags) -> None:
         bias if bias is not None else c,
         a_q,
         c,
+        # Unused pointers get tensors of the same dtypes as in the fused call, so both share one tuning.
+        c if act is None else act[0],
+        c if act is None or act[1] is None else act[1],
+        scratch if act is None else act[2],
+        scratch if act is None else act[3],
         m,
         n,
         k,
@@ -337,16 +507,18 @@ def _scaled_mm_tma(a_q, b_q, c, a_scale, b_scale, bias, flags) -> None:
         B_SCALE_PER_ROW=flags["B_SCALE_PER_ROW"],
         HAS_BIAS=flags["HAS_BIAS"],
         IS_INT=flags["IS_INT"],
+        ACT=0 if act is None else act[4],
+        WRITE_A=act is not None and act[1] is not None,
     )
 
 
-def _run_tma(a_q, b_q, c, a_scale, b_scale, bias, flags) -> bool:
+def _run_tma(a_q, b_q, c, a_scale, b_scale, bias, flags, act=None) -> bool:
     """Launch the TMA kernel; if it cannot be built here (a Triton version without tensor descriptors or
     with a compiler bug), warn once, switch it off for the process and return False (the caller then runs
     the portable kernel, which computes the same result)."""
     global USE_TMA
     try:
-        _scaled_mm_tma(a_q, b_q, c, a_scale, b_scale, bias, flags)
+        _scaled_mm_tma(a_q, b_q, c, a_scale, b_scale, bias, flags, act)
     except Exception as err:  # compile errors surface as many exception types across Triton versions
         if isinstance(err, torch.cuda.OutOfMemoryError):
             raise
@@ -444,4 +616,60 @@ def scaled_matmul(
     return c
 
 
-__all__ = ["scaled_matmul"]
+def scaled_matmul_act_backward(
+    a_q: torch.Tensor,
+    b_q: torch.Tensor,
+    a_scale: torch.Tensor,
+    b_scale: torch.Tensor,
+    h: torch.Tensor,
+    qdtype: torch.dtype,
+    activation: str,
+    want_act: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """act_backward_quantize_colsum(scaled_matmul(a_q, b_q, a_scale, b_scale, None, h.dtype), h, ...).
+
+    On Hopper the activation backward runs in the GEMM's epilogue (grad_a is never written), then one
+    per-row quantize pass; elsewhere, and where TMA does not apply, the two steps run one after the other.
+    """
+    from . import quantize
+
+    m, n = a_q.shape[0], b_q.shape[0]
+    flags = dict(B_SCALE_PER_ROW=b_scale.dim() == 1, HAS_BIAS=False, IS_INT=a_q.dtype == torch.int8)
+    if FUSE_ACT_EPILOGUE and m > 0 and n > 0 and h.is_contiguous() and h.shape == (m, n):
+        gh = torch.empty((m, n), dtype=h.dtype, device=h.device)
+        act = torch.empty((m, n) if want_act else (0,), dtype=h.dtype, device=h.device)
+        absmax = torch.zeros((m,), dtype=torch.float32, device=h.device)
+        # Room for the smallest BLOCK_M of the configs: each tile row-block writes one row of partial sums.
+        part = torch.zeros((triton.cdiv(m, 128), n), dtype=torch.float32, device=h.device)
+        if not _needs_fp8_upcast(a_q.device.index or 0) and _tma_applies(a_q, b_q, gh):
+            extra = (h, act if want_act else None, absmax, part, ACT_CODES[activation])
+            scales = (a_scale.float().contiguous(), b_scale.float().contiguous())
+            if _run_act_epilogue(a_q, b_q, gh, *scales, flags, extra):
+                q, scale = quantize_rowwise_known_absmax(gh, absmax, qdtype)
+                return gh, act, q, scale, part.sum(dim=0)
+    grad_a = scaled_matmul(a_q, b_q, a_scale, b_scale, None, h.dtype)
+    return quantize.act_backward_quantize_colsum(grad_a, h, qdtype, activation, want_act)
+
+
+def _run_act_epilogue(a_q, b_q, gh, a_scale, b_scale, flags, extra) -> bool:
+    """Like _run_tma, for the fused epilogue: a failure to build it switches off only this fusion."""
+    global FUSE_ACT_EPILOGUE
+    try:
+        _scaled_mm_tma(a_q, b_q, gh, a_scale, b_scale, None, flags, extra)
+    except Exception as err:
+        if isinstance(err, torch.cuda.OutOfMemoryError):
+            raise
+        logger.warning(
+            "hf_switchback: fused activation-backward GEMM epilogue unavailable (%s: %s); running it apart",
+            type(err).__name__,
+            err,
+        )
+        FUSE_ACT_EPILOGUE = False
+        return False
+    return True
+
+
+# Run the activation backward in the grad-input GEMM's epilogue where the TMA kernel applies.
+FUSE_ACT_EPILOGUE = True
+
+__all__ = ["scaled_matmul", "scaled_matmul_act_backward"]

@@ -141,6 +141,32 @@ def _(a_q, b_q, a_scale, b_scale, bias, out_dtype):
     return a_q.new_empty((a_q.shape[0], b_q.shape[0]), dtype=out_dtype)
 
 
+@torch.library.custom_op(f"{_LIB}::scaled_matmul_act_backward", mutates_args=())
+def _scaled_matmul_act_backward(
+    a_q: torch.Tensor,
+    b_q: torch.Tensor,
+    a_scale: torch.Tensor,
+    b_scale: torch.Tensor,
+    h: torch.Tensor,
+    qdtype: torch.dtype,
+    activation: str,
+    want_act: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _matmul.scaled_matmul_act_backward(a_q, b_q, a_scale, b_scale, h, qdtype, activation, want_act)
+
+
+@_scaled_matmul_act_backward.register_fake
+def _(a_q, b_q, a_scale, b_scale, h, qdtype, activation, want_act):
+    m, n = a_q.shape[0], b_q.shape[0]
+    return (
+        h.new_empty((m, n)),
+        h.new_empty((m, n) if want_act else (0,)),
+        h.new_empty((m, n), dtype=qdtype),
+        h.new_empty((m,), dtype=torch.float32),
+        h.new_empty((n,), dtype=torch.float32),
+    )
+
+
 # The public functions: the reference signatures (with their defaults), dispatching to the ops above.
 
 
@@ -206,6 +232,22 @@ def scaled_matmul(
     return torch.ops.hf_switchback.scaled_matmul(a_q, b_q, a_scale, b_scale, bias, out_dtype)
 
 
+def scaled_matmul_act_backward(
+    a_q: torch.Tensor,
+    b_q: torch.Tensor,
+    a_scale: torch.Tensor,
+    b_scale: torch.Tensor,
+    h: torch.Tensor,
+    qdtype: torch.dtype,
+    activation: str,
+    want_act: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """fc2's 8-bit grad-input GEMM + the activation backward of a fused MLP; see the twin."""
+    return torch.ops.hf_switchback.scaled_matmul_act_backward(
+        a_q, b_q, a_scale, b_scale, h, qdtype, activation, want_act
+    )
+
+
 __all__ = [
     "QMAX",
     "act_backward_quantize_colsum",
@@ -217,4 +259,5 @@ __all__ = [
     "quantize_tensorwise",
     "quantize_tensorwise_transposed",
     "scaled_matmul",
+    "scaled_matmul_act_backward",
 ]

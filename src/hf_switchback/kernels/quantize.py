@@ -461,18 +461,25 @@ def _act_backward_tiles(grad, h, qdtype, activation, want_act):
         BLOCK_K=_BWD_TILE_K,
         num_warps=8,
     )
-    q = torch.empty((m, k), dtype=qdtype, device=grad.device)
-    scale = torch.empty((m,), dtype=torch.float32, device=grad.device)
+    q, scale = quantize_rowwise_known_absmax(gh, absmax, qdtype)
+    return gh, act, q, scale, part.sum(dim=0)
+
+
+def quantize_rowwise_known_absmax(x: torch.Tensor, absmax: torch.Tensor, qdtype: torch.dtype):
+    """quantize_rowwise(x) given its exact row absmax (M,) float32: a fully parallel 2-D tiled pass."""
+    m, k = x.shape
+    q = torch.empty((m, k), dtype=qdtype, device=x.device)
+    scale = torch.empty((m,), dtype=torch.float32, device=x.device)
     grid = (triton.cdiv(m, _TILE_M), triton.cdiv(k, _TILE_K))
     _quantize_2d_kernel[grid](
-        gh,
+        x,
         q,
         absmax,
         scale,
         m,
         k,
-        gh.stride(0),
-        gh.stride(1),
+        x.stride(0),
+        x.stride(1),
         q.stride(0),
         q.stride(1),
         PER_COLUMN=False,
@@ -481,7 +488,7 @@ def _act_backward_tiles(grad, h, qdtype, activation, want_act):
         BLOCK_K=_TILE_K,
         **_qargs(qdtype),
     )
-    return gh, act, q, scale, part.sum(dim=0)
+    return q, scale
 
 
 def act_backward_quantize_colsum(

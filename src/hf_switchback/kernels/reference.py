@@ -150,6 +150,23 @@ def act_backward_quantize_colsum(
     return (grad_h, act, *quantize_rowwise_colsum(grad_h, qdtype))
 
 
+def scaled_matmul_act_backward(
+    a_q: torch.Tensor,
+    b_q: torch.Tensor,
+    a_scale: torch.Tensor,
+    b_scale: torch.Tensor,
+    h: torch.Tensor,
+    qdtype: torch.dtype,
+    activation: str,
+    want_act: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """fc2's grad-input GEMM followed by the activation backward of a fused MLP:
+    act_backward_quantize_colsum(scaled_matmul(a_q, b_q, a_scale, b_scale, None, h.dtype), h, ...).
+    The Triton twin runs the second step in the GEMM's epilogue on Hopper."""
+    grad_a = scaled_matmul(a_q, b_q, a_scale, b_scale, None, h.dtype)
+    return act_backward_quantize_colsum(grad_a, h, qdtype, activation, want_act)
+
+
 def int8_matmul_int32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """Exact int32 accumulation of (M, K) int8 @ (N, K).T int8 -> (M, N) int32."""
     m, n = a.shape[0], b.shape[0]
@@ -203,4 +220,5 @@ __all__ = [
     "quantize_tensorwise",
     "quantize_tensorwise_transposed",
     "scaled_matmul",
+    "scaled_matmul_act_backward",
 ]
