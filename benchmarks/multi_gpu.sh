@@ -121,7 +121,10 @@ resume_pair deepspeed_zero3 0,1 "$DS_NPROC" accelerate_configs/deepspeed_zero3.y
 wait
 
 # d. logit memory: the embedded tiny CLIP, so the logits dominate; local (n x N) vs global (N x N) loss
-LOGITS=(--batch_size "$B_LOGITS" --max_train_steps "$STEPS_LOGITS" --logging_steps 1 --num_workers "$WORKERS")
+# Each DataLoader worker builds whole batches from its share of the stream, so keep workers few and the set
+# large enough for STEPS_LOGITS batches per worker (8 workers x 25k samples made no 8192 batch on the GPU run).
+LOGITS=(--batch_size "$B_LOGITS" --max_train_steps "$STEPS_LOGITS" --logging_steps 1 --num_workers 2
+    --synthetic_train_samples $((4 * 2 * B_LOGITS * (STEPS_LOGITS + 1))))
 launch logits_local_4gpu "$T_LOGITS" 0,1,2,3 4 "$DDP" 29631 -- "${LOGITS[@]}" --local_loss
 launch logits_global_4gpu "$T_LOGITS" 0,1,2,3 4 "$DDP" 29632 -- "${LOGITS[@]}" --no-local_loss
 

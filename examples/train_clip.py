@@ -551,18 +551,15 @@ def training_function(args):
     if monitor:
         results["spike_monitor_warnings"] = len(monitor.warnings)
     accelerator.wait_for_everyone()
-    # get_state_dict gathers sharded (FSDP/ZeRO-3) weights; drop the wrapper's "clip." prefix
-    state_dict = {k.removeprefix("clip."): v for k, v in accelerator.get_state_dict(model).items()}
-    state_dict = export_state_dict(state_dict)  # logit_scale back to CLIPModel's 0-d shape
-    # layer-scale folded into out_proj / fc2: the checkpoint is a plain CLIPModel with the same outputs
-    state_dict = fold_layer_scale_state_dict(state_dict)
-    clip.save_pretrained(
-        args.output_dir,
-        state_dict=state_dict,
-        is_main_process=accelerator.is_main_process,
-        save_function=accelerator.save,
-    )
+    # get_state_dict gathers sharded (FSDP/ZeRO-3) weights on every rank (a collective), but under ZeRO-3 only
+    # the main process receives them (None elsewhere: the 2-GPU ZeRO-3 run crashed on it), and only it writes.
+    gathered = accelerator.get_state_dict(model)
     if accelerator.is_main_process:
+        # drop the wrapper's "clip." prefix; logit_scale back to CLIPModel's 0-d shape
+        state_dict = export_state_dict({k.removeprefix("clip."): v for k, v in gathered.items()})
+        # layer-scale folded into out_proj / fc2: the checkpoint is a plain CLIPModel with the same outputs
+        state_dict = fold_layer_scale_state_dict(state_dict)
+        clip.save_pretrained(args.output_dir, state_dict=state_dict, save_function=accelerator.save)
         processor.save_pretrained(args.output_dir)
         with open(os.path.join(args.output_dir, "all_results.json"), "w") as f:
             json.dump(results, f, indent=2)
