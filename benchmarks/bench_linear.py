@@ -4,7 +4,8 @@
     PYTHONPATH=src python benchmarks/bench_linear.py --dims 1280 --tokens 65536 --cases block
 
 Cases: a single linear d->4d ("fc1"), 4d->d ("fc2"), and the CLIP MLP block fc1 -> GELU -> fc2 ("block":
-transformers' CLIPMLP, hidden_act from --act; SwitchBack rows run it fused unless marked [unfused mlp]), at
+transformers' CLIPMLP, hidden_act from --act; SwitchBack rows say "[fused mlp]" where the block ran as one
+fused op, the default; "[fuse_mlp=False]" rows run three separate ops), at
 `tokens` rows of bf16 input. Each variant runs forward + backward (input gradient included, as inside a
 network); the time is the median of triton's do_bench. Columns:
 - ms, x bf16: time and speed-up over eager bf16 nn.Linear of the same case (> 1 is faster);
@@ -179,11 +180,18 @@ def fused_quant_ms(d: int, tokens: int, cfg: SwitchBackConfig, act: str) -> floa
 
 
 UNFUSED = " [unfused bias grad]"
-UNFUSED_MLP = " [unfused mlp]"
 NO_TMA = " [no tma]"
 # The fused block's activation backward: in fc2's grad-input GEMM epilogue (default, Hopper TMA kernel), or
 # as a separate pass after it: 2-D tiles, or whole rows per program (kernels.quantize.ACT_BACKWARD_IMPL).
-ACT_BWD = {" [act-bwd tiles]": "tiles", " [act-bwd rows]": "rows"}
+ACT_BWD = {" [act-bwd epilogue]": "epilogue", " [act-bwd tiles]": "tiles", " [act-bwd rows]": "rows"}
+DEFAULT_ACT_EPILOGUE = kmatmul.FUSE_ACT_EPILOGUE
+
+
+def fuse_tag(cfg: SwitchBackConfig) -> str:
+    """Name suffix of a variant whose fuse_mlp is not the default (True)."""
+    return "" if cfg.fuse_mlp else " [fuse_mlp=False]"
+
+
 # hidden_act -> the fused kernels' activation name
 _ACT_KIND = {"gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu", "quick_gelu": "quick_gelu"}
 
@@ -206,14 +214,15 @@ def variants(
     if bwd_ab:
         for precision in ("int8", "fp8"):
             for tag in ACT_BWD:
-                cfg = SwitchBackConfig(precision=precision)
+                cfg = SwitchBackConfig(precision=precision, fuse_mlp=True)
+                tag = fuse_tag(cfg) + tag
                 out.append((f"switchback {cfg.variant}{tag}", lambda m, cfg=cfg: switchback(m, cfg), False))
     if tma_ab:
         # The portable (non-persistent, pointer-based) GEMM everywhere: kernels.matmul.USE_TMA = False.
         for precision in ("int8", "fp8"):
-            for fuse, mem in ((False, False), (True, False), (False, True)):
+            for fuse, mem in ((False, False), (True, False), (False, True), (True, True)):
                 cfg = SwitchBackConfig(precision=precision, fuse_mlp=fuse, memory_efficient=mem)
-                tag = "" if fuse else UNFUSED_MLP
+                tag = fuse_tag(cfg)
                 out.append(
                     (f"switchback {cfg.variant}{tag}{NO_TMA}", lambda m, cfg=cfg: switchback(m, cfg), False)
                 )
@@ -225,7 +234,7 @@ def variants(
                     cfg = SwitchBackConfig(
                         precision=precision, weight_scaling=scaling, memory_efficient=mem, fuse_mlp=False
                     )
-                    name = f"switchback {cfg.variant}{UNFUSED_MLP}"
+                    name = f"switchback {cfg.variant}{fuse_tag(cfg)}"
                     out.append((name, lambda m, cfg=cfg: switchback(m, cfg), False))
     if bias_grad_ab:
         # Same layers with the bias gradient as a separate column-sum pass (functional.FUSED_BIAS_GRAD=False).
@@ -284,8 +293,8 @@ def run_case(
         functional.FUSED_BIAS_GRAD = not name.endswith(UNFUSED)
         kmatmul.USE_TMA = not name.endswith(NO_TMA)
         bwd_impl = next((impl for tag, impl in ACT_BWD.items() if name.endswith(tag)), None)
-        kmatmul.FUSE_ACT_EPILOGUE = bwd_impl is None
-        kquantize.ACT_BACKWARD_IMPL = bwd_impl or "tiles"
+        kmatmul.FUSE_ACT_EPILOGUE = DEFAULT_ACT_EPILOGUE if bwd_impl is None else bwd_impl == "epilogue"
+        kquantize.ACT_BACKWARD_IMPL = bwd_impl if bwd_impl in ("tiles", "rows") else "tiles"
         try:
             model = make(copy.deepcopy(ref))
             run_model = torch.compile(model) if compiled else model
@@ -306,7 +315,7 @@ def run_case(
         functional.FUSED_BIAS_GRAD = True
         kmatmul.USE_TMA = True
         kquantize.ACT_BACKWARD_IMPL = "tiles"
-        kmatmul.FUSE_ACT_EPILOGUE = True
+        kmatmul.FUSE_ACT_EPILOGUE = DEFAULT_ACT_EPILOGUE
         rows.append(row)
         print(format_row(row), flush=True)
         torch._dynamo.reset()

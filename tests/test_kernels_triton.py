@@ -437,6 +437,7 @@ def test_scaled_matmul_act_backward(qdtype, dtype, activation, want_act, shape, 
     tuner = matmul._tma_autotuned_kernel
     monkeypatch.setattr(tuner, "configs", [tuner.configs[config]])
     monkeypatch.setattr(tuner, "cache", {})
+    monkeypatch.setattr(matmul, "FUSE_ACT_EPILOGUE", True)  # off by default until verified here
     m, n, k = shape
     a, b = _random_q((m, k), qdtype), _random_q((n, k), qdtype)
     a_scale, b_scale = torch.rand(m) * 0.01, torch.tensor(0.003)
@@ -467,9 +468,9 @@ def test_scaled_matmul_act_backward(qdtype, dtype, activation, want_act, shape, 
 
 
 MLP_CONFIGS = [
-    dict(precision="int8", weight_scaling="tensor", memory_efficient=False),
+    dict(precision="int8", weight_scaling="tensor", memory_efficient=False, fuse_mlp=True),
     dict(precision="int8", weight_scaling="row", memory_efficient=True),
-    dict(precision="fp8", weight_scaling="row", memory_efficient=False),
+    dict(precision="fp8", weight_scaling="row", memory_efficient=False, fuse_mlp=True),
     dict(precision="fp8", weight_scaling="tensor", memory_efficient=True),
 ]
 
@@ -533,7 +534,9 @@ def test_fused_mlp_torch_compile_no_graph_breaks():
             hidden_size=128, intermediate_size=512, hidden_act="quick_gelu", num_attention_heads=4
         )
     )
-    block = apply_switchback(block, SwitchBackConfig(backend="triton")).to("cuda", torch.bfloat16)
+    block = apply_switchback(block, SwitchBackConfig(backend="triton", fuse_mlp=True)).to(
+        "cuda", torch.bfloat16
+    )
     x = torch.randn(4, 64, 128, device="cuda", dtype=torch.bfloat16)
     torch._dynamo.reset()
     explain = torch._dynamo.explain(block)(x)

@@ -24,7 +24,7 @@ from hf_switchback.kernels import reference as ref
 from hf_switchback.mlp import activation_kind, is_fused_mlp
 
 HIDDEN_ACTS = {"quick_gelu": "quick_gelu", "gelu": "gelu", "gelu_pytorch_tanh": "gelu_tanh"}
-TORCH = SwitchBackConfig(backend="torch")
+TORCH = SwitchBackConfig(backend="torch", fuse_mlp=True)
 
 
 def snr_db(exact: torch.Tensor, approx: torch.Tensor) -> float:
@@ -86,7 +86,11 @@ def test_act_twins_compose_quantize_and_colsum():
 def test_fused_block_matches_separate_layers_and_float64(variant, hidden_act, memory_efficient):
     precision, scaling = variant.split("/")
     cfg = SwitchBackConfig(
-        backend="torch", precision=precision, weight_scaling=scaling, memory_efficient=memory_efficient
+        backend="torch",
+        precision=precision,
+        weight_scaling=scaling,
+        memory_efficient=memory_efficient,
+        fuse_mlp=True,
     )
     plain = make_mlp(hidden_act)
     fused = apply_switchback(copy.deepcopy(plain), cfg)
@@ -176,6 +180,17 @@ def test_apply_and_remove_on_clip_model_keep_keys_and_load_into_plain_model():
     remove_switchback(model)
     assert all(type(m) is CLIPMLP for m in model.modules() if isinstance(m, CLIPMLP))
     assert not any(hasattr(m, "_switchback_activation") for m in model.modules())
+
+
+def test_fuse_mlp_config_field():
+    assert SwitchBackConfig().fuse_mlp is True
+    cfg = SwitchBackConfig(fuse_mlp=False, memory_efficient=True)
+    assert SwitchBackConfig.from_dict(cfg.to_dict()) == cfg
+    with pytest.raises(TypeError, match="fuse_mlp"):
+        SwitchBackConfig(fuse_mlp="yes")
+    model = CLIPModel(tiny_clip_config())
+    apply_switchback(model, SwitchBackConfig(backend="torch"))  # fused by default
+    assert sum(is_fused_mlp(m) for m in model.modules()) == 4
 
 
 def test_only_fully_converted_blocks_with_one_config_fuse():

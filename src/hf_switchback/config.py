@@ -91,9 +91,11 @@ class SwitchBackConfig:
     min_tokens: int | None = None
     # When fc1 and fc2 of a transformers CLIPMLP are both converted with this config, run the block
     # fc1 -> activation -> fc2 as one fused SwitchBack op (hf_switchback.mlp): the activation runs inside
-    # the 8-bit quantize passes and its output is recomputed in backward instead of saved (about half the
-    # block's activation memory, fewer passes over the 4d-wide tensors). Supported activations: gelu (erf),
-    # the tanh approximations and quick_gelu; other blocks keep the separate layers. False: always separate.
+    # the 8-bit quantize passes and its output is recomputed in backward instead of saved, so the block saves
+    # only fc1's input and output (half of bf16's activations; 44% less with memory_efficient). Supported
+    # activations: gelu (erf), the tanh approximations and quick_gelu; other blocks keep the separate layers.
+    # Speed on H100 today (BENCHMARKS.md, issue 3): with memory_efficient the fused block is the faster one;
+    # without it the separate layers are ~3% faster, so set False there when speed matters more than memory.
     fuse_mlp: bool = True
 
     def __post_init__(self) -> None:

@@ -164,7 +164,7 @@ class _SwitchBackMLPFn(torch.autograd.Function):
         if need_fc1:
             g_q, g_scale, g_colsum = kernels.quantize_rowwise_colsum(g, gq)
             w2t_q, w2t_scale = wt_quantize(w2, gq)
-            # grad_h = (G W2) * act'(h): on Hopper the activation backward runs in the GEMM's epilogue.
+            # grad_h = (G W2) * act'(h), the GEMM and the activation backward in one kernel call.
             grad_h, a, gh_q, gh_scale, gh_colsum = kernels.scaled_matmul_act_backward(
                 g_q, w2t_q, g_scale, w2t_scale, h, gq, activation, need_w2
             )

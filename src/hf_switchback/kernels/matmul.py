@@ -628,8 +628,9 @@ def scaled_matmul_act_backward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """act_backward_quantize_colsum(scaled_matmul(a_q, b_q, a_scale, b_scale, None, h.dtype), h, ...).
 
-    On Hopper the activation backward runs in the GEMM's epilogue (grad_a is never written), then one
-    per-row quantize pass; elsewhere, and where TMA does not apply, the two steps run one after the other.
+    With FUSE_ACT_EPILOGUE (off by default, see there) on Hopper the activation backward runs in the GEMM's
+    epilogue (grad_a is never written), then one per-row quantize pass; otherwise the two steps run one after
+    the other.
     """
     from . import quantize
 
@@ -669,7 +670,10 @@ def _run_act_epilogue(a_q, b_q, gh, a_scale, b_scale, flags, extra) -> bool:
     return True
 
 
-# Run the activation backward in the grad-input GEMM's epilogue where the TMA kernel applies.
-FUSE_ACT_EPILOGUE = True
+# Run the activation backward in the grad-input GEMM's epilogue where the TMA kernel applies. Off: on the
+# H100 (triton 3.6) the tile config tuned for the plain GEMM of that shape ran out of shared memory with this
+# epilogue (262,176 > 232,448 bytes) and the GPU tests of the fused path have not been run there yet. The
+# logic is checked under TRITON_INTERPRET=1; the next step is a tuning key / config pruning of its own.
+FUSE_ACT_EPILOGUE = False
 
 __all__ = ["scaled_matmul", "scaled_matmul_act_backward"]
