@@ -1,14 +1,32 @@
 """End-to-end CLIP training step speed: bf16 vs SwitchBack vs torchao float8, one process, one table.
 
-Each row is one HF CLIPModel built from a config (random init, no download) trained on random data:
-forward with the contrastive loss, backward, fused AdamW step, bf16 autocast, SDPA attention. Ratios are
-against bf16 eager and bf16 + torch.compile measured in the same run.
+Each row is one HF CLIPModel built from examples/configs/<model>.json (random init, no download) trained on
+random data: forward with CLIP's contrastive loss, backward, AdamW step (fused on CUDA), bf16 autocast, SDPA
+attention. Ratios are against bf16 eager and bf16 + compile measured in the same run. Every finished row is
+printed as one JSON line and rewritten to --json at once, so a killed process keeps what it measured.
 
-    PYTHONPATH=src python benchmarks/bench_train.py                       # ViT-B/16, L/14, H/14, all variants
+    PYTHONPATH=.whl/site:src python benchmarks/bench_train.py --models vit-b-16 --time_budget_s 500 \
+        --json $OUT/train_b16.json
     PYTHONPATH=src python benchmarks/bench_train.py --models vit-h-14 --variants bf16 bf16+compile \
         int8+compile --grad_ckpt both --steps 10
+    PYTHONPATH=src python benchmarks/bench_train.py --device cpu --tiny --variants bf16 int8 --steps 1  # smoke
 
-Needs CUDA. torchao rows are skipped (with the import error shown) when torchao is not installed.
+Variants:
+  int8 / fp8             SwitchBack with the library defaults (backend="auto"): what a user gets. Under "auto"
+                         a call with fewer than 16,384 tokens runs the bf16 matmul (the measured crossover), so
+                         at ViT-L/14 batch 128 and ViT-H/14 batch 64 the text tower (77 tokens per caption)
+                         stays bf16 and only the vision tower is 8-bit.
+  int8-triton            backend="triton": every swapped linear quantizes, whatever its token count. Shows what
+                         the floor is worth; at ViT-B/16 batch 256 both towers are above it, so it equals int8.
+  int8-row-memeff        row-wise weight scales and the 8-bit saved input (SwitchBack's memory-saving mode).
+  torchao-float8-<recipe> torchao's float8 training on the same linears (encoder layers; projections stay bf16).
+  +compile               torch.compile; --compile layers (default) compiles each encoder layer (one graph per
+                         tower, reused by all its layers: ViT-H/14 compiles in well under a minute instead of
+                         several), --compile model compiles the whole CLIPModel forward.
+
+Needs CUDA except for the --device cpu smoke mode. A row that fails (out of memory, torchao missing, a kernel
+error) is recorded with its error and the table goes on; with --time_budget_s, rows that would not finish in the
+budget are recorded as skipped.
 """
 
 from __future__ import annotations
@@ -16,115 +34,144 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
+import platform
 import time
+from pathlib import Path
 
 import torch
 
-# (vision width, layers, heads, patch) / (text width, layers, heads) / projection dim, per OpenCLIP's configs
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "examples" / "configs"
+# per-GPU batch: what fits an 80 GB H100 without gradient checkpointing, in OpenCLIP's usual range
 MODELS = {
-    "vit-b-16": dict(vision=(768, 12, 12, 16), text=(512, 12, 8), proj=512, batch=256),
-    "vit-l-14": dict(vision=(1024, 24, 16, 14), text=(768, 12, 12), proj=768, batch=128),
-    "vit-h-14": dict(vision=(1280, 32, 16, 14), text=(1024, 24, 16), proj=1024, batch=64),
+    "vit-b-16": dict(config="clip-vit-b-16.json", batch=256),
+    "vit-l-14": dict(config="clip-vit-l-14.json", batch=128),
+    "vit-h-14": dict(config="clip-vit-h-14.json", batch=64),
 }
+TEXT_TOKENS = 77
+# --tiny: the same model family at CPU-test size (the smoke mode and tests/test_benchmarks.py)
+TINY_TOWER = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2)
+TINY_BATCH = 8
 VARIANTS = (
     "bf16",
     "bf16+compile",
     "int8",
     "int8+compile",
+    "int8-triton+compile",
     "int8-row-memeff+compile",
     "fp8",
     "fp8+compile",
+    "torchao-float8-tensorwise+compile",
     "torchao-float8-rowwise_with_gw_hp+compile",
 )
+BASES = ("bf16", "int8", "int8-triton", "int8-row-memeff", "fp8", "torchao-float8-tensorwise")
+BASES += ("torchao-float8-rowwise", "torchao-float8-rowwise_with_gw_hp")
+CHOICES = tuple(base + suffix for base in BASES for suffix in ("", "+compile"))
 
 
-def clip_config(name: str):
+def clip_config(name: str, tiny: bool = False):
+    """CLIPConfig of examples/configs/<model>.json; `tiny` shrinks both towers to CPU-test size."""
     from transformers import CLIPConfig
 
-    spec = MODELS[name]
-    vw, vl, vh, patch = spec["vision"]
-    tw, tl, th = spec["text"]
-    vision = dict(
-        hidden_size=vw,
-        intermediate_size=4 * vw,
-        num_hidden_layers=vl,
-        num_attention_heads=vh,
-        image_size=224,
-        patch_size=patch,
-    )
-    text = dict(
-        hidden_size=tw,
-        intermediate_size=4 * tw,
-        num_hidden_layers=tl,
-        num_attention_heads=th,
-        max_position_embeddings=77,
-    )
-    return CLIPConfig(text_config=text, vision_config=vision, projection_dim=spec["proj"])
+    config = CLIPConfig.from_json_file(CONFIG_DIR / MODELS[name]["config"])
+    if tiny:
+        for key, value in TINY_TOWER.items():
+            setattr(config.text_config, key, value)
+            setattr(config.vision_config, key, value)
+        config.vision_config.image_size, config.vision_config.patch_size = 32, 8
+        config.projection_dim = config.text_config.projection_dim = config.vision_config.projection_dim = 32
+        config.text_config.vocab_size = 64
+    return config
 
 
-def build_model(name: str, variant: str, grad_ckpt: bool):
-    """(model, compile?) for one table row."""
+def build_model(config, variant: str, grad_ckpt: bool, compile_mode: str, device: str):
+    """The CLIPModel of one table row, converted and (for +compile) compiled, in training mode."""
     from transformers import CLIPModel
 
     from hf_switchback import SwitchBackConfig, apply_switchback
 
-    model = CLIPModel(clip_config(name)).cuda()
-    model.config._attn_implementation = "sdpa"
+    with torch.device(device):  # init on the GPU: ViT-H/14's random init on the CPU takes tens of seconds
+        model = CLIPModel(config)
+    model.train()  # HF only checkpoints in training mode
     if grad_ckpt:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     base = variant.removesuffix("+compile")
     if base == "int8":
+        apply_switchback(model, SwitchBackConfig())
+    elif base == "int8-triton":
         apply_switchback(model, SwitchBackConfig(backend="triton"))
     elif base == "int8-row-memeff":
-        apply_switchback(
-            model, SwitchBackConfig(weight_scaling="row", memory_efficient=True, backend="triton")
-        )
+        apply_switchback(model, SwitchBackConfig(weight_scaling="row", memory_efficient=True))
     elif base == "fp8":
-        apply_switchback(model, SwitchBackConfig(precision="fp8", backend="triton"))
+        apply_switchback(model, SwitchBackConfig(precision="fp8"))
     elif base.startswith("torchao-float8-"):
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
-        recipe = base.removeprefix("torchao-float8-")
         # same coverage as SwitchBack's defaults: encoder linears only, projections stay bf16
         convert_to_float8_training(
             model,
-            config=Float8LinearConfig.from_recipe_name(recipe),
-            module_filter_fn=lambda m, fqn: "encoder.layers" in fqn,
+            config=Float8LinearConfig.from_recipe_name(base.removeprefix("torchao-float8-")),
+            module_filter_fn=lambda module, fqn: ".encoder.layers." in f".{fqn}",
         )
     elif base != "bf16":
-        raise ValueError(f"unknown variant {variant!r}; choose from {VARIANTS}")
-    return model, variant.endswith("+compile")
+        raise ValueError(f"unknown variant {variant!r}; choose from {CHOICES}")
+    if not variant.endswith("+compile"):
+        return model
+    if compile_mode == "model":
+        return torch.compile(model)
+    # dynamic=False: the vision and text layers have different shapes; without it the second shape would make
+    # dynamo recompile the shared layer code with symbolic sizes instead of one static graph per tower
+    for tower in (model.vision_model, model.text_model):
+        for layer in tower.encoder.layers:
+            layer.compile(dynamic=False)
+    return model
 
 
-def time_training(name: str, variant: str, grad_ckpt: bool, steps: int, warmup: int) -> dict:
-    batch = MODELS[name]["batch"]
-    model, compiled = build_model(name, variant, grad_ckpt)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-    forward = torch.compile(model) if compiled else model
-    ids = torch.randint(0, model.config.text_config.vocab_size, (batch, 77), device="cuda")
-    pixels = torch.randn(batch, 3, 224, 224, device="cuda")
+def synchronize(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
 
-    def step():
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss = forward(input_ids=ids, pixel_values=pixels, return_loss=True).loss
+
+def time_training(
+    name: str, variant: str, grad_ckpt: bool, steps: int, warmup: int, args: argparse.Namespace
+) -> dict:
+    """One row: first step (compile + autotune) time, then `steps` timed steps after `warmup` untimed ones."""
+    device = args.device
+    config = clip_config(name, tiny=args.tiny)
+    batch = args.batch or (TINY_BATCH if args.tiny else MODELS[name]["batch"])
+    model = build_model(config, variant, grad_ckpt, args.compile, device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device == "cuda")
+    side = config.vision_config.image_size
+    text_tokens = min(TEXT_TOKENS, config.text_config.max_position_embeddings)
+    ids = torch.randint(4, config.text_config.vocab_size, (batch, text_tokens), device=device)
+    ids[:, -1] = config.text_config.eos_token_id  # the text tower pools at the first eos token
+    pixels = torch.randn(batch, 3, side, side, device=device)
+
+    def step() -> torch.Tensor:
+        with torch.autocast(device, dtype=torch.bfloat16):
+            loss = model(input_ids=ids, pixel_values=pixels, return_loss=True).loss
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        return loss
 
-    torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
-    step()
-    torch.cuda.synchronize()
+    loss = step()
+    synchronize(device)
     first_step_s = time.perf_counter() - t0
     for _ in range(warmup):
-        step()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
+        loss = step()
+    synchronize(device)
+    if device == "cuda":
+        # steady state: parameters, gradients' high-water mark and optimizer state, not the compile/autotune step
+        torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
     for _ in range(steps):
-        step()
-    end.record()
-    torch.cuda.synchronize()
-    ms = start.elapsed_time(end) / steps
+        loss = step()
+    synchronize(device)
+    ms = (time.perf_counter() - t0) * 1000 / steps
+    if not torch.isfinite(loss).item():
+        raise FloatingPointError(f"loss is {loss.item()}")
     row = dict(
         model=name,
         variant=variant,
@@ -132,38 +179,99 @@ def time_training(name: str, variant: str, grad_ckpt: bool, steps: int, warmup: 
         batch=batch,
         ms_per_step=ms,
         samples_per_s=batch * 1000 / ms,
-        peak_mem_gib=torch.cuda.max_memory_allocated() / 2**30,
+        peak_mem_gib=torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None,
         first_step_s=first_step_s,
+        loss=loss.item(),
     )
-    return row  # model, optimizer and compiled graphs are freed by the caller's cleanup()
+    return row  # model, optimizer and compiled code are freed by the caller's cleanup()
 
 
-def cleanup() -> None:
+def cleanup(device: str) -> None:
+    """Free the last row's model, optimizer state and compiled graphs before the next row is built."""
+    torch._dynamo.reset()  # compiled code holds the model's parameters through its guards
     gc.collect()
-    torch.cuda.empty_cache()
-    torch._dynamo.reset()
+    if device == "cuda":
+        torch.cuda.empty_cache()
+
+
+def estimate_s(durations: dict, name: str, variant: str) -> float:
+    """Rough cost of a row from the rows of the same model already run (0 when nothing is known)."""
+    compiled = variant.endswith("+compile")
+    same = durations.get((name, compiled))
+    if same:
+        return max(same)
+    eager = durations.get((name, False))
+    return 2 * max(eager) + 30 if compiled and eager else 0.0
 
 
 def print_table(rows: list[dict]) -> None:
     base = {(r["model"], r["grad_ckpt"], r["variant"]): r["ms_per_step"] for r in rows if "ms_per_step" in r}
     header = (
-        f"{'model':9} {'ckpt':4} {'variant':42} {'ms/step':>8} {'samples/s':>9} {'vs bf16':>7} "
+        f"{'model':9} {'ckpt':5} {'variant':42} {'ms/step':>8} {'samples/s':>9} {'vs bf16':>7} "
         f"{'vs bf16+c':>9} {'peak GiB':>8} {'1st step s':>10}"
     )
     print(header)
     print("-" * len(header))
     for r in rows:
-        if "error" in r:
-            print(f"{r['model']:9} {r['grad_ckpt']!s:4} {r['variant']:42} error: {r['error']}")
+        lead = f"{r['model']:9} {r['grad_ckpt']!s:5} {r['variant']:42}"
+        if "ms_per_step" not in r:
+            print(f"{lead} {r.get('status', 'error')}: {r.get('error', '')}")
             continue
         eager = base.get((r["model"], r["grad_ckpt"], "bf16"))
         comp = base.get((r["model"], r["grad_ckpt"], "bf16+compile"))
         vs_e = f"{eager / r['ms_per_step']:.2f}x" if eager else "-"
         vs_c = f"{comp / r['ms_per_step']:.2f}x" if comp else "-"
+        mem = f"{r['peak_mem_gib']:8.1f}" if r["peak_mem_gib"] is not None else f"{'-':>8}"
         print(
-            f"{r['model']:9} {r['grad_ckpt']!s:4} {r['variant']:42} {r['ms_per_step']:8.1f} "
-            f"{r['samples_per_s']:9.0f} {vs_e:>7} {vs_c:>9} {r['peak_mem_gib']:8.1f} {r['first_step_s']:10.1f}"
+            f"{lead} {r['ms_per_step']:8.1f} {r['samples_per_s']:9.0f} {vs_e:>7} {vs_c:>9} {mem} "
+            f"{r['first_step_s']:10.1f}"
         )
+
+
+def environment(args: argparse.Namespace) -> dict:
+    env = dict(torch=torch.__version__, python=platform.python_version(), args=vars(args))
+    if args.device == "cuda":
+        env["device"] = torch.cuda.get_device_name()
+    for module in ("triton", "transformers", "torchao"):
+        try:
+            env[module] = __import__(module).__version__
+        except Exception as err:  # a missing optional package is reported, not fatal
+            env[module] = f"unavailable ({type(err).__name__})"
+    return env
+
+
+def run(args: argparse.Namespace) -> list[dict]:
+    """Every (model, grad_ckpt, variant) row in order; prints and saves each as it finishes."""
+    env = environment(args)
+    print(json.dumps(env), flush=True)
+    start = time.perf_counter()
+    ckpts = {"off": [False], "on": [True], "both": [False, True]}[args.grad_ckpt]
+    rows: list[dict] = []
+    durations: dict = {}
+    for name in args.models:
+        for grad_ckpt in ckpts:
+            for variant in args.variants:
+                key = dict(model=name, variant=variant, grad_ckpt=grad_ckpt)
+                elapsed = time.perf_counter() - start
+                if args.time_budget_s and elapsed + estimate_s(durations, name, variant) > args.time_budget_s:
+                    rows.append(dict(key, status="skipped", error=f"time budget ({elapsed:.0f} s used)"))
+                else:
+                    t0 = time.perf_counter()
+                    try:
+                        rows.append(
+                            dict(time_training(name, variant, grad_ckpt, args.steps, args.warmup, args))
+                        )
+                    except Exception as err:  # one failing row must not lose the rest of the table
+                        rows.append(dict(key, status="error", error=repr(err)[:300]))
+                    cleanup(args.device)  # after the except block, so the traceback no longer pins the model
+                    row_s = time.perf_counter() - t0
+                    rows[-1]["row_s"] = row_s
+                    durations.setdefault((name, variant.endswith("+compile")), []).append(row_s)
+                print(json.dumps(rows[-1]), flush=True)
+                if args.json:
+                    Path(args.json).write_text(json.dumps(dict(env=env, rows=rows), indent=1))
+    print_table(rows)
+    return rows
 
 
 def main() -> None:
@@ -171,36 +279,32 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS), help="CLIP sizes")
-    parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS), help="table rows")
+    parser.add_argument("--variants", nargs="+", choices=CHOICES, default=list(VARIANTS), help="table rows")
     parser.add_argument(
         "--grad_ckpt",
         choices=("off", "on", "both"),
         default="off",
         help="gradient checkpointing of both towers",
     )
+    parser.add_argument(
+        "--compile", choices=("layers", "model"), default="layers", help="what +compile rows compile"
+    )
+    parser.add_argument("--batch", type=int, default=None, help="per-step batch (default: per model)")
     parser.add_argument("--steps", type=int, default=10, help="timed steps per row")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps after the first (compile) step")
-    parser.add_argument("--json", default=None, help="also write the rows to this JSON file")
+    parser.add_argument(
+        "--time_budget_s", type=float, default=None, help="skip rows that would end past this many seconds"
+    )
+    parser.add_argument(
+        "--json", default=None, help="also write the rows to this JSON file (after every row)"
+    )
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="cpu: smoke test only")
+    parser.add_argument("--tiny", action="store_true", help="shrink the models to CPU-test size (smoke test)")
     args = parser.parse_args()
-    if not torch.cuda.is_available():
-        raise SystemExit("bench_train.py needs a CUDA GPU")
-
-    print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}")
-    ckpts = {"off": [False], "on": [True], "both": [False, True]}[args.grad_ckpt]
-    rows = []
-    for name in args.models:
-        for grad_ckpt in ckpts:
-            for variant in args.variants:
-                try:
-                    rows.append(time_training(name, variant, grad_ckpt, args.steps, args.warmup))
-                except Exception as err:  # one failing peer must not lose the rest of the table
-                    rows.append(dict(model=name, variant=variant, grad_ckpt=grad_ckpt, error=repr(err)[:200]))
-                cleanup()
-                print(json.dumps(rows[-1]), flush=True)
-    print_table(rows)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("bench_train.py needs a CUDA GPU (or --device cpu --tiny for a smoke test)")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    run(args)
 
 
 if __name__ == "__main__":

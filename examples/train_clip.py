@@ -65,7 +65,13 @@ from hf_switchback.training.optim import cosine_with_warmup, param_groups
 from hf_switchback.training.optimizers import OPTIMIZER_CHOICES, create_optimizer, unstable_parameters
 from hf_switchback.training.patch_dropout import add_patch_dropout
 from hf_switchback.training.spike_monitor import SpikeMonitor, default_group_name
-from hf_switchback.training.step import CLIPForContrastive, clamp_logit_scale, contrastive_backward
+from hf_switchback.training.step import (
+    CLIPForContrastive,
+    clamp_logit_scale,
+    contrastive_backward,
+    export_state_dict,
+    logit_scale_to_1d,
+)
 from hf_switchback.training.tokenizer import build_word_tokenizer
 from hf_switchback.training.transforms import train_transform_for
 
@@ -318,6 +324,12 @@ def training_function(args):
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO)
     if not accelerator.is_main_process:
         logging.getLogger().setLevel(logging.WARNING)
+    if (
+        accelerator.distributed_type == DistributedType.MULTI_CPU
+        and os.environ.get("ACCELERATE_USE_FSDP") == "true"
+    ):
+        # accelerate 1.x turns FSDP on only for GPU-like devices; a CPU launch of fsdp2.yaml is DDP over gloo
+        logger.warning("FSDP config on the CPU: accelerate runs this as plain DDP (gloo), not FSDP2")
     if accelerator.distributed_type == DistributedType.DEEPSPEED:
         check_deepspeed(accelerator, args)  # before anything is loaded: it can refuse the run
     set_seed(args.seed)
@@ -366,6 +378,9 @@ def training_function(args):
     warmup = args.warmup_steps if args.warmup_steps is not None else max(1, args.max_train_steps // 20)
 
     # What accelerate wraps: forward returns (image features, text features, exp(logit_scale)), OpenCLIP-style.
+    # logit_scale becomes shape (1,) (FSDP2 and ZeRO-3 shard along dim 0; 0-d is refused), on every backend so
+    # checkpoints are the same everywhere; the saved model gets the 0-d shape back (export_state_dict).
+    logit_scale_to_1d(clip)
     model = CLIPForContrastive(clip)
     optimizer = create_optimizer(
         args.optimizer,
@@ -423,6 +438,7 @@ def training_function(args):
         )
         accelerator.log({f"eval/{k}": v for k, v in metrics.items()}, step=step)
         accelerator.print(f"step {step}: " + ", ".join(f"{k} {v:.3f}" for k, v in sorted(metrics.items())))
+        append_log(accelerator, log_path, {"step": step, **metrics})
         return metrics
 
     batches = micro_batch_stream(stream, collate, args, state["epoch"], state["batch_in_epoch"])
@@ -431,6 +447,14 @@ def training_function(args):
         total=args.max_train_steps, initial=state["step"], disable=not accelerator.is_local_main_process
     )
     start_step, train_time = state["step"], 0.0  # train_time leaves evals and checkpoints out
+    # Steady-state throughput leaves the first steps of this launch out (compile, autotune, allocator warm-up).
+    steady_from = start_step + min(10, (args.max_train_steps - start_step) // 3)
+    steady_time, window = 0.0, {"steps": 0, "time": 0.0}
+    log_path = os.path.join(args.output_dir, "train_log.jsonl")
+    if accelerator.is_main_process:
+        reset_log(log_path, keep_until=state["step"])  # fresh run: empty; resumed: up to the checkpoint
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats(accelerator.device)
     while state["step"] < args.max_train_steps:
         t0 = time.perf_counter()
         micro_batches = []
@@ -455,7 +479,12 @@ def training_function(args):
         state["step"] += 1
         loss_value = loss.item()
         state["loss_sum"] += loss_value
-        train_time += time.perf_counter() - t0
+        step_time = time.perf_counter() - t0  # loss.item() above waited for the GPU
+        train_time += step_time
+        if state["step"] > steady_from:
+            steady_time += step_time
+        window["steps"] += 1
+        window["time"] += step_time
         samples_per_s = global_batch * (state["step"] - start_step) / max(train_time, 1e-9)
         progress.update(1)
         progress.set_postfix(loss=f"{loss_value:.3f}", samples_per_s=f"{samples_per_s:.0f}")
@@ -472,6 +501,21 @@ def training_function(args):
                 logs["train/grad_norm"] = float(grad_norm)
             logs.update(spike_metrics)  # rms/max, rms/<layer> (this rank's values)
             accelerator.log(logs, step=state["step"])
+            # throughput of the steps since the last log line (the tracker's is the running mean)
+            window_samples_per_s = global_batch * window["steps"] / max(window["time"], 1e-9)
+            window = {"steps": 0, "time": 0.0}
+            append_log(
+                accelerator,
+                log_path,
+                {
+                    "step": state["step"],
+                    "epoch": state["epoch"],
+                    "loss": logs["train/loss"],
+                    "lr": logs["train/lr"],
+                    "logit_scale": logs["train/logit_scale"],
+                    "samples_per_s": window_samples_per_s,
+                },
+            )
             if args.log_losses:
                 accelerator.print(f"step {state['step']} loss {logs['train/loss']:.8f}")
         if args.eval_steps and state["step"] % args.eval_steps == 0 and state["step"] < args.max_train_steps:
@@ -485,11 +529,21 @@ def training_function(args):
     steps_run = state["step"] - start_step
     if "zero_shot_top1" not in metrics:
         logger.warning("no zero-shot classes (see --zeroshot_label_column): zero_shot_top1 is null")
+    steady_steps = state["step"] - max(steady_from, start_step)
     results = {
         "zero_shot_top1": None,
         **metrics,
         "train_loss": mean_over_ranks(accelerator, state["loss_sum"]) / max(1, state["step"]),
         "train_samples_per_second": global_batch * steps_run / max(train_time, 1e-9),
+        # steps after `steady_from` of this launch only; null when the run was too short to have any
+        "train_samples_per_second_steady": global_batch * steady_steps / steady_time
+        if steady_steps > 0
+        else None,
+        "steady_from_step": steady_from,
+        "global_batch_size": global_batch,
+        "num_processes": accelerator.num_processes,
+        "distributed_type": accelerator.distributed_type.value,
+        **peak_memory(accelerator),
         "train_steps": state["step"],
         "train_skipped_samples": sum_over_ranks(accelerator, state["num_skipped"]),
         "eval_samples": len(eval_set[0]),
@@ -499,6 +553,7 @@ def training_function(args):
     accelerator.wait_for_everyone()
     # get_state_dict gathers sharded (FSDP/ZeRO-3) weights; drop the wrapper's "clip." prefix
     state_dict = {k.removeprefix("clip."): v for k, v in accelerator.get_state_dict(model).items()}
+    state_dict = export_state_dict(state_dict)  # logit_scale back to CLIPModel's 0-d shape
     # layer-scale folded into out_proj / fc2: the checkpoint is a plain CLIPModel with the same outputs
     state_dict = fold_layer_scale_state_dict(state_dict)
     clip.save_pretrained(
@@ -517,9 +572,48 @@ def training_function(args):
         if args.push_to_hub:
             if args.layer_scale_init is not None:
                 fold_layer_scale(clip)  # training is over: upload a plain CLIPModel
+            if not hasattr(clip.logit_scale, "full_tensor"):  # (FSDP-sharded models are not pushed as is)
+                clip.logit_scale = torch.nn.Parameter(clip.logit_scale.detach().reshape(()))
             push(clip, processor, args, sb_config, results)
     accelerator.end_training()
     return results
+
+
+def append_log(accelerator, path: str, record: dict) -> None:
+    """One JSON line per logging step / eval in <output_dir>/train_log.jsonl (main process; appends on resume)."""
+    if accelerator.is_main_process:
+        with open(path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+
+
+def reset_log(path: str, keep_until: int) -> None:
+    """Drop the lines of train_log.jsonl after step `keep_until` (a resumed run writes them again)."""
+    if not os.path.exists(path):
+        return
+    with open(path) as f:
+        kept = [line for line in f if line.strip() and json.loads(line)["step"] <= keep_until]
+    with open(path, "w") as f:
+        f.writelines(kept)
+
+
+def peak_memory(accelerator) -> dict:
+    """Peak CUDA memory of this launch, GiB: the largest rank's, and every rank's; empty without CUDA."""
+    if accelerator.device.type != "cuda":
+        return {}
+    stats = torch.tensor(
+        [
+            torch.cuda.max_memory_allocated(accelerator.device),
+            torch.cuda.max_memory_reserved(accelerator.device),
+        ],
+        dtype=torch.float64,
+        device=accelerator.device,
+    )
+    per_rank = accelerator.gather(stats[None]).cpu() / 2**30  # (num_processes, 2)
+    return {
+        "peak_memory_allocated_gib": round(per_rank[:, 0].max().item(), 3),
+        "peak_memory_reserved_gib": round(per_rank[:, 1].max().item(), 3),
+        "peak_memory_allocated_gib_per_rank": [round(v, 3) for v in per_rank[:, 0].tolist()],
+    }
 
 
 def mean_over_ranks(accelerator, value: float) -> float:

@@ -38,7 +38,7 @@ class CLIPForContrastive(nn.Module):
 
 
 def clip_features(model, batch: dict):
-    """(image (B, D), text (B, D), logit_scale ()) from a CLIPForContrastive, features L2-normalized."""
+    """(image (B, D), text (B, D), logit_scale () or (1,)) from a CLIPForContrastive, features L2-normalized."""
     return model(**{k: batch[k] for k in MODEL_INPUTS if k in batch})
 
 
@@ -67,6 +67,26 @@ def contrastive_backward(model, loss_fn, micro_batches: list[dict], accelerator)
             accelerator.backward(loss)
     # All N losses are the same full-batch loss (up to recompute noise); report the last.
     return loss.detach()
+
+
+def logit_scale_to_1d(clip: nn.Module) -> None:
+    """Give CLIP's 0-d `logit_scale` the shape (1,), same value, in place; a no-op when it is already 1-D.
+
+    FSDP2's `fully_shard` refuses 0-d Parameters ("change to a 1-D tensor"), and ZeRO-3 partitions along the
+    first dimension too. Call it before the optimizer is built (the optimizer must see the new Parameter).
+    Numerics are unchanged: every use is `logit_scale.exp() * logits`, which broadcasts. Undo it on the saved
+    weights with `export_state_dict`, so the checkpoint loads into a plain CLIPModel.
+    """
+    scale = clip.logit_scale
+    if scale.ndim == 0:
+        clip.logit_scale = nn.Parameter(scale.detach().reshape(1), requires_grad=scale.requires_grad)
+
+
+def export_state_dict(state_dict: dict) -> dict:
+    """A (gathered) state dict as CLIPModel stores it: the 1-D `logit_scale` back to a 0-d tensor."""
+    return {
+        k: v.reshape(()) if k.endswith("logit_scale") and v.numel() == 1 else v for k, v in state_dict.items()
+    }
 
 
 def clamp_logit_scale(clip: nn.Module) -> None:

@@ -1,0 +1,370 @@
+"""Accuracy parity (issue 7): bf16 vs SwitchBack int8 vs fp8 on the same CLIP training run.
+
+Runs examples/train_clip.py once per (variant, seed), one after another on one GPU: ViT-B/16 from
+examples/configs/clip-vit-b-16.json (random init, 224 px), the embedded synthetic shapes set, bf16 autocast,
+the same seed (same init, same data order) for every variant, so the runs differ only in the linears. Then
+reads each run's train_log.jsonl and all_results.json and writes, to --out_dir:
+
+    parity.json       environment, arguments, and every run's logged losses, evals and final results
+    parity.md         the table: final loss (and its paired difference to bf16), zero-shot, retrieval, speed
+    parity_loss.png   loss curves (and eval curves) of all runs (needs matplotlib; else re-plot with --merge)
+
+    # one H100, ~8-9 minutes for the three runs:
+    PYTHONPATH=src python benchmarks/parity.py --out_dir $OUT --time_budget_s 530
+    # a second seed (noise floor: bf16 vs bf16 across seeds), then one table and plot from both, on any machine:
+    PYTHONPATH=src python benchmarks/parity.py --out_dir $OUT --seeds 1 --variants bf16 int8
+    python benchmarks/parity.py --merge seed0/parity.json seed1/parity.json --out_dir docs/figures
+    # CPU smoke test (tiny model, a few steps):
+    PYTHONPATH=src python benchmarks/parity.py --smoke --out_dir /tmp/parity --variants bf16 int8
+
+Reading the result: the synthetic zero-shot task (32 colour x shape classes) saturates early, so the final
+loss (mean of the last 20% of logged steps; the per-step difference to bf16 at the same seed removes batch
+noise) and retrieval recall over 576 distinct captions (colour, shape, size and position must all match) are
+the metrics that separate the variants. The eval set has at most 576 images, so one eval metric has a
+binomial standard error of up to ~2 pp: a 0.5 pp gap in zero-shot cannot be resolved by one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+TRAIN_SCRIPT = ROOT / "examples" / "train_clip.py"
+MODEL_CONFIG = ROOT / "examples" / "configs" / "clip-vit-b-16.json"
+VARIANT_FLAGS = {
+    "bf16": ["--switchback", "off"],
+    "int8": ["--switchback", "on", "--precision", "int8"],
+    "fp8": ["--switchback", "on", "--precision", "fp8"],
+}
+EVAL_METRICS = ("zero_shot_top1", "zero_shot_top5", "image_to_text_R@1", "text_to_image_R@1")
+LAST_FRACTION = 0.2  # "final loss" = mean over the last 20% of logged steps
+SETUP_RESERVE_S = 15  # summary + plot after the last run
+
+
+def train_command(
+    args: argparse.Namespace, variant: str, seed: int, run_dir: Path, config: Path
+) -> list[str]:
+    """The train_clip.py command line of one run."""
+    cmd = [sys.executable, str(TRAIN_SCRIPT), "--model_config", str(config), *VARIANT_FLAGS[variant]]
+    cmd += ["--seed", str(seed), "--output_dir", str(run_dir), "--report_to", "none"]
+    cmd += ["--batch_size", str(args.batch_size), "--max_train_steps", str(args.steps)]
+    cmd += ["--synthetic_train_samples", str(args.steps * args.batch_size)]  # one epoch: no loader restart
+    cmd += ["--lr", str(args.lr), "--warmup_steps", str(args.warmup_steps)]
+    cmd += ["--num_workers", str(args.num_workers), "--max_eval_samples", str(args.eval_samples)]
+    cmd += ["--logging_steps", str(args.logging_steps), "--eval_steps", str(args.eval_steps)]
+    cmd += ["--mixed_precision", args.mixed_precision]
+    if args.torch_compile:
+        cmd.append("--torch_compile")
+    return cmd + args.extra
+
+
+def run_training(cmd: list[str], timeout_s: float, log_file: Path) -> dict:
+    """Run one training process (own process group, killed whole on timeout); its status and wall time."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT / "src"), env.get("PYTHONPATH")) if p)
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    t0 = time.perf_counter()
+    with open(log_file, "w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        try:
+            returncode = proc.wait(timeout=max(1.0, timeout_s))
+            status = "ok" if returncode == 0 else "failed"
+        except subprocess.TimeoutExpired:
+            # the process group: the DataLoader workers go with the trainer
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+            returncode, status = proc.returncode, "timeout"
+    tail = log_file.read_text(errors="replace").splitlines()[-40:] if status != "ok" else []
+    return dict(status=status, returncode=returncode, wall_s=time.perf_counter() - t0, output_tail=tail)
+
+
+def read_train_log(path: Path) -> tuple[list[dict], list[dict]]:
+    """(training lines, eval lines) of a train_log.jsonl; eval lines are the ones without a loss."""
+    train, evals = [], []
+    if not path.exists():
+        return train, evals
+    for line in path.read_text().splitlines():
+        if line.strip():
+            record = json.loads(line)
+            (train if "loss" in record else evals).append(record)
+    return train, evals
+
+
+def tail_window(train: list[dict]) -> list[dict]:
+    """The last LAST_FRACTION of logged training steps (at least one)."""
+    return train[-max(1, math.ceil(len(train) * LAST_FRACTION)) :]
+
+
+def mean_se(values: list[float]) -> tuple[float | None, float | None]:
+    if not values:
+        return None, None
+    mean = sum(values) / len(values)
+    if len(values) < 2:
+        return mean, None
+    var = sum((v - mean) ** 2 for v in values) / (len(values) - 1)
+    return mean, math.sqrt(var / len(values))
+
+
+def summarize(runs: list[dict]) -> list[dict]:
+    """One row per run: final loss, paired loss difference to bf16 of the same seed, eval metrics, speed."""
+    bf16 = {r["seed"]: r for r in runs if r["variant"] == "bf16"}
+    rows = []
+    for r in runs:
+        window = tail_window(r["train"]) if r["train"] else []
+        loss, loss_se = mean_se([x["loss"] for x in window])
+        row = dict(variant=r["variant"], seed=r["seed"], status=r["status"], wall_s=r.get("wall_s"))
+        row.update(steps=r["train"][-1]["step"] if r["train"] else 0, final_loss=loss, final_loss_se=loss_se)
+        base = bf16.get(r["seed"])
+        if base is not None and base is not r and window:
+            base_loss = {x["step"]: x["loss"] for x in base["train"]}
+            diffs = [x["loss"] - base_loss[x["step"]] for x in window if x["step"] in base_loss]
+            row["dloss_vs_bf16"], row["dloss_vs_bf16_se"] = mean_se(diffs)
+        results = r.get("results") or {}
+        last_eval = r["evals"][-1] if r["evals"] else {}
+        for key in EVAL_METRICS:
+            row[key] = results.get(key, last_eval.get(key))  # final eval, else the last one logged
+        row["eval_samples"] = results.get("eval_samples")
+        row["samples_per_s"] = results.get("train_samples_per_second_steady") or results.get(
+            "train_samples_per_second"
+        )
+        row["peak_mem_gib"] = results.get("peak_memory_allocated_gib")
+        if base is not None and base is not r:
+            base_results = base.get("results") or {}
+            for key in ("zero_shot_top1", "image_to_text_R@1", "text_to_image_R@1"):
+                if row[key] is not None and base_results.get(key) is not None:
+                    row[f"d_{key}_pp"] = 100 * (row[key] - base_results[key])
+        rows.append(row)
+    return rows
+
+
+def _fmt(value, spec: str = ".4f", scale: float = 1.0) -> str:
+    return "-" if value is None else format(value * scale, spec)
+
+
+def markdown(rows: list[dict], env: dict) -> str:
+    """The parity table, its environment and how to read it."""
+    lines = [
+        f"Parity run: {env.get('device', 'cpu')}, torch {env.get('torch')}, {env.get('model')}, "
+        f"batch {env.get('batch_size')}, {env.get('steps')} steps, lr {env.get('lr')}.",
+        "",
+        "| variant | seed | status | steps | final loss (last 20%) | Δ loss vs bf16 (paired) | zero-shot top-1 "
+        "| Δ pp | i→t R@1 | t→i R@1 | Δ t→i pp | samples/s | peak GiB | wall s |",
+        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        loss = _fmt(r["final_loss"]) + (f" ± {r['final_loss_se']:.4f}" if r["final_loss_se"] else "")
+        dloss = "-"
+        if r.get("dloss_vs_bf16") is not None:
+            se = r.get("dloss_vs_bf16_se")
+            dloss = f"{r['dloss_vs_bf16']:+.4f}" + (f" ± {se:.4f}" if se else "")
+        lines.append(
+            f"| {r['variant']} | {r['seed']} | {r['status']} | {r['steps']} | {loss} | {dloss} "
+            f"| {_fmt(r['zero_shot_top1'], '.1%')} | {_fmt(r.get('d_zero_shot_top1_pp'), '+.2f')} "
+            f"| {_fmt(r['image_to_text_R@1'], '.1%')} | {_fmt(r['text_to_image_R@1'], '.1%')} "
+            f"| {_fmt(r.get('d_text_to_image_R@1_pp'), '+.2f')} | {_fmt(r['samples_per_s'], '.0f')} "
+            f"| {_fmt(r['peak_mem_gib'], '.1f')} | {_fmt(r['wall_s'], '.0f')} |"
+        )
+    n = max((r["eval_samples"] or 0 for r in rows), default=0)
+    if n:
+        lines += [
+            "",
+            f"Eval set: {n} images; one accuracy's binomial standard error is at most "
+            f"{50 / math.sqrt(n):.1f} pp (p = 0.5), {100 * math.sqrt(0.9 * 0.1 / n):.1f} pp at p = 0.9. "
+            "± on losses: standard error over the logged steps of the window (correlated steps: indicative).",
+        ]
+    for r in rows:
+        if r["variant"] == "int8" and r.get("d_zero_shot_top1_pp") is not None:
+            met = "met" if abs(r["d_zero_shot_top1_pp"]) <= 0.5 else "missed"
+            lines.append(
+                f"Target int8 zero-shot within 0.5 pp of bf16 (seed {r['seed']}): {met} "
+                f"({r['d_zero_shot_top1_pp']:+.2f} pp)."
+            )
+    return "\n".join(lines) + "\n"
+
+
+def ema_of(values: list[float], decay: float = 0.8) -> list[float]:
+    out, ema = [], values[0]
+    for v in values:
+        ema = decay * ema + (1 - decay) * v
+        out.append(ema)
+    return out
+
+
+def plot(runs: list[dict], path: Path) -> bool:
+    """Loss curves (raw and smoothed) and eval curves; False when matplotlib is missing."""
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError:
+        return False
+    fig = Figure(figsize=(13, 4.8))
+    FigureCanvasAgg(fig)
+    ax_loss, ax_diff, ax_eval = fig.subplots(1, 3)
+    bf16 = {r["seed"]: r for r in runs if r["variant"] == "bf16"}
+    colors = {"bf16": "tab:blue", "int8": "tab:orange", "fp8": "tab:green"}
+    styles = ["-", "--", ":", "-."]
+    for r in runs:
+        if not r["train"]:
+            continue
+        label = f"{r['variant']} seed {r['seed']}"
+        color, style = colors.get(r["variant"], "gray"), styles[r["seed"] % len(styles)]
+        steps = [x["step"] for x in r["train"]]
+        losses = [x["loss"] for x in r["train"]]
+        ax_loss.plot(steps, losses, color=color, alpha=0.25, linewidth=0.8)
+        ax_loss.plot(steps, ema_of(losses), color=color, linestyle=style, label=label)
+        base = bf16.get(r["seed"])
+        if base is not None and base is not r:
+            base_loss = {x["step"]: x["loss"] for x in base["train"]}
+            paired = [
+                (x["step"], x["loss"] - base_loss[x["step"]]) for x in r["train"] if x["step"] in base_loss
+            ]
+            if paired:
+                xs, ys = zip(*paired, strict=True)
+                ax_diff.plot(xs, ema_of(list(ys)), color=color, linestyle=style, marker=".", label=label)
+        for key, marker in (("zero_shot_top1", "o"), ("text_to_image_R@1", "s")):
+            points = [(e["step"], e[key]) for e in r["evals"] if e.get(key) is not None]
+            if points:
+                xs, ys = zip(*points, strict=True)
+                ax_eval.plot(xs, ys, color=color, linestyle=style, marker=marker, markersize=3)
+    ax_loss.set(title="contrastive loss (EMA 0.8; raw faint)", xlabel="step", ylabel="loss")
+    ax_diff.axhline(0.0, color="tab:blue", linewidth=0.8)
+    ax_diff.set(title="loss minus bf16's, same seed and step (EMA)", xlabel="step")
+    ax_eval.set(title="eval: zero-shot top-1 (o), text→image R@1 (s)", xlabel="step", ylim=(0, 1.02))
+    for ax in (ax_loss, ax_diff, ax_eval):
+        ax.grid(alpha=0.3)
+    ax_loss.legend(fontsize=8)
+    if ax_diff.lines[1:]:
+        ax_diff.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return True
+
+
+def write_outputs(runs: list[dict], env: dict, out_dir: Path) -> list[dict]:
+    """parity.json, parity.md and parity_loss.png in out_dir; returns the summary rows."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    rows = summarize(runs)
+    (out_dir / "parity.json").write_text(json.dumps(dict(env=env, summary=rows, runs=runs), indent=1))
+    text = markdown(rows, env)
+    if not plot(runs, out_dir / "parity_loss.png"):
+        text += "\n(no plot: matplotlib is not installed here; re-plot with --merge parity.json)\n"
+    (out_dir / "parity.md").write_text(text)
+    return rows
+
+
+def tiny_config(directory: Path) -> Path:
+    """The ViT-B/16 config shrunk to CPU-test size (smoke mode)."""
+    config = json.loads(MODEL_CONFIG.read_text())
+    tower = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2)
+    config["text_config"].update(tower, vocab_size=64, projection_dim=32)
+    config["vision_config"].update(tower, image_size=32, patch_size=8, projection_dim=32)
+    config["projection_dim"] = 32
+    path = directory / "tiny_clip.json"
+    path.write_text(json.dumps(config))
+    return path
+
+
+def environment(args: argparse.Namespace, config: Path) -> dict:
+    env = dict(python=platform.python_version(), model=config.name, args=vars(args).copy())
+    env.update(batch_size=args.batch_size, steps=args.steps, lr=args.lr)
+    try:
+        import torch
+
+        env["torch"] = torch.__version__
+        if torch.cuda.is_available():
+            env["device"] = torch.cuda.get_device_name()
+    except ImportError:
+        pass
+    return env
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--out_dir", required=True, help="parity.json / .md / _loss.png go here")
+    parser.add_argument("--variants", nargs="+", choices=list(VARIANT_FLAGS), default=list(VARIANT_FLAGS))
+    parser.add_argument("--seeds", nargs="+", type=int, default=[0], help="one run per variant and seed")
+    parser.add_argument("--steps", type=int, default=500, help="optimizer steps per run")
+    parser.add_argument("--batch_size", type=int, default=256, help="per step (one GPU)")
+    parser.add_argument("--lr", type=float, default=5e-4, help="peak learning rate (cosine to 0)")
+    parser.add_argument("--warmup_steps", type=int, default=60, help="linear warmup")
+    parser.add_argument("--num_workers", type=int, default=10, help="DataLoader workers generating images")
+    parser.add_argument("--eval_samples", type=int, default=576, help="distinct eval captions (max 576)")
+    parser.add_argument("--eval_steps", type=int, default=100, help="eval every N steps (and at the end)")
+    parser.add_argument("--logging_steps", type=int, default=5, help="loss logged every N steps")
+    parser.add_argument("--mixed_precision", choices=("bf16", "no"), default="bf16", help="autocast dtype")
+    parser.add_argument("--torch_compile", action="store_true", help="pass --torch_compile to train_clip.py")
+    parser.add_argument(
+        "--time_budget_s",
+        type=float,
+        default=530,
+        help="wall clock for all runs; the rest share what is left",
+    )
+    parser.add_argument("--runs_dir", default=None, help="train_clip output dirs (default: a temp dir)")
+    parser.add_argument("--smoke", action="store_true", help="CPU smoke test: tiny model, few steps")
+    parser.add_argument(
+        "--merge", nargs="+", default=None, help="re-summarize these parity.json files, no runs"
+    )
+    parser.add_argument("extra", nargs=argparse.REMAINDER, help="after --: more train_clip.py flags")
+    args = parser.parse_args()
+    args.extra = [a for a in args.extra if a != "--"]
+    out_dir = Path(args.out_dir)
+
+    if args.merge:
+        loaded = [json.loads(Path(p).read_text()) for p in args.merge]
+        runs = [run for data in loaded for run in data["runs"]]
+        rows = write_outputs(runs, loaded[0]["env"], out_dir)
+        print(markdown(rows, loaded[0]["env"]))
+        return
+
+    runs_dir = Path(args.runs_dir or tempfile.mkdtemp(prefix="parity_runs_"))
+    config = MODEL_CONFIG
+    if args.smoke:
+        args.steps, args.batch_size, args.warmup_steps = min(args.steps, 4), 8, 1
+        args.num_workers, args.eval_samples, args.eval_steps, args.logging_steps = 0, 16, 2, 1
+        args.mixed_precision = "no"
+        runs_dir.mkdir(parents=True, exist_ok=True)
+        config = tiny_config(runs_dir)
+    env = environment(args, config)
+    plan = [(seed, variant) for seed in args.seeds for variant in args.variants]
+    start = time.perf_counter()
+    runs = []
+    for i, (seed, variant) in enumerate(plan):
+        left = args.time_budget_s - (time.perf_counter() - start) - SETUP_RESERVE_S
+        run_dir = runs_dir / f"{variant}_seed{seed}"
+        run = dict(variant=variant, seed=seed, train=[], evals=[], results=None)
+        if left < 30:
+            run.update(status="skipped", wall_s=0.0)
+        else:
+            cmd = train_command(args, variant, seed, run_dir, config)
+            run["command"] = " ".join(cmd)
+            run_dir.mkdir(parents=True, exist_ok=True)
+            # an equal share of what is left, so one slow run cannot starve all the later ones
+            run.update(run_training(cmd, left / (len(plan) - i), run_dir / "stdout.txt"))
+            run["train"], run["evals"] = read_train_log(run_dir / "train_log.jsonl")
+            results = run_dir / "all_results.json"
+            run["results"] = json.loads(results.read_text()) if results.exists() else None
+        runs.append(run)
+        print(json.dumps({k: v for k, v in run.items() if k not in ("train", "evals")}), flush=True)
+        write_outputs(runs, env, out_dir)  # after every run: a killed command keeps what finished
+    rows = write_outputs(runs, env, out_dir)
+    print(markdown(rows, env))
+
+
+if __name__ == "__main__":
+    main()

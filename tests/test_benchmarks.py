@@ -1,0 +1,141 @@
+"""The benchmark scripts run end to end on the CPU (tiny models), so a broken script fails CI, not a GPU run."""
+
+import importlib.util
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def load_script(name: str):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def run_script(args: list[str], timeout: int = 120) -> str:
+    env = {"PYTHONPATH": str(ROOT / "src"), "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    env["PATH"] = "/usr/bin:/bin"
+    proc = subprocess.run(
+        [sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    return proc.stdout
+
+
+@pytest.mark.slow
+def test_bench_train_cpu_smoke(tmp_path):
+    out = tmp_path / "rows.json"
+    flags = ["--device", "cpu", "--tiny", "--models", "vit-b-16", "--variants", "bf16", "int8"]
+    stdout = run_script(
+        ["benchmarks/bench_train.py", *flags, "--steps", "1", "--warmup", "0", "--json", str(out)]
+    )
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["variant"] for r in rows] == ["bf16", "int8"]
+    for row in rows:
+        assert "error" not in row, row
+        assert row["ms_per_step"] > 0 and math.isfinite(row["loss"]) and row["batch"] == 8
+    lines = stdout.splitlines()
+    assert any(line.startswith("vit-b-16") and " int8 " in line and "x" in line for line in lines)
+
+
+def test_bench_train_time_budget_skips_and_keeps_rows(tmp_path, monkeypatch):
+    bench = load_script("bench_train")
+    out = tmp_path / "rows.json"
+    argv = ["bench_train.py", "--device", "cpu", "--tiny", "--models", "vit-b-16", "vit-l-14"]
+    argv += ["--variants", "bf16", "int8+compile", "--time_budget_s", "1e-9", "--json", str(out)]
+    monkeypatch.setattr(sys, "argv", argv)
+    bench.main()
+    rows = json.loads(out.read_text())["rows"]
+    assert len(rows) == 4 and all(r["status"] == "skipped" for r in rows)
+    # a failing row is recorded with its error and the next row still runs
+    args = bench.argparse.Namespace(device="cpu", tiny=True, batch=None, compile="layers")
+    with pytest.raises(ValueError, match="unknown variant"):
+        bench.time_training("vit-b-16", "int4", False, 1, 0, args)
+
+
+def test_bench_train_models_come_from_configs():
+    bench = load_script("bench_train")
+    config = bench.clip_config("vit-h-14")
+    assert (config.vision_config.hidden_size, config.vision_config.num_hidden_layers) == (1280, 32)
+    assert (config.vision_config.patch_size, config.vision_config.image_size) == (14, 224)
+    assert (config.text_config.hidden_size, config.text_config.num_hidden_layers, config.projection_dim) == (
+        1024,
+        24,
+        1024,
+    )
+
+
+@pytest.mark.slow
+def test_parity_cpu_smoke(tmp_path):
+    """One tiny bf16 training run through train_clip.py, its log parsed into the table and JSON."""
+    dirs = ["--out_dir", str(tmp_path / "out"), "--runs_dir", str(tmp_path / "runs")]
+    stdout = run_script(["benchmarks/parity.py", "--smoke", *dirs, "--variants", "bf16"], timeout=180)
+    data = json.loads((tmp_path / "out" / "parity.json").read_text())
+    (run,) = data["runs"]
+    assert run["status"] == "ok", run["output_tail"]
+    assert [x["step"] for x in run["train"]] == [1, 2, 3, 4]
+    assert run["evals"] and "zero_shot_top1" in run["evals"][-1]
+    assert data["summary"][0]["final_loss"] is not None
+    assert "| bf16 | 0 | ok | 4 |" in stdout
+    assert (tmp_path / "out" / "parity_loss.png").stat().st_size > 0
+
+
+def write_fake_log(run_dir: Path, losses: list[float], zero_shot: float) -> None:
+    run_dir.mkdir(parents=True)
+    lines = [
+        dict(step=5 * (i + 1), epoch=0, loss=v, lr=1e-4, logit_scale=14.0, samples_per_s=1.0)
+        for i, v in enumerate(losses)
+    ]
+    lines.insert(2, {"step": 10, "zero_shot_top1": zero_shot - 0.1, "text_to_image_R@1": 0.2})
+    lines.append({"step": 5 * len(losses), "zero_shot_top1": zero_shot, "text_to_image_R@1": 0.4})
+    (run_dir / "train_log.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    results = {
+        "zero_shot_top1": zero_shot,
+        "text_to_image_R@1": 0.4,
+        "image_to_text_R@1": 0.5,
+        "eval_samples": 576,
+    }
+    (run_dir / "all_results.json").write_text(json.dumps(results))
+
+
+def test_parity_summary_and_plot_from_fabricated_logs(tmp_path):
+    """Unit test of the log parser, the paired loss difference, the table and the plot (no training)."""
+    parity = load_script("parity")
+    base = [3.0 - 0.1 * i for i in range(10)]
+    write_fake_log(tmp_path / "bf16", base, 0.90)
+    write_fake_log(tmp_path / "int8", [v + 0.02 for v in base], 0.896)
+    runs = []
+    for variant in ("bf16", "int8"):
+        train, evals = parity.read_train_log(tmp_path / variant / "train_log.jsonl")
+        assert len(train) == 10 and len(evals) == 2
+        results = json.loads((tmp_path / variant / "all_results.json").read_text())
+        runs.append(
+            dict(variant=variant, seed=0, status="ok", wall_s=1.0, train=train, evals=evals, results=results)
+        )
+    runs.append(dict(variant="fp8", seed=0, status="skipped", wall_s=0.0, train=[], evals=[], results=None))
+    rows = parity.write_outputs(runs, {"torch": "x", "steps": 50}, tmp_path / "out")
+    bf16, int8, fp8 = rows
+    assert bf16["final_loss"] == pytest.approx((2.1 + 2.2) / 2)  # last 20% of 10 logged steps
+    assert int8["dloss_vs_bf16"] == pytest.approx(0.02) and int8["d_zero_shot_top1_pp"] == pytest.approx(-0.4)
+    assert fp8["status"] == "skipped" and fp8["final_loss"] is None
+    table = (tmp_path / "out" / "parity.md").read_text()
+    assert "| int8 | 0 | ok | 50 |" in table and "+0.0200" in table and "met (-0.40 pp)" in table
+    assert (tmp_path / "out" / "parity_loss.png").stat().st_size > 0
+    merged = tmp_path / "merged"
+    monkey_argv = ["parity.py", "--merge", str(tmp_path / "out" / "parity.json"), "--out_dir", str(merged)]
+    sys_argv, sys.argv = sys.argv, monkey_argv
+    try:
+        parity.main()
+    finally:
+        sys.argv = sys_argv
+    assert (
+        json.loads((merged / "parity.json").read_text())["summary"]
+        == json.loads((tmp_path / "out" / "parity.json").read_text())["summary"]
+    )
