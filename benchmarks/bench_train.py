@@ -298,12 +298,27 @@ def main() -> None:
     parser.add_argument(
         "--json", default=None, help="also write the rows to this JSON file (after every row)"
     )
+    parser.add_argument(
+        "--custom_op_eager",
+        action="store_true",
+        help="A/B: eager calls through the torch.library custom ops (the default calls the Triton launchers)",
+    )
+    parser.add_argument(
+        "--triton_quantize_under_compile",
+        action="store_true",
+        help="A/B: keep our Triton quantize kernels under torch.compile (the default lets Inductor fuse them)",
+    )
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="cpu: smoke test only")
     parser.add_argument("--tiny", action="store_true", help="shrink the models to CPU-test size (smoke test)")
     args = parser.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("bench_train.py needs a CUDA GPU (or --device cpu --tiny for a smoke test)")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if args.custom_op_eager or args.triton_quantize_under_compile:
+        from hf_switchback.kernels import backends, ops
+
+        ops.DIRECT_EAGER = not args.custom_op_eager
+        backends.FUSE_QUANTIZE_UNDER_COMPILE = not args.triton_quantize_under_compile
     run(args)
 
 

@@ -4,7 +4,9 @@ A kernel set is a module exposing the functions of `kernels/reference.py` with t
 (quantize_rowwise, quantize_rowwise_colsum, quantize_tensorwise, quantize_rowwise_transposed,
 quantize_tensorwise_transposed, dequantize_rowwise, scaled_matmul, and for the fused MLP
 act_quantize_rowwise, act_backward_quantize_colsum, scaled_matmul_act_backward). The Triton set lives in
-`kernels/ops.py` and is imported lazily, so nothing on the CPU path ever imports triton.
+`kernels/ops.py` and is imported lazily, so nothing on the CPU path ever imports triton. While torch.compile
+traces, CUDA tensors get `kernels/compiled.py` instead: the reference quantize ops (for Inductor to fuse) with
+the Triton GEMM.
 """
 
 from __future__ import annotations
@@ -22,6 +24,9 @@ from . import reference
 logger = logging.getLogger(__name__)
 
 TRITON_MODULE = "hf_switchback.kernels.ops"
+COMPILED_MODULE = "hf_switchback.kernels.compiled"
+# False keeps the Triton quantize kernels under torch.compile too (benchmarks only).
+FUSE_QUANTIZE_UNDER_COMPILE = True
 
 
 @functools.cache
@@ -78,6 +83,7 @@ def _use_triton(backend: str, device_type: str) -> bool:
         return False
     reason = triton_unavailable_reason()  # imports the Triton set when it can
     if reason is None:
+        importlib.import_module(COMPILED_MODULE)
         return True
     check_backend(backend)
     _warn_fallback_once(reason)
@@ -92,5 +98,9 @@ _use_triton._dynamo_marked_constant = True
 def get_kernels(backend: str, device: torch.device) -> ModuleType:
     """The kernel module to use for a tensor on `device` under config.backend."""
     if _use_triton(backend, device.type):
+        # Under torch.compile the quantize passes are left to Inductor to fuse (kernels/compiled.py);
+        # is_compiling() is a trace-time constant there and False in eager mode.
+        if FUSE_QUANTIZE_UNDER_COMPILE and torch.compiler.is_compiling():
+            return _PACKAGE.compiled
         return _PACKAGE.ops
     return reference

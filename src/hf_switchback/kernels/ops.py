@@ -167,11 +167,21 @@ def _(a_q, b_q, a_scale, b_scale, h, qdtype, activation, want_act):
     )
 
 
-# The public functions: the reference signatures (with their defaults), dispatching to the ops above.
+# The public functions: the reference signatures (with their defaults), dispatching to the ops above while
+# torch.compile traces, and straight to the Triton launchers in eager mode, where the custom-op dispatcher
+# only adds CPU time to every call (a SwitchBack layer makes ~10 of them per training step).
+# False routes eager calls through the custom ops too (benchmarks only).
+DIRECT_EAGER = True
+
+
+def _direct() -> bool:
+    return DIRECT_EAGER and not torch.compiler.is_compiling()
 
 
 def quantize_rowwise(x: torch.Tensor, qdtype: torch.dtype = torch.int8) -> tuple[torch.Tensor, torch.Tensor]:
     """(M, K) float -> (q (M, K) qdtype, scale (M,) float32)."""
+    if _direct():
+        return _quantize.quantize_rowwise(x, qdtype)
     return torch.ops.hf_switchback.quantize_rowwise(x, qdtype)
 
 
@@ -179,6 +189,8 @@ def quantize_rowwise_colsum(
     x: torch.Tensor, qdtype: torch.dtype = torch.int8
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(M, K) float -> (q (M, K) qdtype, scale (M,) float32, column sum (K,) float32), x read once."""
+    if _direct():
+        return _quantize.quantize_rowwise_colsum(x, qdtype)
     return torch.ops.hf_switchback.quantize_rowwise_colsum(x, qdtype)
 
 
@@ -186,6 +198,8 @@ def act_quantize_rowwise(
     h: torch.Tensor, qdtype: torch.dtype, activation: str
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(M, K) float -> quantize_rowwise(act(h)) without writing act(h)."""
+    if _direct():
+        return _quantize.act_quantize_rowwise(h, qdtype, activation)
     return torch.ops.hf_switchback.act_quantize_rowwise(h, qdtype, activation)
 
 
@@ -193,6 +207,8 @@ def act_backward_quantize_colsum(
     grad: torch.Tensor, h: torch.Tensor, qdtype: torch.dtype, activation: str, want_act: bool
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """grad, h (M, K) -> (grad_h, act(h) or (0,), q, scale (M,), grad_h column sum (K,)); see the twin."""
+    if _direct():
+        return _quantize.act_backward_quantize_colsum(grad, h, qdtype, activation, want_act)
     return torch.ops.hf_switchback.act_backward_quantize_colsum(grad, h, qdtype, activation, want_act)
 
 
@@ -200,16 +216,22 @@ def quantize_tensorwise(
     x: torch.Tensor, qdtype: torch.dtype = torch.int8
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(M, K) float -> (q (M, K) qdtype, scale () float32)."""
+    if _direct():
+        return _quantize.quantize_tensorwise(x, qdtype)
     return torch.ops.hf_switchback.quantize_tensorwise(x, qdtype)
 
 
 def quantize_rowwise_transposed(w: torch.Tensor, qdtype: torch.dtype = torch.int8):
     """(N, K) -> (q (K, N) qdtype, scale (K,) float32) = quantize_rowwise(w.T)."""
+    if _direct():
+        return _quantize.quantize_rowwise_transposed(w, qdtype)
     return torch.ops.hf_switchback.quantize_rowwise_transposed(w, qdtype)
 
 
 def quantize_tensorwise_transposed(w: torch.Tensor, qdtype: torch.dtype = torch.int8):
     """(N, K) -> (q (K, N) qdtype, scale () float32) = quantize_tensorwise(w) transposed."""
+    if _direct():
+        return _quantize.quantize_tensorwise_transposed(w, qdtype)
     return torch.ops.hf_switchback.quantize_tensorwise_transposed(w, qdtype)
 
 
@@ -217,6 +239,8 @@ def dequantize_rowwise(
     q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32
 ) -> torch.Tensor:
     """(M, K) q, (M,) float32 scale -> (M, K) dtype."""
+    if _direct():
+        return _quantize.dequantize_rowwise(q, scale, dtype)
     return torch.ops.hf_switchback.dequantize_rowwise(q, scale, dtype)
 
 
@@ -229,6 +253,8 @@ def scaled_matmul(
     out_dtype: torch.dtype,
 ) -> torch.Tensor:
     """(M, K) @ (N, K).T 8-bit GEMM, dequantized by a_scale (M,) x b_scale (N,) or (), + bias -> (M, N) out_dtype."""
+    if _direct():
+        return _matmul.scaled_matmul(a_q, b_q, a_scale, b_scale, bias, out_dtype)
     return torch.ops.hf_switchback.scaled_matmul(a_q, b_q, a_scale, b_scale, bias, out_dtype)
 
 
@@ -243,6 +269,8 @@ def scaled_matmul_act_backward(
     want_act: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """fc2's 8-bit grad-input GEMM + the activation backward of a fused MLP; see the twin."""
+    if _direct():
+        return _matmul.scaled_matmul_act_backward(a_q, b_q, a_scale, b_scale, h, qdtype, activation, want_act)
     return torch.ops.hf_switchback.scaled_matmul_act_backward(
         a_q, b_q, a_scale, b_scale, h, qdtype, activation, want_act
     )

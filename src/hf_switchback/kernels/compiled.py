@@ -1,0 +1,58 @@
+"""The kernel set used while torch.compile traces a SwitchBack model on CUDA.
+
+The quantize functions (and the fused MLP's activation + quantize passes) are the torch reference ones
+(kernels/reference.py): plain tensor ops that Inductor fuses into the op that produced their input (LayerNorm,
+GELU, the residual add, and in backward GELU's gradient), so a compiled model pays no separate quantize pass
+and no Python launch overhead for them. The 8-bit GEMM stays our Triton kernel behind its custom op
+(kernels/ops.py): Inductor's own int8 matmul lowers to cuBLAS `_int_mm`, which is no faster than bf16 on Hopper.
+
+Numerics: the same formulas as the Triton quantize kernels (absmax / QMAX, round half to even, clamp), so
+compiled and eager SwitchBack agree up to the float32 rounding of Inductor's generated code
+(tests/test_compiled_kernels.py states the bound).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .ops import dequantize_rowwise, scaled_matmul
+from .reference import (
+    QMAX,
+    act_backward_quantize_colsum,
+    act_quantize_rowwise,
+    quantize_rowwise,
+    quantize_rowwise_colsum,
+    quantize_rowwise_transposed,
+    quantize_tensorwise,
+    quantize_tensorwise_transposed,
+)
+
+
+def scaled_matmul_act_backward(
+    a_q: torch.Tensor,
+    b_q: torch.Tensor,
+    a_scale: torch.Tensor,
+    b_scale: torch.Tensor,
+    h: torch.Tensor,
+    qdtype: torch.dtype,
+    activation: str,
+    want_act: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Our GEMM, then the activation backward + quantize as torch ops for Inductor to fuse (see reference)."""
+    grad_a = scaled_matmul(a_q, b_q, a_scale, b_scale, None, h.dtype)
+    return act_backward_quantize_colsum(grad_a, h, qdtype, activation, want_act)
+
+
+__all__ = [
+    "QMAX",
+    "act_backward_quantize_colsum",
+    "act_quantize_rowwise",
+    "dequantize_rowwise",
+    "quantize_rowwise",
+    "quantize_rowwise_colsum",
+    "quantize_rowwise_transposed",
+    "quantize_tensorwise",
+    "quantize_tensorwise_transposed",
+    "scaled_matmul",
+    "scaled_matmul_act_backward",
+]

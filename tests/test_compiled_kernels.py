@@ -1,0 +1,110 @@
+"""The two ways the Triton kernel set is reached: directly in eager mode, through Inductor under torch.compile.
+
+- Eager (kernels/ops.py): the public functions call the Triton launchers directly, not through the custom-op
+  dispatcher; the result must be bitwise what the custom op returns.
+- torch.compile (kernels/compiled.py): quantization is left to Inductor as plain tensor ops (so it fuses into
+  the op before it); its generated kernels must agree with our Triton quantize kernels. Row-wise int8 must
+  match exactly except where a value sits on a rounding tie that Inductor's float32 division rounds the other
+  way: at most 1 code apart, on at most 0.1% of elements; scales must match to float32 rounding.
+GPU tests skip cleanly without CUDA + triton. The CPU test checks the kernel-set contract (same functions as
+the reference set), which is what `functional.py` relies on when it swaps sets.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import inspect
+
+import pytest
+import torch
+
+from hf_switchback.kernels import reference as ref
+
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+HAS_GPU = HAS_TRITON and torch.cuda.is_available()
+requires_gpu = pytest.mark.skipif(not HAS_GPU, reason="needs CUDA and triton")
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="the Triton kernel sets import triton")
+def test_kernel_sets_share_the_reference_contract():
+    from hf_switchback.kernels import compiled, ops
+
+    kernel_functions = [
+        "quantize_rowwise",
+        "quantize_rowwise_colsum",
+        "quantize_tensorwise",
+        "quantize_rowwise_transposed",
+        "quantize_tensorwise_transposed",
+        "dequantize_rowwise",
+        "scaled_matmul",
+        "act_quantize_rowwise",
+        "act_backward_quantize_colsum",
+        "scaled_matmul_act_backward",
+    ]
+    for kernel_set in (ops, compiled):
+        for name in kernel_functions:
+            ours = inspect.signature(getattr(kernel_set, name)).parameters
+            assert list(ours) == list(inspect.signature(getattr(ref, name)).parameters), (kernel_set, name)
+
+
+@requires_gpu
+@pytest.mark.parametrize("qdtype", [torch.int8, torch.float8_e4m3fn])
+def test_direct_eager_call_equals_custom_op(qdtype):
+    from hf_switchback.kernels import ops
+
+    torch.manual_seed(0)
+    x = torch.randn(300, 1280, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(512, 1280, device="cuda", dtype=torch.bfloat16)
+    q_direct, s_direct = ops.quantize_rowwise(x, qdtype)
+    q_op, s_op = torch.ops.hf_switchback.quantize_rowwise(x, qdtype)
+    assert torch.equal(q_direct.view(torch.int8), q_op.view(torch.int8)) and torch.equal(s_direct, s_op)
+    wq, ws = ops.quantize_tensorwise(w, qdtype)
+    out_direct = ops.scaled_matmul(q_direct, wq, s_direct, ws, None, torch.bfloat16)
+    out_op = torch.ops.hf_switchback.scaled_matmul(q_op, wq, s_op, ws, None, torch.bfloat16)
+    assert torch.equal(out_direct, out_op)
+
+
+@requires_gpu
+@pytest.mark.parametrize("name", ["quantize_rowwise", "quantize_tensorwise"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_inductor_quantize_matches_triton_kernels(name, dtype):
+    from hf_switchback.kernels import ops
+
+    torch.manual_seed(0)
+    x = (torch.randn(4096, 1280, device="cuda") * 3).to(dtype)
+    x[1] = 0  # an all-zero row: scale 0, q 0, never NaN
+    torch._dynamo.reset()
+    q_ind, s_ind = torch.compile(getattr(ref, name), fullgraph=True)(x, torch.int8)
+    q_tri, s_tri = getattr(ops, name)(x, torch.int8)
+    torch.testing.assert_close(s_ind, s_tri, rtol=2e-7, atol=0)
+    diff = (q_ind.int() - q_tri.int()).abs()
+    assert diff.max().item() <= 1
+    assert (diff > 0).float().mean().item() <= 1e-3
+    assert not torch.isnan(s_ind).any() and s_ind.flatten()[0 if name == "quantize_tensorwise" else 1] >= 0
+
+
+@requires_gpu
+def test_compiled_block_uses_inductor_quantize_and_matches_eager():
+    """Under torch.compile the block's generated code holds no hf_switchback quantize op, only the GEMM op."""
+    from torch._inductor.utils import run_and_get_code
+
+    from hf_switchback import SwitchBackConfig
+    from hf_switchback.modules import SwitchBackLinear
+
+    torch.manual_seed(0)
+    cfg = SwitchBackConfig(backend="triton")
+    block = torch.nn.Sequential(
+        SwitchBackLinear.from_linear(torch.nn.Linear(256, 1024), cfg),
+        torch.nn.GELU(),
+        SwitchBackLinear.from_linear(torch.nn.Linear(1024, 256), cfg),
+    ).to("cuda", torch.bfloat16)
+    x = torch.randn(8, 128, 256, device="cuda", dtype=torch.bfloat16)
+    torch._dynamo.reset()
+    compiled = torch.compile(block, fullgraph=True)
+    out, codes = run_and_get_code(compiled, x)
+    code = "\n".join(codes)
+    assert "hf_switchback.scaled_matmul" in code
+    assert "hf_switchback.quantize_rowwise" not in code
+    eager = block(x)
+    err = (out.float() - eager.float()).pow(2).mean() / eager.float().pow(2).mean()
+    assert err.item() < 1e-4  # ~40 dB: the two differ only in rare rounding ties of the quantize
