@@ -173,20 +173,21 @@ def test_act_quantize_rowwise(shape, dtype, qdtype, activation):
     assert flips.sum() <= 0.01 * max(int(counted.sum()), 1)
 
 
+# The default "tiles" implementation in every dtype pair; the non-default "rows" one in bfloat16 -> int8 only.
+_ACT_BACKWARD_CASES = [("tiles", d, q) for d, q in ACT_DTYPES[:4]] + [("rows", torch.bfloat16, torch.int8)]
+
+
 @requires_gpu
 @pytest.mark.parametrize("activation", ACTIVATIONS)
-@pytest.mark.parametrize("dtype,qdtype", ACT_DTYPES[:4], ids=str)
+@pytest.mark.parametrize("impl,dtype,qdtype", _ACT_BACKWARD_CASES, ids=str)
 @pytest.mark.parametrize("shape", [(1, 1), (5, 77), (2100, 2560), (0, 64)])
 @pytest.mark.parametrize("want_act", [True, False])
-@pytest.mark.parametrize("impl", ["tiles", "rows"])
 def test_act_backward_quantize_colsum(shape, dtype, qdtype, activation, want_act, impl, monkeypatch):
     """Fused activation backward + grad quantize + column sum: grad_h and act(h) within one rounding of the
     torch twin; q / scale bitwise equal to quantizing the kernel's own grad_h; the sum up to float32 order.
     Both GPU implementations (ACT_BACKWARD_IMPL); the non-default "rows" one in bfloat16 -> int8 only."""
     from hf_switchback.kernels import quantize
 
-    if impl == "rows" and (dtype, qdtype) != (torch.bfloat16, torch.int8):
-        pytest.skip("the rows implementation is checked in bfloat16 -> int8")
     monkeypatch.setattr(quantize, "ACT_BACKWARD_IMPL", impl)
     h, g = _input(shape, dtype), _input(shape, dtype, zero_rows=False)
     gh, act, q, s, colsum = _ops().act_backward_quantize_colsum(g, h, qdtype, activation, want_act)

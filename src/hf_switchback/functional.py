@@ -214,6 +214,23 @@ def token_floor(config: SwitchBackConfig, device_type: str) -> int:
     return AUTO_MIN_TOKENS_CUDA if config.backend == "auto" and device_type == "cuda" else 0
 
 
+def _flatten_input(
+    name: str, x: torch.Tensor, weight: torch.Tensor, config: SwitchBackConfig | None
+) -> tuple[SwitchBackConfig, torch.Tensor, torch.Size, bool]:
+    """Shared entry of the functional ops: (config, x as (M, K) in the compute dtype, leading shape,
+    whether to run the exact 16-bit path because M is below the token floor)."""
+    config = config or SwitchBackConfig()
+    if not isinstance(config, SwitchBackConfig):
+        raise TypeError(f"{name}: config must be a SwitchBackConfig, got {type(config).__name__}")
+    check_input(x, weight)
+    device_type = x.device.type
+    if torch.is_autocast_enabled(device_type):
+        x = x.to(torch.get_autocast_dtype(device_type))
+    x2d = x.reshape(-1, x.shape[-1])
+    tokens = x2d.shape[0]
+    return config, x2d, x.shape[:-1], tokens == 0 or tokens < token_floor(config, device_type)
+
+
 def switchback_linear(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -225,22 +242,13 @@ def switchback_linear(
     x (*, K) float32/bfloat16/float16; weight (N, K); bias (N,) or None -> (*, N) in x's dtype, or in the
     autocast dtype when called under torch.autocast (as F.linear would).
     """
-    config = config or SwitchBackConfig()
-    if not isinstance(config, SwitchBackConfig):
-        raise TypeError(f"switchback_linear: config must be a SwitchBackConfig, got {type(config).__name__}")
-    check_input(x, weight)
-    device_type = x.device.type
-    if torch.is_autocast_enabled(device_type):
-        x = x.to(torch.get_autocast_dtype(device_type))
-    leading = x.shape[:-1]
-    x2d = x.reshape(-1, x.shape[-1])
-    tokens = x2d.shape[0]
-
-    if tokens == 0 or tokens < token_floor(config, device_type):
+    config, x2d, leading, exact = _flatten_input("switchback_linear", x, weight, config)
+    device_type = x2d.device.type
+    if exact:
         # Small batches: quantization overhead exceeds the 8-bit speed-up; the 16-bit matmul is exact.
         with torch.autocast(device_type, enabled=False):
-            w = weight.to(x.dtype)
-            out = F.linear(x2d, w, None if bias is None else bias.to(x.dtype))
+            w = weight.to(x2d.dtype)
+            out = F.linear(x2d, w, None if bias is None else bias.to(x2d.dtype))
         return out.reshape(*leading, weight.shape[0])
 
     fwd_qdtype, grad_qdtype = quantized_dtypes(config)
@@ -274,29 +282,20 @@ def switchback_mlp(
     switchback_linear calls around the activation, with fewer passes over the (*, h) tensors and only x and
     fc1's output saved for backward (x in 8-bit when config.memory_efficient).
     """
-    config = config or SwitchBackConfig()
-    if not isinstance(config, SwitchBackConfig):
-        raise TypeError(f"switchback_mlp: config must be a SwitchBackConfig, got {type(config).__name__}")
     if activation not in ACTIVATIONS:
         raise ValueError(f"switchback_mlp: activation must be one of {ACTIVATIONS}, got {activation!r}")
-    check_input(x, fc1_weight)
     if fc2_weight.shape[1] != fc1_weight.shape[0]:
         raise RuntimeError(
             f"switchback_mlp: fc2_weight {tuple(fc2_weight.shape)} does not take fc1's {fc1_weight.shape[0]} outputs"
         )
-    device_type = x.device.type
-    if torch.is_autocast_enabled(device_type):
-        x = x.to(torch.get_autocast_dtype(device_type))
-    leading = x.shape[:-1]
-    x2d = x.reshape(-1, x.shape[-1])
-    tokens = x2d.shape[0]
+    config, x2d, leading, exact = _flatten_input("switchback_mlp", x, fc1_weight, config)
+    device_type, dtype = x2d.device.type, x2d.dtype
     n_out = fc2_weight.shape[0]
-
-    if tokens == 0 or tokens < token_floor(config, device_type):
+    if exact:
         with torch.autocast(device_type, enabled=False):
-            h = F.linear(x2d, fc1_weight.to(x.dtype), None if fc1_bias is None else fc1_bias.to(x.dtype))
-            b2 = None if fc2_bias is None else fc2_bias.to(x.dtype)
-            out = F.linear(apply_activation(h, activation), fc2_weight.to(x.dtype), b2)
+            h = F.linear(x2d, fc1_weight.to(dtype), None if fc1_bias is None else fc1_bias.to(dtype))
+            b2 = None if fc2_bias is None else fc2_bias.to(dtype)
+            out = F.linear(apply_activation(h, activation), fc2_weight.to(dtype), b2)
         return out.reshape(*leading, n_out)
 
     fwd_qdtype, grad_qdtype = quantized_dtypes(config)
