@@ -64,7 +64,7 @@ VARIANTS = (
     "torchao-float8-tensorwise+compile",
     "torchao-float8-rowwise_with_gw_hp+compile",
 )
-BASES = ("bf16", "int8", "int8-triton", "int8-row-memeff", "fp8", "torchao-float8-tensorwise")
+BASES = ("bf16", "int8", "int8-fp8grad", "int8-triton", "int8-row-memeff", "fp8", "torchao-float8-tensorwise")
 BASES += ("torchao-float8-rowwise", "torchao-float8-rowwise_with_gw_hp")
 CHOICES = tuple(base + suffix for base in BASES for suffix in ("", "+compile"))
 
@@ -98,6 +98,8 @@ def build_model(config, variant: str, grad_ckpt: bool, compile_mode: str, device
     base = variant.removesuffix("+compile")
     if base == "int8":
         apply_switchback(model, SwitchBackConfig())
+    elif base == "int8-fp8grad":
+        apply_switchback(model, SwitchBackConfig(grad_precision="fp8"))
     elif base == "int8-triton":
         apply_switchback(model, SwitchBackConfig(backend="triton"))
     elif base == "int8-row-memeff":

@@ -36,6 +36,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -45,6 +46,7 @@ VARIANT_FLAGS = {
     "bf16": ["--switchback", "off"],
     "int8": ["--switchback", "on", "--precision", "int8"],
     "fp8": ["--switchback", "on", "--precision", "fp8"],
+    "int8-fp8grad": ["--switchback", "on", "--precision", "int8", "--grad_precision", "fp8"],
 }
 EVAL_METRICS = ("zero_shot_top1", "zero_shot_top5", "image_to_text_R@1", "text_to_image_R@1")
 LAST_FRACTION = 0.2  # "final loss" = mean over the last 20% of logged steps
@@ -90,6 +92,22 @@ def run_training(cmd: list[str], timeout_s: float, log_file: Path) -> dict:
             returncode, status = proc.returncode, "timeout"
     tail = log_file.read_text(errors="replace").splitlines()[-40:] if status != "ok" else []
     return dict(status=status, returncode=returncode, wall_s=time.perf_counter() - t0, output_tail=tail)
+
+
+def one_run(args, seed: int, variant: str, runs_dir: Path, config: Path, budget_s: float) -> dict:
+    """Train one (variant, seed) within budget_s seconds; its record for parity.json."""
+    run_dir = runs_dir / f"{variant}_seed{seed}"
+    run = dict(variant=variant, seed=seed, train=[], evals=[], results=None)
+    if budget_s < 30:
+        return {**run, "status": "skipped", "wall_s": 0.0}
+    cmd = train_command(args, variant, seed, run_dir, config)
+    run["command"] = " ".join(cmd)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    run.update(run_training(cmd, budget_s, run_dir / "stdout.txt"))
+    run["train"], run["evals"] = read_train_log(run_dir / "train_log.jsonl")
+    results = run_dir / "all_results.json"
+    run["results"] = json.loads(results.read_text()) if results.exists() else None
+    return run
 
 
 def read_train_log(path: Path) -> tuple[list[dict], list[dict]]:
@@ -178,6 +196,11 @@ def markdown(rows: list[dict], env: dict) -> str:
             f"| {_fmt(r.get('d_text_to_image_R@1_pp'), '+.2f')} | {_fmt(r['samples_per_s'], '.0f')} "
             f"| {_fmt(r['peak_mem_gib'], '.1f')} | {_fmt(r['wall_s'], '.0f')} |"
         )
+    if env.get("args", {}).get("parallel", 1) > 1:
+        lines += [
+            "",
+            f"{env['args']['parallel']} runs shared the GPU at a time: samples/s is not a speed figure.",
+        ]
     n = max((r["eval_samples"] or 0 for r in rows), default=0)
     if n:
         lines += [
@@ -315,6 +338,12 @@ def main() -> None:
         default=530,
         help="wall clock for all runs; the rest share what is left",
     )
+    parser.add_argument(
+        "--parallel",
+        type=int,
+        default=1,
+        help="runs sharing the GPU at once (each ViT-B/16 run needs ~25 GiB); samples/s is then not comparable",
+    )
     parser.add_argument("--runs_dir", default=None, help="train_clip output dirs (default: a temp dir)")
     parser.add_argument("--smoke", action="store_true", help="CPU smoke test: tiny model, few steps")
     parser.add_argument(
@@ -344,24 +373,20 @@ def main() -> None:
     plan = [(seed, variant) for seed in args.seeds for variant in args.variants]
     start = time.perf_counter()
     runs = []
-    for i, (seed, variant) in enumerate(plan):
+    for first in range(0, len(plan), args.parallel):
+        wave = plan[first : first + args.parallel]
         left = args.time_budget_s - (time.perf_counter() - start) - SETUP_RESERVE_S
-        run_dir = runs_dir / f"{variant}_seed{seed}"
-        run = dict(variant=variant, seed=seed, train=[], evals=[], results=None)
-        if left < 30:
-            run.update(status="skipped", wall_s=0.0)
-        else:
-            cmd = train_command(args, variant, seed, run_dir, config)
-            run["command"] = " ".join(cmd)
-            run_dir.mkdir(parents=True, exist_ok=True)
-            # an equal share of what is left, so one slow run cannot starve all the later ones
-            run.update(run_training(cmd, left / (len(plan) - i), run_dir / "stdout.txt"))
-            run["train"], run["evals"] = read_train_log(run_dir / "train_log.jsonl")
-            results = run_dir / "all_results.json"
-            run["results"] = json.loads(results.read_text()) if results.exists() else None
-        runs.append(run)
-        print(json.dumps({k: v for k, v in run.items() if k not in ("train", "evals")}), flush=True)
-        write_outputs(runs, env, out_dir)  # after every run: a killed command keeps what finished
+        # an equal share of what is left per wave, so one slow wave cannot starve all the later ones
+        share = left / math.ceil((len(plan) - first) / args.parallel)
+        with ThreadPoolExecutor(max_workers=len(wave)) as pool:
+            futures = [
+                pool.submit(one_run, args, seed, variant, runs_dir, config, share) for seed, variant in wave
+            ]
+            done = [future.result() for future in futures]
+        for run in done:
+            runs.append(run)
+            print(json.dumps({k: v for k, v in run.items() if k not in ("train", "evals")}), flush=True)
+        write_outputs(runs, env, out_dir)  # after every wave: a killed command keeps what finished
     rows = write_outputs(runs, env, out_dir)
     print(markdown(rows, env))
 

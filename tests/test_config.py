@@ -18,7 +18,13 @@ def test_defaults_are_the_clip_encoder_linears():
 
 @pytest.mark.parametrize(
     "field,value",
-    [("weight_scaling", "column"), ("precision", "int4"), ("backend", "cuda"), ("fp8_grad_format", "e3m4")],
+    [
+        ("weight_scaling", "column"),
+        ("precision", "int4"),
+        ("backend", "cuda"),
+        ("fp8_grad_format", "e3m4"),
+        ("grad_precision", "int4"),
+    ],
 )
 def test_bad_choice_names_the_field_and_allowed_values(field, value):
     with pytest.raises(ValueError) as err:

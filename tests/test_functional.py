@@ -26,6 +26,7 @@ VARIANTS = {
     "fp8/row/e5m2": SwitchBackConfig(
         precision="fp8", weight_scaling="row", fp8_grad_format="e5m2", backend="torch"
     ),
+    "int8/tensor/fp8-grad": SwitchBackConfig(grad_precision="fp8", backend="torch"),
 }
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 # (input shape, in_features, out_features): odd sizes, 2-D and 3-D, a single token
@@ -38,9 +39,9 @@ def snr_db(ref: torch.Tensor, ours: torch.Tensor) -> float:
 
 
 def thresholds(cfg: SwitchBackConfig, dtype: torch.dtype) -> dict:
-    fp8 = cfg.precision == "fp8"
-    out = 25.0 if fp8 else 38.0
-    dx = (19.0 if cfg.fp8_grad_format == "e5m2" else 25.0) if fp8 else 38.0
+    out = 25.0 if cfg.precision == "fp8" else 38.0
+    fp8_grad = (cfg.grad_precision or cfg.precision) == "fp8"
+    dx = (19.0 if cfg.fp8_grad_format == "e5m2" else 25.0) if fp8_grad else 38.0
     return {"out": out, "dx": dx, "dw_mem": 40.0}
 
 
@@ -212,3 +213,29 @@ def test_fused_bias_grad_equals_separate_column_sum(name, monkeypatch):
     for a, b in zip(grads[True], grads[False], strict=True):
         assert torch.equal(a, b)
     assert torch.equal(grads[True][2], grad.reshape(-1, 24).sum(0, dtype=torch.float32).bfloat16())
+
+
+def test_fp8_gradients_keep_the_small_entries_that_int8_rounds_to_zero():
+    """Why grad_precision="fp8" exists: one large entry per gradient row sets the row's absmax scale, and
+    row-wise int8 rounds every entry below scale/2 = absmax/254 to zero; e4m3 keeps them (relative rounding).
+    The forward (int8) is the same either way."""
+    n = 64
+    layer = nn.Linear(n, n, bias=False)
+    with torch.no_grad():
+        layer.weight.copy_(torch.eye(n))  # dX = G: the gradient operand's quantization error shows directly
+    g = torch.ones(4, n)
+    g[:, 0] = 1000.0  # 1/1000 of the absmax: below int8's half step (1/254), well inside e4m3's range
+    x = torch.randn(4, n)
+    grads, outputs = {}, {}
+    for grad_precision in ("int8", "fp8"):
+        cfg = SwitchBackConfig(grad_precision=grad_precision, backend="torch")
+        sb = SwitchBackLinear.from_linear(nn.Linear(n, n, bias=False), cfg)
+        sb.load_state_dict(layer.state_dict())
+        xi = x.clone().requires_grad_()
+        outputs[grad_precision] = sb(xi)
+        outputs[grad_precision].backward(g)
+        grads[grad_precision] = xi.grad
+    assert torch.equal(outputs["int8"], outputs["fp8"])
+    assert torch.all(grads["int8"][:, 1:] == 0)  # every small entry lost
+    torch.testing.assert_close(grads["fp8"][:, 1:], g[:, 1:], rtol=0.07, atol=0)  # e4m3: 3 mantissa bits
+    assert SwitchBackConfig(grad_precision="fp8").variant == "int8/tensor/fp8-grad"

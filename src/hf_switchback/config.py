@@ -77,6 +77,12 @@ class SwitchBackConfig:
     # dtype keeps the kernel simple). e4m3 keeps 3 mantissa bits and suffices with a
     # per-row scale (the scale handles range); e5m2 trades a mantissa bit for range.
     fp8_grad_format: str = "e4m3"
+    # Format of the grad-input GEMM operands when it should differ from `precision`; None = same as
+    # `precision`. "fp8" with precision="int8" keeps the int8 forward GEMMs and quantizes the output gradient
+    # (and transposed weight) to fp8 (`fp8_grad_format`): fp8 keeps the small entries of a gradient row that
+    # row-wise int8 rounds to zero. On the H100 parity run (BENCHMARKS.md) int8 gradients fell 32 pp behind
+    # bf16 in zero-shot while int8 forward + fp8 gradients matched it. Needs fp8 GEMMs (sm89+, or CPU emulation).
+    grad_precision: str | None = None
     # Which linears to swap. str: regex full match on the dotted module name. list: exact names or dotted
     # suffixes (PEFT semantics). None: the CLIP encoder defaults above.
     target_modules: str | tuple[str, ...] | None = DEFAULT_TARGET_MODULES
@@ -103,6 +109,8 @@ class SwitchBackConfig:
         _check_choice("precision", self.precision, PRECISIONS)
         _check_choice("backend", self.backend, BACKENDS)
         _check_choice("fp8_grad_format", self.fp8_grad_format, FP8_GRAD_FORMATS)
+        if self.grad_precision is not None:
+            _check_choice("grad_precision", self.grad_precision, PRECISIONS)
         if not isinstance(self.memory_efficient, bool):
             raise TypeError(
                 f"SwitchBackConfig.memory_efficient must be a bool, got {type(self.memory_efficient).__name__}"
@@ -123,6 +131,8 @@ class SwitchBackConfig:
     def variant(self) -> str:
         """Short human name, e.g. 'int8/tensor/mem-efficient' (used in repr and logs)."""
         name = f"{self.precision}/{self.weight_scaling}"
+        if self.grad_precision not in (None, self.precision):
+            name += f"/{self.grad_precision}-grad"
         return name + ("/mem-efficient" if self.memory_efficient else "")
 
     def replace(self, **changes: Any) -> SwitchBackConfig:

@@ -30,9 +30,10 @@ FUSED_BIAS_GRAD = True
 
 def quantized_dtypes(config: SwitchBackConfig) -> tuple[torch.dtype, torch.dtype]:
     """(forward operand dtype, output-gradient operand dtype) for a config."""
-    if config.precision == "int8":
-        return torch.int8, torch.int8
-    return torch.float8_e4m3fn, FP8_FORMATS[config.fp8_grad_format]
+    forward = torch.int8 if config.precision == "int8" else torch.float8_e4m3fn
+    grad_precision = config.grad_precision or config.precision
+    grad = torch.int8 if grad_precision == "int8" else FP8_FORMATS[config.fp8_grad_format]
+    return forward, grad
 
 
 def quantize_weight(kernels, weight: torch.Tensor, weight_scaling: str, qdtype: torch.dtype):
