@@ -130,7 +130,7 @@ def quant_ms(case: str, d: int, tokens: int, cfg: SwitchBackConfig, fused_act: s
     fused_act (a fused MLP block): its kernels instead, whose activation-fused passes also do the
     activation's forward and backward (the unfused rows run those as separate torch ops, not counted);
     with the activation backward in the GEMM epilogue, only the per-row quantize after it is counted."""
-    qf, qg = quantized_dtypes(cfg)
+    qf, qg = quantized_dtypes(cfg, torch.device("cuda"))
     if fused_act is not None:
         return fused_quant_ms(d, tokens, cfg, fused_act)
     shapes = {"fc1": [(d, 4 * d)], "fc2": [(4 * d, d)], "block": [(d, 4 * d), (4 * d, d)]}[case]
@@ -154,7 +154,7 @@ def quant_ms(case: str, d: int, tokens: int, cfg: SwitchBackConfig, fused_act: s
 
 
 def fused_quant_ms(d: int, tokens: int, cfg: SwitchBackConfig, act: str) -> float:
-    qf, qg = quantized_dtypes(cfg)
+    qf, qg = quantized_dtypes(cfg, torch.device("cuda"))
     bf = dict(device="cuda", dtype=torch.bfloat16)
     x, h = torch.randn(tokens, d, **bf), torch.randn(tokens, 4 * d, **bf)
     g, gh = torch.randn(tokens, d, **bf), torch.randn(tokens, 4 * d, **bf)

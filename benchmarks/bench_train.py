@@ -16,6 +16,9 @@ Variants:
                          a call with fewer than 16,384 tokens runs the bf16 matmul (the measured crossover), so
                          at ViT-L/14 batch 128 and ViT-H/14 batch 64 the text tower (77 tokens per caption)
                          stays bf16 and only the vision tower is 8-bit.
+  int8-int8grad          grad_precision="int8": int8 gradients too (the paper's SwitchBack). Plain int8 uses
+                         the default grad_precision="auto", which on GPUs with fp8 tensor cores quantizes the
+                         output gradients to fp8 (BENCHMARKS.md, parity: int8 gradients lost accuracy).
   int8-triton            backend="triton": every swapped linear quantizes, whatever its token count. Shows what
                          the floor is worth; at ViT-B/16 batch 256 both towers are above it, so it equals int8.
   int8-row-memeff        row-wise weight scales and the 8-bit saved input (SwitchBack's memory-saving mode).
@@ -64,7 +67,15 @@ VARIANTS = (
     "torchao-float8-tensorwise+compile",
     "torchao-float8-rowwise_with_gw_hp+compile",
 )
-BASES = ("bf16", "int8", "int8-fp8grad", "int8-triton", "int8-row-memeff", "fp8", "torchao-float8-tensorwise")
+BASES = (
+    "bf16",
+    "int8",
+    "int8-int8grad",
+    "int8-triton",
+    "int8-row-memeff",
+    "fp8",
+    "torchao-float8-tensorwise",
+)
 BASES += ("torchao-float8-rowwise", "torchao-float8-rowwise_with_gw_hp")
 CHOICES = tuple(base + suffix for base in BASES for suffix in ("", "+compile"))
 
@@ -98,8 +109,8 @@ def build_model(config, variant: str, grad_ckpt: bool, compile_mode: str, device
     base = variant.removesuffix("+compile")
     if base == "int8":
         apply_switchback(model, SwitchBackConfig())
-    elif base == "int8-fp8grad":
-        apply_switchback(model, SwitchBackConfig(grad_precision="fp8"))
+    elif base == "int8-int8grad":
+        apply_switchback(model, SwitchBackConfig(grad_precision="int8"))
     elif base == "int8-triton":
         apply_switchback(model, SwitchBackConfig(backend="triton"))
     elif base == "int8-row-memeff":

@@ -46,7 +46,7 @@ VARIANT_FLAGS = {
     "bf16": ["--switchback", "off"],
     "int8": ["--switchback", "on", "--precision", "int8"],
     "fp8": ["--switchback", "on", "--precision", "fp8"],
-    "int8-fp8grad": ["--switchback", "on", "--precision", "int8", "--grad_precision", "fp8"],
+    "int8-int8grad": ["--switchback", "on", "--precision", "int8", "--grad_precision", "int8"],
 }
 EVAL_METRICS = ("zero_shot_top1", "zero_shot_top5", "image_to_text_R@1", "text_to_image_R@1")
 LAST_FRACTION = 0.2  # "final loss" = mean over the last 20% of logged steps

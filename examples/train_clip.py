@@ -55,7 +55,7 @@ from accelerate.utils import DistributedType, set_seed
 from tqdm.auto import tqdm
 
 from hf_switchback import SwitchBackConfig, apply_switchback
-from hf_switchback.config import BACKENDS, PRECISIONS, WEIGHT_SCALINGS
+from hf_switchback.config import BACKENDS, GRAD_PRECISIONS, PRECISIONS, WEIGHT_SCALINGS
 from hf_switchback.training import data as data_lib
 from hf_switchback.training import synthetic
 from hf_switchback.training.evaluation import evaluate
@@ -688,9 +688,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--precision", choices=PRECISIONS, help="int8 everywhere, or fp8 (Hopper GPUs).")
     g.add_argument(
         "--grad_precision",
-        choices=PRECISIONS,
-        help="Format of the grad-input GEMM (default: --precision). 'fp8' with --precision int8: int8 forward, "
-        "fp8 output gradients, which kept bf16 accuracy where int8 gradients did not (BENCHMARKS.md).",
+        choices=GRAD_PRECISIONS,
+        help="Format of the grad-input GEMM. auto (default): fp8 on GPUs with fp8 tensor cores (sm89+), int8 "
+        "elsewhere; fp8 gradients kept bf16 accuracy where int8 ones did not (BENCHMARKS.md).",
     )
     g.add_argument("--target_modules", nargs="+", help="Module names / dotted suffixes to swap.")
     g.add_argument("--exclude_modules", nargs="+", help="Module names / dotted suffixes never to swap.")

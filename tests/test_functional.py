@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch import nn
 
-from hf_switchback import SwitchBackConfig, SwitchBackLinear, switchback_linear
+from hf_switchback import SwitchBackConfig, SwitchBackLinear, functional, switchback_linear
 
 VARIANTS = {
     "int8/tensor": SwitchBackConfig(backend="torch"),
@@ -40,7 +40,7 @@ def snr_db(ref: torch.Tensor, ours: torch.Tensor) -> float:
 
 def thresholds(cfg: SwitchBackConfig, dtype: torch.dtype) -> dict:
     out = 25.0 if cfg.precision == "fp8" else 38.0
-    fp8_grad = (cfg.grad_precision or cfg.precision) == "fp8"
+    fp8_grad = functional.grad_precision(cfg, torch.device("cpu")) == "fp8"
     dx = (19.0 if cfg.fp8_grad_format == "e5m2" else 25.0) if fp8_grad else 38.0
     return {"out": out, "dx": dx, "dw_mem": 40.0}
 
@@ -239,3 +239,20 @@ def test_fp8_gradients_keep_the_small_entries_that_int8_rounds_to_zero():
     assert torch.all(grads["int8"][:, 1:] == 0)  # every small entry lost
     torch.testing.assert_close(grads["fp8"][:, 1:], g[:, 1:], rtol=0.07, atol=0)  # e4m3: 3 mantissa bits
     assert SwitchBackConfig(grad_precision="fp8").variant == "int8/tensor/fp8-grad"
+
+
+def test_grad_precision_auto_picks_fp8_only_on_gpus_with_fp8_tensor_cores(monkeypatch):
+    int8, e4m3, e5m2 = torch.int8, torch.float8_e4m3fn, torch.float8_e5m2
+    auto = SwitchBackConfig()
+    assert auto.grad_precision == "auto"
+    assert functional.quantized_dtypes(auto, torch.device("cpu")) == (int8, int8)
+    assert functional.quantized_dtypes(auto) == (int8, int8)  # device unknown: int8
+    cuda0 = torch.device("cuda", 0)
+    for capable, grad in ((True, e4m3), (False, int8)):  # Hopper / Ada vs Ampere, without a GPU here
+        monkeypatch.setattr(functional, "has_fp8_tensor_cores", lambda index, capable=capable: capable)
+        assert functional.quantized_dtypes(auto, cuda0) == (int8, grad)
+        assert functional.quantized_dtypes(auto.replace(grad_precision="int8"), cuda0) == (int8, int8)
+        e5m2_cfg = auto.replace(precision="fp8", fp8_grad_format="e5m2")
+        assert functional.quantized_dtypes(e5m2_cfg, torch.device("cpu")) == (e4m3, e5m2)
+    with pytest.raises(ValueError, match="grad_precision='auto'"):
+        SwitchBackConfig(precision="fp8", grad_precision="int8")

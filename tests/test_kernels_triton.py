@@ -335,6 +335,13 @@ CONFIGS = [
 ]
 
 
+def pin_grad_precision(cfg: dict) -> dict:
+    """cfg with grad_precision="auto" resolved for this GPU, so the CPU reference quantizes gradients the same."""
+    from hf_switchback import SwitchBackConfig, functional
+
+    return {**cfg, "grad_precision": functional.grad_precision(SwitchBackConfig(**cfg), torch.device("cuda"))}
+
+
 @requires_gpu
 @pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: "-".join(str(v) for v in c.values()))
 @pytest.mark.parametrize("dtype", FLOATS)
@@ -351,7 +358,7 @@ def test_layer_triton_matches_torch_backend(cfg, dtype, lead):
     results = {}
     for backend, device in (("triton", "cuda"), ("torch", "cpu")):
         layer = SwitchBackLinear.from_linear(
-            copy.deepcopy(base).to(device), SwitchBackConfig(backend=backend, **cfg)
+            copy.deepcopy(base).to(device), SwitchBackConfig(backend=backend, **pin_grad_precision(cfg))
         )
         xi = x.to(device).requires_grad_(True)
         out = layer(xi)
@@ -504,7 +511,9 @@ def test_fused_mlp_triton_matches_torch_backend(cfg, dtype, hidden_act, lead, mo
     grad = torch.randn(*lead, 96, dtype=dtype)
     results = {}
     for backend, device in (("triton", "cuda"), ("torch", "cpu")):
-        block = apply_switchback(copy.deepcopy(base).to(device), SwitchBackConfig(backend=backend, **cfg))
+        block = apply_switchback(
+            copy.deepcopy(base).to(device), SwitchBackConfig(backend=backend, **pin_grad_precision(cfg))
+        )
         assert is_fused_mlp(block)
         xi = x.to(device).requires_grad_(True)
         out = block(xi)

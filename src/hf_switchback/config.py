@@ -15,6 +15,7 @@ WEIGHT_SCALINGS = ("tensor", "row")
 PRECISIONS = ("int8", "fp8")
 BACKENDS = ("auto", "triton", "torch")
 FP8_GRAD_FORMATS = ("e4m3", "e5m2")
+GRAD_PRECISIONS = ("auto", "int8", "fp8")
 # The name transformers files this method under: config.json's quantization_config.quant_method.
 QUANT_METHOD = "switchback"
 
@@ -77,12 +78,13 @@ class SwitchBackConfig:
     # dtype keeps the kernel simple). e4m3 keeps 3 mantissa bits and suffices with a
     # per-row scale (the scale handles range); e5m2 trades a mantissa bit for range.
     fp8_grad_format: str = "e4m3"
-    # Format of the grad-input GEMM operands when it should differ from `precision`; None = same as
-    # `precision`. "fp8" with precision="int8" keeps the int8 forward GEMMs and quantizes the output gradient
-    # (and transposed weight) to fp8 (`fp8_grad_format`): fp8 keeps the small entries of a gradient row that
-    # row-wise int8 rounds to zero. On the H100 parity run (BENCHMARKS.md) int8 gradients fell 32 pp behind
-    # bf16 in zero-shot while int8 forward + fp8 gradients matched it. Needs fp8 GEMMs (sm89+, or CPU emulation).
-    grad_precision: str | None = None
+    # Format of the grad-input GEMM operands (the output gradient and the transposed weight). "auto": fp8
+    # (`fp8_grad_format`) on GPUs with fp8 tensor cores (compute capability >= 8.9: Ada, Hopper, Blackwell) and
+    # whenever precision="fp8"; int8 elsewhere (Ampere, CPU). Why not int8 everywhere: row-wise int8 rounds every
+    # entry below absmax/254 of a gradient row to zero, fp8 keeps them. On the H100 parity run (BENCHMARKS.md)
+    # int8 gradients fell 32 pp behind bf16 in zero-shot; int8 forward + fp8 gradients matched bf16 on 2 seeds.
+    # "int8" forces the paper's all-int8 SwitchBack.
+    grad_precision: str = "auto"
     # Which linears to swap. str: regex full match on the dotted module name. list: exact names or dotted
     # suffixes (PEFT semantics). None: the CLIP encoder defaults above.
     target_modules: str | tuple[str, ...] | None = DEFAULT_TARGET_MODULES
@@ -109,8 +111,12 @@ class SwitchBackConfig:
         _check_choice("precision", self.precision, PRECISIONS)
         _check_choice("backend", self.backend, BACKENDS)
         _check_choice("fp8_grad_format", self.fp8_grad_format, FP8_GRAD_FORMATS)
-        if self.grad_precision is not None:
-            _check_choice("grad_precision", self.grad_precision, PRECISIONS)
+        _check_choice("grad_precision", self.grad_precision, GRAD_PRECISIONS)
+        if self.precision == "fp8" and self.grad_precision == "int8":
+            raise ValueError(
+                "SwitchBackConfig(precision='fp8', grad_precision='int8') is not supported: int8 gradients lose "
+                "accuracy that fp8 keeps. Use grad_precision='auto' (or 'fp8')."
+            )
         if not isinstance(self.memory_efficient, bool):
             raise TypeError(
                 f"SwitchBackConfig.memory_efficient must be a bool, got {type(self.memory_efficient).__name__}"
@@ -131,7 +137,7 @@ class SwitchBackConfig:
     def variant(self) -> str:
         """Short human name, e.g. 'int8/tensor/mem-efficient' (used in repr and logs)."""
         name = f"{self.precision}/{self.weight_scaling}"
-        if self.grad_precision not in (None, self.precision):
+        if self.grad_precision != "auto" and self.grad_precision != self.precision:
             name += f"/{self.grad_precision}-grad"
         return name + ("/mem-efficient" if self.memory_efficient else "")
 

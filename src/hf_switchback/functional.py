@@ -28,11 +28,29 @@ AUTO_MIN_TOKENS_CUDA = 16384
 FUSED_BIAS_GRAD = True
 
 
-def quantized_dtypes(config: SwitchBackConfig) -> tuple[torch.dtype, torch.dtype]:
-    """(forward operand dtype, output-gradient operand dtype) for a config."""
+def has_fp8_tensor_cores(device_index: int) -> bool:
+    """True when CUDA device `device_index` multiplies fp8 natively (compute capability 8.9 or newer)."""
+    # get_device_properties, not get_device_capability: torch.compile constant-folds the former.
+    props = torch.cuda.get_device_properties(device_index)
+    return (props.major, props.minor) >= (8, 9)
+
+
+def grad_precision(config: SwitchBackConfig, device: torch.device | None = None) -> str:
+    """config.grad_precision with "auto" resolved for tensors on `device` (None: not a CUDA device)."""
+    if config.grad_precision != "auto":
+        return config.grad_precision
+    if config.precision == "fp8":
+        return "fp8"
+    on_fp8_gpu = device is not None and device.type == "cuda" and has_fp8_tensor_cores(device.index or 0)
+    return "fp8" if on_fp8_gpu else "int8"
+
+
+def quantized_dtypes(
+    config: SwitchBackConfig, device: torch.device | None = None
+) -> tuple[torch.dtype, torch.dtype]:
+    """(forward operand dtype, output-gradient operand dtype) for a config and the device of its tensors."""
     forward = torch.int8 if config.precision == "int8" else torch.float8_e4m3fn
-    grad_precision = config.grad_precision or config.precision
-    grad = torch.int8 if grad_precision == "int8" else FP8_FORMATS[config.fp8_grad_format]
+    grad = torch.int8 if grad_precision(config, device) == "int8" else FP8_FORMATS[config.fp8_grad_format]
     return forward, grad
 
 
@@ -252,7 +270,7 @@ def switchback_linear(
             out = F.linear(x2d, w, None if bias is None else bias.to(x2d.dtype))
         return out.reshape(*leading, weight.shape[0])
 
-    fwd_qdtype, grad_qdtype = quantized_dtypes(config)
+    fwd_qdtype, grad_qdtype = quantized_dtypes(config, x2d.device)
     with torch.autocast(device_type, enabled=False):
         out = _SwitchBackLinearFn.apply(
             x2d.contiguous(),
@@ -299,7 +317,7 @@ def switchback_mlp(
             out = F.linear(apply_activation(h, activation), fc2_weight.to(dtype), b2)
         return out.reshape(*leading, n_out)
 
-    fwd_qdtype, grad_qdtype = quantized_dtypes(config)
+    fwd_qdtype, grad_qdtype = quantized_dtypes(config, x2d.device)
     with torch.autocast(device_type, enabled=False):
         out = _SwitchBackMLPFn.apply(
             x2d.contiguous(),
@@ -320,6 +338,8 @@ def switchback_mlp(
 __all__ = [
     "AUTO_MIN_TOKENS_CUDA",
     "check_input",
+    "grad_precision",
+    "has_fp8_tensor_cores",
     "quantize_weight",
     "quantized_dtypes",
     "switchback_linear",
