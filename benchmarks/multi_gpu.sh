@@ -12,6 +12,8 @@
 #
 #   OUT=/path bash benchmarks/multi_gpu.sh            # the GPU run: summary.json, summary.md, multi_gpu.log
 #   SMOKE=1 OUT=/tmp/smoke bash benchmarks/multi_gpu.sh   # dry run of the same logic on the CPU (tiny, gloo)
+#   PHASES="zero3 logits" LOGIT_GPUS=0,1 OUT=/path bash benchmarks/multi_gpu.sh   # a subset, e.g. on 2 GPUs
+# PHASES picks among: ddp (a), resume (c: FSDP2 + ZeRO-2), zero3 (c: ZeRO-3), same (b), logits (d).
 #
 # Parallel phases use disjoint GPUs (CUDA_VISIBLE_DEVICES), so the 1- and 2-GPU throughput runs share the host's
 # CPUs with each other (not the GPUs). Every launch has a timeout, capped by a global deadline; a failure is
@@ -22,6 +24,10 @@ SMOKE=${SMOKE:-0}
 OUT=${OUT:-runs/multi_gpu}
 WORK=${WORK:-/tmp/multi_gpu_work}
 BUDGET=${BUDGET:-525}  # seconds for all launches; the summary needs ~20 more
+PHASES=${PHASES:-ddp resume zero3 same logits}
+LOGIT_GPUS=${LOGIT_GPUS:-0,1,2,3}
+LOGIT_NPROC=$(($(echo "$LOGIT_GPUS" | tr -cd , | wc -c) + 1))
+want() { [[ " $PHASES " == *" $1 "* ]]; }
 mkdir -p "$OUT"
 rm -rf "$WORK" && mkdir -p "$WORK"
 LOG="$OUT/multi_gpu.log"
@@ -87,12 +93,14 @@ launch() {
 
 # a. DDP throughput. 4-GPU runs alone; the 1- and 2-GPU runs side by side on disjoint GPUs.
 THR=("${MODEL[@]}" --batch_size "$B" --max_train_steps "$STEPS" --logging_steps 5 --num_workers "$WORKERS")
+if want ddp; then
 launch ddp_int8_4gpu $((T_THR + 40)) 0,1,2,3 4 "$DDP" 29601 -- "${THR[@]}"
 launch ddp_bf16_4gpu "$T_THR" 0,1,2,3 4 "$DDP" 29602 -- "${THR[@]}" --switchback off
 launch ddp_int8_2gpu "$T_THR" 0,1 2 "$DDP" 29603 -- "${THR[@]}" &
 launch ddp_int8_1gpu "$T_THR" 2 1 "$DDP" 29604 -- "${THR[@]}" &
 launch ddp_bf16_1gpu "$T_THR" 3 1 "$DDP" 29605 -- "${THR[@]}" --switchback off &
 wait
+fi
 
 # c. checkpoint + resume: first launch to STEPS_C (checkpoints at CKPT and STEPS_C), drop the last checkpoint,
 # second launch resumes from `latest` (= CKPT) in the same output_dir and reruns the rest.
@@ -106,13 +114,15 @@ resume_pair() {
     launch "${name}_resumed" "$T_C" "$gpus" "$nproc" "$config" $((port + 50)) -- "${args[@]}" \
         --resume_from_checkpoint latest --output_dir "$WORK/$name"
 }
-resume_pair fsdp2 0,1 2 "$FSDP" 29611 &
-resume_pair deepspeed_zero2 2,3 "$DS_NPROC" accelerate_configs/deepspeed_zero2.yaml 29612 &
-wait
+if want resume; then
+    resume_pair fsdp2 0,1 2 "$FSDP" 29611 &
+    resume_pair deepspeed_zero2 2,3 "$DS_NPROC" accelerate_configs/deepspeed_zero2.yaml 29612 &
+    wait
+fi
 
 # b. same loss (GPUs 2,3, then 2) beside c. ZeRO-3 (GPUs 0,1)
-resume_pair deepspeed_zero3 0,1 "$DS_NPROC" accelerate_configs/deepspeed_zero3.yaml 29613 &
-(
+want zero3 && resume_pair deepspeed_zero3 0,1 "$DS_NPROC" accelerate_configs/deepspeed_zero3.yaml 29613 &
+want same && (
     SAME=("${MODEL[@]}" --max_train_steps "$STEPS_SAME" --logging_steps 1 --num_workers 1 --lr 5e-4
         --warmup_steps 5)
     launch same_loss_2gpu "$T_SAME" 2,3 2 "$DDP" 29621 -- "${SAME[@]}" --batch_size "$B_SAME"
@@ -124,9 +134,13 @@ wait
 # Each DataLoader worker builds whole batches from its share of the stream, so keep workers few and the set
 # large enough for STEPS_LOGITS batches per worker (8 workers x 25k samples made no 8192 batch on the GPU run).
 LOGITS=(--batch_size "$B_LOGITS" --max_train_steps "$STEPS_LOGITS" --logging_steps 1 --num_workers 2
-    --synthetic_train_samples $((4 * 2 * B_LOGITS * (STEPS_LOGITS + 1))))
-launch logits_local_4gpu "$T_LOGITS" 0,1,2,3 4 "$DDP" 29631 -- "${LOGITS[@]}" --local_loss
-launch logits_global_4gpu "$T_LOGITS" 0,1,2,3 4 "$DDP" 29632 -- "${LOGITS[@]}" --no-local_loss
+    --synthetic_train_samples $((LOGIT_NPROC * 2 * B_LOGITS * (STEPS_LOGITS + 1))))
+if want logits; then
+    launch "logits_local_${LOGIT_NPROC}gpu" "$T_LOGITS" "$LOGIT_GPUS" "$LOGIT_NPROC" "$DDP" 29631 -- "${LOGITS[@]}" \
+        --local_loss
+    launch "logits_global_${LOGIT_NPROC}gpu" "$T_LOGITS" "$LOGIT_GPUS" "$LOGIT_NPROC" "$DDP" 29632 -- \
+        "${LOGITS[@]}" --no-local_loss
+fi
 
 # Summary: summary.json + summary.md under $OUT; each run's log tail goes into the combined log.
 timeout 120 "$PY" benchmarks/multi_gpu_summary.py "$WORK" "$OUT" 2>&1 | tee -a "$LOG"

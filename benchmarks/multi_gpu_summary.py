@@ -154,13 +154,16 @@ def main(work: str, out: str) -> None:
     summary["resume"] = resume
 
     # d. logit memory
-    local = summary["runs"].get("logits_local_4gpu", {}).get("peak_memory_allocated_gib")
-    glob = summary["runs"].get("logits_global_4gpu", {}).get("peak_memory_allocated_gib")
+    runs = summary["runs"]
+    local_name = next((n for n in runs if n.startswith("logits_local_")), None)
+    global_name = next((n for n in runs if n.startswith("logits_global_")), None)
+    local = runs.get(local_name, {}).get("peak_memory_allocated_gib")
+    glob = runs.get(global_name, {}).get("peak_memory_allocated_gib")
     summary["logit_memory"] = {
         "local_loss_gib": local,
         "global_loss_gib": glob,
         "global_over_local": round(glob / local, 2) if local and glob else None,
-        "global_batch": summary["runs"].get("logits_local_4gpu", {}).get("global_batch_size"),
+        "global_batch": runs.get(local_name, {}).get("global_batch_size"),
     }
 
     os.makedirs(out, exist_ok=True)

@@ -163,12 +163,15 @@ def test_act_quantize_rowwise(shape, dtype, qdtype, activation):
     assert q.dtype == qdtype and q.shape == q_ref.shape and s.shape == s_ref.shape
     tol = ROUND_TOL[dtype]
     assert ((s.cpu() - s_ref).abs() <= tol * s_ref).all(), (s.cpu() - s_ref).abs().max()
-    assert _adjacent(q, q_ref)
-    # Rounding flips are rare: at most 1% of the elements. fp8 keeps relative precision down to tiny values,
-    # where act(h) = h * Phi(h) is a difference of nearly equal numbers (1 + erf, 1 + tanh) and the kernel's
-    # and torch's formulas differ by more than a rounding (measured on H100: >1% one-code flips in that tail):
-    # count flips only at magnitudes >= 2**-6 of the row's absmax there.
-    counted = q_ref.float().abs() >= (0 if qdtype == torch.int8 else ref.QMAX[qdtype] * 2**-6)
+    # fp8 keeps relative precision down to tiny values, where act(h) = h * Phi(h) is a difference of nearly
+    # equal numbers (1 + erf, 1 + tanh) and the kernel's and torch's formulas differ by more than a rounding
+    # (measured on H100: >1% one-code flips in that tail, and codes of opposite sign or several codes apart
+    # at 1e-7 of the absmax with e5m2). So below 2**-6 of the row's absmax, fp8 codes need only stay below
+    # 2**-5 of it; at and above, codes are equal or adjacent and flips are rare (at most 1% of the elements).
+    tail = 0 if qdtype == torch.int8 else ref.QMAX[qdtype] * 2**-6
+    counted = q_ref.float().abs() >= tail
+    assert _adjacent(q.cpu()[counted], q_ref[counted])
+    assert (q.cpu().float()[~counted].abs() <= 2 * tail).all()
     flips = (_bits(q) != _bits(q_ref)) & counted
     assert flips.sum() <= 0.01 * max(int(counted.sum()), 1)
 

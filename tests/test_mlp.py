@@ -183,13 +183,15 @@ def test_apply_and_remove_on_clip_model_keep_keys_and_load_into_plain_model():
 
 
 def test_fuse_mlp_config_field():
-    assert SwitchBackConfig().fuse_mlp is True
+    assert SwitchBackConfig().fuse_mlp is False
     cfg = SwitchBackConfig(fuse_mlp=False, memory_efficient=True)
     assert SwitchBackConfig.from_dict(cfg.to_dict()) == cfg
     with pytest.raises(TypeError, match="fuse_mlp"):
         SwitchBackConfig(fuse_mlp="yes")
     model = CLIPModel(tiny_clip_config())
-    apply_switchback(model, SwitchBackConfig(backend="torch"))  # fused by default
+    apply_switchback(model, SwitchBackConfig(backend="torch"))  # separate layers by default
+    assert not any(is_fused_mlp(m) for m in model.modules())
+    apply_switchback(model, SwitchBackConfig(backend="torch", fuse_mlp=True))
     assert sum(is_fused_mlp(m) for m in model.modules()) == 4
 
 

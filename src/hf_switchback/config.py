@@ -102,9 +102,10 @@ class SwitchBackConfig:
     # the 8-bit quantize passes and its output is recomputed in backward instead of saved, so the block saves
     # only fc1's input and output (half of bf16's activations; 44% less with memory_efficient). Supported
     # activations: gelu (erf), the tanh approximations and quick_gelu; other blocks keep the separate layers.
-    # Speed on H100 today (BENCHMARKS.md, issue 3): with memory_efficient the fused block is the faster one;
-    # without it the separate layers are ~3% faster, so set False there when speed matters more than memory.
-    fuse_mlp: bool = True
+    # Off by default: in a whole ViT-B/16 training step on the H100 under torch.compile the separate layers were
+    # 13% faster (125 vs 143 ms/step; eager: fused 6% faster); the fused block saves ~20% activation memory
+    # (21.1 -> 16.8 GiB peak at batch 256). Turn it on when memory is the limit (BENCHMARKS.md, 2026-11-22).
+    fuse_mlp: bool = False
 
     def __post_init__(self) -> None:
         _check_choice("weight_scaling", self.weight_scaling, WEIGHT_SCALINGS)

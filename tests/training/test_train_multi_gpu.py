@@ -52,7 +52,8 @@ def test_switchback_pure_bf16_weights_without_autocast():
         for name, grad in grads[switchback].items():
             assert grad.dtype == torch.bfloat16 and torch.isfinite(grad).all(), name
     assert grads[True].keys() == grads[False].keys()
-    assert abs(losses[True] - losses[False]) < 0.05, losses
+    # bf16 resolves a loss of ~4 to 1/32 (0.8%); int8 adds ~1% noise on this tiny model: 2.5% is 3 bf16 steps
+    assert abs(losses[True] - losses[False]) <= 0.025 * losses[False], losses
     name = "clip.vision_model.encoder.layers.0.mlp.fc1.weight"
     cos = torch.nn.functional.cosine_similarity(
         grads[True][name].float().flatten(), grads[False][name].float().flatten(), dim=0

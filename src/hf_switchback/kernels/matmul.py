@@ -441,8 +441,10 @@ def _set_block_shapes(nargs: dict) -> None:
 _tma_autotuned_kernel = triton.autotune(
     configs=_tma_configs(), key=["M_BUCKET", "N", "K"], reset_to_zero=["absmax_ptr", "part_ptr"]
 )(_scaled_mm_tma_kernel)
-# Use the persistent TMA kernel where it applies (sm90, aligned shapes). False: always the portable kernel.
-USE_TMA = True
+# Use the persistent TMA kernel where it applies (sm90, aligned shapes). Off by default: alone it beats the
+# portable kernel (1.50-1.63x over cuBLAS bf16 vs 1.37-1.53x), but in a whole ViT-B/16 training step on the
+# H100 it was slower (int8 + compile 160 ms/step with it vs 125-143 ms without; BENCHMARKS.md, 2026-11-22).
+USE_TMA = False
 
 
 @functools.cache
