@@ -211,7 +211,8 @@ def markdown(rows: list[dict], env: dict) -> str:
         ]
     for r in rows:
         if r["variant"] == "int8" and r.get("d_zero_shot_top1_pp") is not None:
-            met = "met" if abs(r["d_zero_shot_top1_pp"]) <= 0.5 else "missed"
+            # "within 0.5 pp" is a bound on the loss of accuracy: int8 above bf16 meets it
+            met = "met" if r["d_zero_shot_top1_pp"] >= -0.5 else "missed"
             lines.append(
                 f"Target int8 zero-shot within 0.5 pp of bf16 (seed {r['seed']}): {met} "
                 f"({r['d_zero_shot_top1_pp']:+.2f} pp)."

@@ -139,3 +139,39 @@ def test_parity_summary_and_plot_from_fabricated_logs(tmp_path):
         json.loads((merged / "parity.json").read_text())["summary"]
         == json.loads((tmp_path / "out" / "parity.json").read_text())["summary"]
     )
+
+
+@pytest.mark.slow
+def test_quant_error_probe_records_every_operand(tmp_path):
+    """The probe wraps a real train_clip.py run (tiny model, CPU): recorded steps 0 and 2, every operand kind."""
+    out = tmp_path / "probe.jsonl"
+    train = ["examples/train_clip.py", "--output_dir", str(tmp_path / "run"), "--max_train_steps", "4"]
+    train += ["--min_tokens", "0", "--report_to", "none", "--max_eval_samples", "16", "--eval_steps", "0"]
+    run_script(
+        ["benchmarks/quant_error_probe.py", "--out", str(out), "--every", "2", "--", *train], timeout=180
+    )
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [line["step"] for line in lines] == [0, 2]
+    kinds = {key.split("(")[0] for key in lines[0] if key != "step"}
+    assert {"quantize_rowwise:int8", "quantize_tensorwise:int8", "quantize_rowwise_colsum:int8"} <= kinds
+    assert "quantize_tensorwise_transposed:int8" in kinds  # grad-input weight: CPU default is int8 gradients
+    for key, stats in lines[0].items():
+        if key != "step":
+            # int8 absmax on these tensors: ~1% relative error, a few % of entries flushed
+            assert 0 < stats["rel"][0] <= stats["rel"][1] < 0.05, (key, stats)
+            assert 0 <= stats["flush"] < 0.2 and 0 <= stats["lost"] < stats["rel"][1], (key, stats)
+
+
+def test_stochastic_int8_rounding_is_unbiased_where_nearest_flushes():
+    probe = load_script("quant_error_probe")
+    torch = pytest.importorskip("torch")
+    torch.manual_seed(0)
+    x = torch.full((4096, 8), 0.3)
+    x[:, 0] = 127.0  # scale 1: every 0.3 entry is below half a step, round-to-nearest gives 0
+    q, scale = probe.stochastic_int8_rowwise(x)
+    assert torch.equal(scale, torch.ones(4096))
+    small = q[:, 1:].float()
+    assert set(small.unique().tolist()) == {0.0, 1.0}
+    # mean of 4096 x 7 Bernoulli(0.3) draws: standard error 0.0036, bound at ~5.5 sigma
+    assert abs(small.mean().item() - 0.3) < 0.02
+    assert torch.equal(q[:, 0], torch.full((4096,), 127, dtype=torch.int8))
