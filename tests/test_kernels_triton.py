@@ -139,6 +139,17 @@ def _adjacent(q: torch.Tensor, q_ref: torch.Tensor) -> bool:
     return bool((close | (q.float() == q_ref.float())).all())
 
 
+def _assert_quantizes_own_grad_h(q: torch.Tensor, q_own: torch.Tensor, qdtype: torch.dtype) -> None:
+    """q (the kernel's 8-bit grad_h) vs q_own = the reference quantize of the kernel's own grad_h output."""
+    if qdtype == torch.int8:
+        assert torch.equal(q.cpu(), q_own)
+        return
+    # The kernel quantizes grad_h in float32, before its rounding to the grad_h output dtype; e4m3's finer steps
+    # near its top resolve that double rounding (measured on H100: rare one-code flips).
+    assert _adjacent(q, q_own)
+    assert (_bits(q) != _bits(q_own)).float().mean() <= 0.01
+
+
 # Tolerance (relative to |h| or |g|) of an activation value or gradient: the kernels' float32 formulas differ
 # from torch's (erf/exp implementations; tanh written through the sigmoid, which does not saturate to exactly
 # 0 / 1 where torch's tanh does: up to ~6e-6 x |g| measured in float32), then one rounding to the dtype that
@@ -204,13 +215,7 @@ def test_act_backward_quantize_colsum(shape, dtype, qdtype, activation, want_act
         assert ((act.cpu().float() - act_ref.float()).abs() <= tol * h.cpu().float().abs() + 1e-30).all()
     q_own, s_own, sum_own = ref.quantize_rowwise_colsum(gh.cpu(), qdtype)
     assert torch.equal(s.cpu(), s_own)
-    if qdtype == torch.int8:
-        assert torch.equal(q.cpu(), q_own)
-    else:
-        # The kernel quantizes grad_h in float32, before its rounding to `dtype` for the grad_h output; e4m3's
-        # finer steps near its top resolve that double rounding (measured on H100: rare one-code flips).
-        assert _adjacent(q, q_own)
-        assert (_bits(q) != _bits(q_own)).float().mean() <= 0.01
+    _assert_quantizes_own_grad_h(q, q_own, qdtype)
     bound = max(shape[0], 1) * 2**-24 * gh.cpu().float().abs().sum(0) + 1e-30
     assert ((colsum.cpu() - sum_own).abs() <= bound).all()
 
@@ -483,13 +488,7 @@ def test_scaled_matmul_act_backward(qdtype, dtype, activation, want_act, shape, 
         ).all()
     q_own, s_own, sum_own = ref.quantize_rowwise_colsum(gh.cpu(), qdtype)
     assert torch.equal(s.cpu(), s_own)
-    if qdtype == torch.int8:
-        assert torch.equal(q.cpu(), q_own)
-    else:
-        # The kernel quantizes grad_h in float32, before its rounding to `dtype` for the grad_h output; e4m3's
-        # finer steps near its top resolve that double rounding (measured on H100: rare one-code flips).
-        assert _adjacent(q, q_own)
-        assert (_bits(q) != _bits(q_own)).float().mean() <= 0.01
+    _assert_quantizes_own_grad_h(q, q_own, qdtype)
     sum_bound = m * 2**-24 * gh.cpu().float().abs().sum(0) + 1e-30
     assert ((colsum.cpu() - sum_own).abs() <= sum_bound).all()
 
