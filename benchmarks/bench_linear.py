@@ -4,8 +4,9 @@
     PYTHONPATH=src python benchmarks/bench_linear.py --dims 1280 --tokens 65536 --cases block
 
 Cases: a single linear d->4d ("fc1"), 4d->d ("fc2"), and the CLIP MLP block fc1 -> GELU -> fc2 ("block":
-transformers' CLIPMLP, hidden_act from --act; SwitchBack rows say "[fused mlp]" where the block ran as one
-fused op, the default; "[fuse_mlp=False]" rows run three separate ops), at
+transformers' CLIPMLP, hidden_act from --act; SwitchBack rows run three separate ops, the default; --mlp-ab adds
+"[fuse_mlp=True]" rows, marked "[fused mlp]" when the block really ran as one fused op; --tma-ab adds "[tma]"
+rows on the Hopper TMA GEMM), at
 `tokens` rows of bf16 input. Each variant runs forward + backward (input gradient included, as inside a
 network); the time is the median of triton's do_bench. Columns:
 - ms, x bf16: time and speed-up over eager bf16 nn.Linear of the same case (> 1 is faster);
@@ -180,16 +181,17 @@ def fused_quant_ms(d: int, tokens: int, cfg: SwitchBackConfig, act: str) -> floa
 
 
 UNFUSED = " [unfused bias grad]"
-NO_TMA = " [no tma]"
+WITH_TMA = " [tma]"
 # The fused block's activation backward: in fc2's grad-input GEMM epilogue (default, Hopper TMA kernel), or
 # as a separate pass after it: 2-D tiles, or whole rows per program (kernels.quantize.ACT_BACKWARD_IMPL).
 ACT_BWD = {" [act-bwd epilogue]": "epilogue", " [act-bwd tiles]": "tiles", " [act-bwd rows]": "rows"}
 DEFAULT_ACT_EPILOGUE = kmatmul.FUSE_ACT_EPILOGUE
+DEFAULT_TMA = kmatmul.USE_TMA
 
 
 def fuse_tag(cfg: SwitchBackConfig) -> str:
-    """Name suffix of a variant whose fuse_mlp is not the default (True)."""
-    return "" if cfg.fuse_mlp else " [fuse_mlp=False]"
+    """Name suffix of a variant whose fuse_mlp is not the default (False)."""
+    return " [fuse_mlp=True]" if cfg.fuse_mlp else ""
 
 
 # hidden_act -> the fused kernels' activation name
@@ -218,21 +220,21 @@ def variants(
                 tag = fuse_tag(cfg) + tag
                 out.append((f"switchback {cfg.variant}{tag}", lambda m, cfg=cfg: switchback(m, cfg), False))
     if tma_ab:
-        # The portable (non-persistent, pointer-based) GEMM everywhere: kernels.matmul.USE_TMA = False.
+        # The persistent TMA GEMM on Hopper (kernels.matmul.USE_TMA = True; the portable kernel is the default).
         for precision in ("int8", "fp8"):
             for fuse, mem in ((False, False), (True, False), (False, True), (True, True)):
                 cfg = SwitchBackConfig(precision=precision, fuse_mlp=fuse, memory_efficient=mem)
                 tag = fuse_tag(cfg)
                 out.append(
-                    (f"switchback {cfg.variant}{tag}{NO_TMA}", lambda m, cfg=cfg: switchback(m, cfg), False)
+                    (f"switchback {cfg.variant}{tag}{WITH_TMA}", lambda m, cfg=cfg: switchback(m, cfg), False)
                 )
     if mlp_ab:
-        # The block as three separate ops (SwitchBack fc1, the activation, SwitchBack fc2): fuse_mlp=False.
+        # The block as one fused SwitchBack MLP op (fuse_mlp=True; three separate ops are the default).
         for precision in ("int8", "fp8"):
             for scaling in ("tensor", "row"):
                 for mem in (False, True):
                     cfg = SwitchBackConfig(
-                        precision=precision, weight_scaling=scaling, memory_efficient=mem, fuse_mlp=False
+                        precision=precision, weight_scaling=scaling, memory_efficient=mem, fuse_mlp=True
                     )
                     name = f"switchback {cfg.variant}{fuse_tag(cfg)}"
                     out.append((name, lambda m, cfg=cfg: switchback(m, cfg), False))
@@ -291,7 +293,7 @@ def run_case(
             continue
         row = Row(label, name)
         functional.FUSED_BIAS_GRAD = not name.endswith(UNFUSED)
-        kmatmul.USE_TMA = not name.endswith(NO_TMA)
+        kmatmul.USE_TMA = name.endswith(WITH_TMA)
         bwd_impl = next((impl for tag, impl in ACT_BWD.items() if name.endswith(tag)), None)
         kmatmul.FUSE_ACT_EPILOGUE = DEFAULT_ACT_EPILOGUE if bwd_impl is None else bwd_impl == "epilogue"
         kquantize.ACT_BACKWARD_IMPL = bwd_impl if bwd_impl in ("tiles", "rows") else "tiles"
@@ -313,7 +315,7 @@ def run_case(
         if row.ms is not None and base_ms:
             row.ratio = base_ms / row.ms
         functional.FUSED_BIAS_GRAD = True
-        kmatmul.USE_TMA = True
+        kmatmul.USE_TMA = DEFAULT_TMA
         kquantize.ACT_BACKWARD_IMPL = "tiles"
         kmatmul.FUSE_ACT_EPILOGUE = DEFAULT_ACT_EPILOGUE
         rows.append(row)
@@ -346,7 +348,7 @@ def bench_gemms(d: int, tokens: int) -> None:
                 )
                 tag = "tma" if tma else "portable"
                 cells.append(f"{str(qdtype).split('.')[-1]} {tag} {ms:.3f} ms ({base / ms:.2f}x)")
-        kmatmul.USE_TMA = True
+        kmatmul.USE_TMA = DEFAULT_TMA
         print(f"| gemm {name} d={d} M={tokens} | " + " | ".join(cells) + " |", flush=True)
 
 
@@ -407,12 +409,12 @@ def main() -> None:
     parser.add_argument(
         "--mlp-ab",
         action="store_true",
-        help="add block variants with the MLP unfused (fuse_mlp=False; fused is the default)",
+        help="add block variants with the fused MLP (fuse_mlp=True; separate layers are the default)",
     )
     parser.add_argument(
         "--tma-ab",
         action="store_true",
-        help="add variants on the portable GEMM (kernels.matmul.USE_TMA=False; the TMA kernel is the default)",
+        help="add variants on the Hopper TMA GEMM (kernels.matmul.USE_TMA=True; the portable one is the default)",
     )
     parser.add_argument("--gemm", action="store_true", help="also time the bare GEMMs of each d x tokens")
     parser.add_argument(
