@@ -293,8 +293,10 @@ def run_case(
             continue
         row = Row(label, name)
         functional.FUSED_BIAS_GRAD = not name.endswith(UNFUSED)
-        kmatmul.USE_TMA = name.endswith(WITH_TMA)
         bwd_impl = next((impl for tag, impl in ACT_BWD.items() if name.endswith(tag)), None)
+        kmatmul.USE_TMA = (
+            name.endswith(WITH_TMA) or bwd_impl == "epilogue"
+        )  # the epilogue is in the TMA kernel
         kmatmul.FUSE_ACT_EPILOGUE = DEFAULT_ACT_EPILOGUE if bwd_impl is None else bwd_impl == "epilogue"
         kquantize.ACT_BACKWARD_IMPL = bwd_impl if bwd_impl in ("tiles", "rows") else "tiles"
         try:

@@ -19,7 +19,7 @@ Variants:
   int8-int8grad          grad_precision="int8": int8 gradients too (the paper's SwitchBack). Plain int8 uses
                          the default grad_precision="auto", which on GPUs with fp8 tensor cores quantizes the
                          output gradients to fp8 (BENCHMARKS.md, parity: int8 gradients lost accuracy).
-  int8-unfused           fuse_mlp=False: fc1 and fc2 as two SwitchBack linears around the activation.
+  int8-fused             fuse_mlp=True: each CLIP MLP as one fused SwitchBack op (less activation memory).
   int8-triton            backend="triton": every swapped linear quantizes, whatever its token count. Shows what
                          the floor is worth; at ViT-B/16 batch 256 both towers are above it, so it equals int8.
   int8-row-memeff        row-wise weight scales and the 8-bit saved input (SwitchBack's memory-saving mode).
@@ -72,7 +72,7 @@ BASES = (
     "bf16",
     "int8",
     "int8-int8grad",
-    "int8-unfused",
+    "int8-fused",
     "int8-triton",
     "int8-row-memeff",
     "fp8",
@@ -113,8 +113,8 @@ def build_model(config, variant: str, grad_ckpt: bool, compile_mode: str, device
         apply_switchback(model, SwitchBackConfig())
     elif base == "int8-int8grad":
         apply_switchback(model, SwitchBackConfig(grad_precision="int8"))
-    elif base == "int8-unfused":
-        apply_switchback(model, SwitchBackConfig(fuse_mlp=False))
+    elif base == "int8-fused":
+        apply_switchback(model, SwitchBackConfig(fuse_mlp=True))
     elif base == "int8-triton":
         apply_switchback(model, SwitchBackConfig(backend="triton"))
     elif base == "int8-row-memeff":
@@ -326,7 +326,9 @@ def main() -> None:
         help="A/B: keep our Triton quantize kernels under torch.compile (the default lets Inductor fuse them)",
     )
     parser.add_argument(
-        "--no_tma", action="store_true", help="A/B: the portable 8-bit GEMM instead of the Hopper TMA one"
+        "--tma",
+        action="store_true",
+        help="A/B: the Hopper TMA 8-bit GEMM instead of the portable one (default)",
     )
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="cpu: smoke test only")
     parser.add_argument("--tiny", action="store_true", help="shrink the models to CPU-test size (smoke test)")
@@ -334,10 +336,10 @@ def main() -> None:
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("bench_train.py needs a CUDA GPU (or --device cpu --tiny for a smoke test)")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    if args.no_tma:
+    if args.tma:
         from hf_switchback.kernels import matmul
 
-        matmul.USE_TMA = False
+        matmul.USE_TMA = True
     if args.custom_op_eager or args.triton_quantize_under_compile:
         from hf_switchback.kernels import backends, ops
 

@@ -1,6 +1,6 @@
 """Accuracy parity (issue 7): bf16 vs SwitchBack int8 vs fp8 on the same CLIP training run.
 
-Runs examples/train_clip.py once per (variant, seed), one after another on one GPU: ViT-B/16 from
+Runs examples/train_clip.py once per (variant, seed) on one GPU (one after another, or --parallel N at once): ViT-B/16 from
 examples/configs/clip-vit-b-16.json (random init, 224 px), the embedded synthetic shapes set, bf16 autocast,
 the same seed (same init, same data order) for every variant, so the runs differ only in the linears. Then
 reads each run's train_log.jsonl and all_results.json and writes, to --out_dir:
@@ -9,7 +9,7 @@ reads each run's train_log.jsonl and all_results.json and writes, to --out_dir:
     parity.md         the table: final loss (and its paired difference to bf16), zero-shot, retrieval, speed
     parity_loss.png   loss curves (and eval curves) of all runs (needs matplotlib; else re-plot with --merge)
 
-    # one H100, ~8-9 minutes for the three runs:
+    # one H100, ~8-9 minutes for the three default runs (bf16, int8, fp8; add int8-int8grad with --variants):
     PYTHONPATH=src python benchmarks/parity.py --out_dir $OUT --time_budget_s 530
     # a second seed (noise floor: bf16 vs bf16 across seeds), then one table and plot from both, on any machine:
     PYTHONPATH=src python benchmarks/parity.py --out_dir $OUT --seeds 1 --variants bf16 int8
@@ -321,7 +321,7 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--out_dir", required=True, help="parity.json / .md / _loss.png go here")
-    parser.add_argument("--variants", nargs="+", choices=list(VARIANT_FLAGS), default=list(VARIANT_FLAGS))
+    parser.add_argument("--variants", nargs="+", choices=list(VARIANT_FLAGS), default=["bf16", "int8", "fp8"])
     parser.add_argument("--seeds", nargs="+", type=int, default=[0], help="one run per variant and seed")
     parser.add_argument("--steps", type=int, default=500, help="optimizer steps per run")
     parser.add_argument("--batch_size", type=int, default=256, help="per step (one GPU)")
@@ -353,6 +353,8 @@ def main() -> None:
     parser.add_argument("extra", nargs=argparse.REMAINDER, help="after --: more train_clip.py flags")
     args = parser.parse_args()
     args.extra = [a for a in args.extra if a != "--"]
+    if args.parallel < 1:
+        parser.error("--parallel must be >= 1")
     out_dir = Path(args.out_dir)
 
     if args.merge:

@@ -19,6 +19,8 @@ gradients by stochastic rounding in torch ops (slow). It closed part of the int8
 
 How: the probe wraps `hf_switchback.functional.get_kernels` so every kernel set the autograd functions fetch
 records its quantize outputs; an optimizer step hook flushes the records. Eager mode only (no --torch_compile).
+Caveat: an eval that runs right after a recorded step's optimizer step lands in the next record, so forward
+operands (layer inputs, weights) of that step include eval batches (more "calls"); gradient operands do not.
 """
 
 from __future__ import annotations

@@ -72,9 +72,9 @@ class SwitchBackConfig:
     # Save the 8-bit input (+ its row scales) for backward instead of the 16-bit input: about half the
     # activation memory of every swapped linear, at the cost of an 8-bit-accurate grad-weight.
     memory_efficient: bool = False
-    # "int8": symmetric absmax int8 (the paper). "fp8": e4m3 forward, `fp8_grad_format` for gradients.
+    # Forward format. "int8": symmetric absmax int8 (the paper). "fp8": e4m3. Gradients: see grad_precision.
     precision: str = "int8"
-    # fp8 only: format of both grad-input operands (the output gradient and the transposed weight; one GEMM
+    # Whenever gradients are fp8 (see grad_precision): format of both grad-input operands (the output gradient and the transposed weight; one GEMM
     # dtype keeps the kernel simple). e4m3 keeps 3 mantissa bits and suffices with a
     # per-row scale (the scale handles range); e5m2 trades a mantissa bit for range.
     fp8_grad_format: str = "e4m3"
@@ -138,7 +138,7 @@ class SwitchBackConfig:
     def variant(self) -> str:
         """Short human name, e.g. 'int8/tensor/mem-efficient' (used in repr and logs)."""
         name = f"{self.precision}/{self.weight_scaling}"
-        if self.grad_precision != "auto" and self.grad_precision != self.precision:
+        if self.grad_precision != "auto":  # explicit: int8 and "auto" differ on fp8-capable GPUs
             name += f"/{self.grad_precision}-grad"
         return name + ("/mem-efficient" if self.memory_efficient else "")
 

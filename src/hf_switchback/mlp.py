@@ -1,7 +1,7 @@
 """Fused SwitchBack MLP: a CLIP block fc1 -> activation -> fc2 run as one op (functional.switchback_mlp).
 
 When apply_switchback converts both linears of a transformers `CLIPMLP` with one config (and
-`config.fuse_mlp`, the default), the block's class is swapped for a generated subclass whose forward calls
+`config.fuse_mlp`, off by default), the block's class is swapped for a generated subclass whose forward calls
 `switchback_mlp` — the same technique `fully_shard` uses. Nothing else changes: the module is still an
 instance of CLIPMLP, fc1 / fc2 are the same SwitchBackLinear modules holding the same Parameters, so
 state_dict keys, FSDP2's parameter records and PEFT-style target names are untouched, and

@@ -630,7 +630,7 @@ def scaled_matmul_act_backward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """act_backward_quantize_colsum(scaled_matmul(a_q, b_q, a_scale, b_scale, None, h.dtype), h, ...).
 
-    With FUSE_ACT_EPILOGUE (off by default, see there) on Hopper the activation backward runs in the GEMM's
+    With FUSE_ACT_EPILOGUE and USE_TMA (both off by default) on Hopper the activation backward runs in the GEMM's
     epilogue (grad_a is never written), then one per-row quantize pass; otherwise the two steps run one after
     the other.
     """
