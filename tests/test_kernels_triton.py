@@ -220,6 +220,27 @@ def test_act_backward_quantize_colsum(shape, dtype, qdtype, activation, want_act
     assert ((colsum.cpu() - sum_own).abs() <= bound).all()
 
 
+def _assert_one_graph_and_compiled_matches_eager(block: torch.nn.Module, x: torch.Tensor) -> None:
+    """torch.compile of `block` traces as one graph without breaks; its output and every gradient (parameters
+    and input) match eager within 35 dB (output) / 30 dB (gradients)."""
+    torch._dynamo.reset()
+    explain = torch._dynamo.explain(block)(x)
+    assert explain.graph_break_count == 0, [str(r.reason) for r in explain.break_reasons]
+    assert explain.graph_count == 1
+    compiled = torch.compile(block, fullgraph=True)
+    xe, xc = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+    eager_out = block(xe)
+    eager_out.float().pow(2).sum().backward()
+    eager_grads = [p.grad.clone() for p in block.parameters()] + [xe.grad]
+    block.zero_grad(set_to_none=True)
+    out = compiled(xc)
+    out.float().pow(2).sum().backward()
+    grads = [p.grad for p in block.parameters()] + [xc.grad]
+    assert _snr_db(out, eager_out) > 35
+    for g, e in zip(grads, eager_grads, strict=True):
+        assert _snr_db(g, e) > 30
+
+
 def _random_q(shape, qdtype):
     if qdtype == torch.int8:
         return torch.randint(-127, 128, shape, dtype=torch.int8)
@@ -417,23 +438,7 @@ def test_torch_compile_no_graph_breaks():
     ).to("cuda", torch.bfloat16)
     x = torch.randn(4, 64, 128, device="cuda", dtype=torch.bfloat16)
 
-    torch._dynamo.reset()
-    explain = torch._dynamo.explain(block)(x)
-    assert explain.graph_break_count == 0, [str(r.reason) for r in explain.break_reasons]
-    assert explain.graph_count == 1
-
-    compiled = torch.compile(block, fullgraph=True)
-    xe, xc = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
-    eager_out = block(xe)
-    eager_out.float().pow(2).sum().backward()
-    eager_grads = [p.grad.clone() for p in block.parameters()] + [xe.grad]
-    block.zero_grad(set_to_none=True)
-    out = compiled(xc)
-    out.float().pow(2).sum().backward()
-    grads = [p.grad for p in block.parameters()] + [xc.grad]
-    assert _snr_db(out, eager_out) > 35
-    for g, e in zip(grads, eager_grads, strict=True):
-        assert _snr_db(g, e) > 30
+    _assert_one_graph_and_compiled_matches_eager(block, x)
 
 
 @requires_gpu
@@ -567,22 +572,7 @@ def test_fused_mlp_torch_compile_no_graph_breaks():
         "cuda", torch.bfloat16
     )
     x = torch.randn(4, 64, 128, device="cuda", dtype=torch.bfloat16)
-    torch._dynamo.reset()
-    explain = torch._dynamo.explain(block)(x)
-    assert explain.graph_break_count == 0, [str(r.reason) for r in explain.break_reasons]
-    assert explain.graph_count == 1
-    compiled = torch.compile(block, fullgraph=True)
-    xe, xc = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
-    eager_out = block(xe)
-    eager_out.float().pow(2).sum().backward()
-    eager_grads = [p.grad.clone() for p in block.parameters()] + [xe.grad]
-    block.zero_grad(set_to_none=True)
-    out = compiled(xc)
-    out.float().pow(2).sum().backward()
-    grads = [p.grad for p in block.parameters()] + [xc.grad]
-    assert _snr_db(out, eager_out) > 35
-    for g, e in zip(grads, eager_grads, strict=True):
-        assert _snr_db(g, e) > 30
+    _assert_one_graph_and_compiled_matches_eager(block, x)
 
 
 _INTERPRETER_CHECK = textwrap.dedent(
