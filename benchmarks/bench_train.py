@@ -189,6 +189,8 @@ def time_training(
     ms = (time.perf_counter() - t0) * 1000 / steps
     if not torch.isfinite(loss).item():
         raise FloatingPointError(f"loss is {loss.item()}")
+    if args.profile:
+        row_profile = profile_steps(step, args.profile_steps, Path(args.profile) / f"{name}_{variant}.txt")
     row = dict(
         model=name,
         variant=variant,
@@ -200,7 +202,59 @@ def time_training(
         first_step_s=first_step_s,
         loss=loss.item(),
     )
+    if args.profile:
+        row.update(row_profile)
     return row  # model, optimizer and compiled code are freed by the caller's cleanup()
+
+
+# Kernel families for the profile summary: the first pattern found in a CUDA kernel's name decides.
+KERNEL_FAMILIES = (
+    ("switchback 8-bit GEMM", ("_scaled_mm",)),
+    ("attention", ("flash", "fmha", "attention", "sdpa")),
+    ("16-bit GEMM (cuBLAS/CUTLASS)", ("gemm", "nvjet", "cutlass", "xmma", "cublas", "splitk")),
+    ("optimizer", ("multi_tensor", "adam", "foreach")),
+    ("Inductor fused (Triton)", ("triton_",)),
+    ("switchback quantize (Triton)", ("quantize", "_act_")),
+)
+
+
+def kernel_family(kernel: str) -> str:
+    lowered = kernel.lower()
+    for family, patterns in KERNEL_FAMILIES:
+        if any(pattern in lowered for pattern in patterns):
+            return family
+    return "other"
+
+
+def profile_steps(step, steps: int, path: Path) -> dict:
+    """Run `steps` more steps under torch.profiler: write the kernel table to `path`, return GPU time by family.
+
+    gpu_ms_per_step (kernel time summed) against ms_per_step (wall) tells a launch-bound step from a slow one.
+    """
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.key_averages() if e.device_type == DeviceType.CUDA]
+    families: dict[str, float] = {}
+    for event in kernels:
+        family = kernel_family(event.key)
+        families[family] = families.get(family, 0.0) + event.self_device_time_total / 1000 / steps
+    path.parent.mkdir(parents=True, exist_ok=True)
+    lines = [
+        f"{family:32} {ms:9.2f} ms/step" for family, ms in sorted(families.items(), key=lambda kv: -kv[1])
+    ]
+    kernels.sort(key=lambda e: -e.self_device_time_total)
+    lines += ["", f"{'ms/step':>9} {'calls/step':>10}  kernel"]
+    lines += [
+        f"{e.self_device_time_total / 1000 / steps:9.3f} {e.count / steps:10.1f}  {e.key[:160]}"
+        for e in kernels[:60]
+    ]
+    path.write_text("\n".join(lines) + "\n")
+    return dict(gpu_ms_per_step=sum(families.values()), gpu_ms_by_family=families)
 
 
 def cleanup(device: str) -> None:
@@ -330,9 +384,19 @@ def main() -> None:
         action="store_true",
         help="A/B: the Hopper TMA 8-bit GEMM instead of the portable one (default)",
     )
+    parser.add_argument(
+        "--profile",
+        default=None,
+        metavar="DIR",
+        help="after timing, profile --profile_steps more steps of each row: GPU time by kernel family in the "
+        "row's JSON, the top kernels in DIR/<model>_<variant>.txt (CUDA only)",
+    )
+    parser.add_argument("--profile_steps", type=int, default=2, help="steps profiled per row with --profile")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="cpu: smoke test only")
     parser.add_argument("--tiny", action="store_true", help="shrink the models to CPU-test size (smoke test)")
     args = parser.parse_args()
+    if args.profile and args.device != "cuda":
+        parser.error("--profile needs --device cuda (it reports GPU kernel time)")
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("bench_train.py needs a CUDA GPU (or --device cpu --tiny for a smoke test)")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
