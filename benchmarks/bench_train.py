@@ -190,7 +190,9 @@ def time_training(
     if not torch.isfinite(loss).item():
         raise FloatingPointError(f"loss is {loss.item()}")
     if args.profile:
-        row_profile = profile_steps(step, args.profile_steps, Path(args.profile) / f"{name}_{variant}.txt")
+        row_profile = profile_steps(
+            step, args.profile_steps, Path(args.profile) / f"{name}_{variant.replace('+', '_')}.txt"
+        )
     row = dict(
         model=name,
         variant=variant,
@@ -252,6 +254,14 @@ def profile_steps(step, steps: int, path: Path) -> dict:
     lines += [
         f"{e.self_device_time_total / 1000 / steps:9.3f} {e.count / steps:10.1f}  {e.key[:160]}"
         for e in kernels[:60]
+    ]
+    # CPU side: where a launch-bound step (wall time well above GPU time) spends its host time
+    host = [e for e in prof.key_averages() if e.device_type == DeviceType.CPU]
+    host.sort(key=lambda e: -e.self_cpu_time_total)
+    lines += ["", f"{'self CPU ms/step':>16} {'calls/step':>10}  op"]
+    lines += [
+        f"{e.self_cpu_time_total / 1000 / steps:16.3f} {e.count / steps:10.1f}  {e.key[:120]}"
+        for e in host[:25]
     ]
     path.write_text("\n".join(lines) + "\n")
     return dict(gpu_ms_per_step=sum(families.values()), gpu_ms_by_family=families)
@@ -380,6 +390,12 @@ def main() -> None:
         help="A/B: keep our Triton quantize kernels under torch.compile (the default lets Inductor fuse them)",
     )
     parser.add_argument(
+        "--opaque_gemm_under_compile",
+        action="store_true",
+        help="A/B: under torch.compile call the 8-bit GEMM as an opaque custom op (the default lets Inductor "
+        "launch it from its generated code)",
+    )
+    parser.add_argument(
         "--tma",
         action="store_true",
         help="A/B: the Hopper TMA 8-bit GEMM instead of the portable one (default)",
@@ -389,7 +405,7 @@ def main() -> None:
         default=None,
         metavar="DIR",
         help="after timing, profile --profile_steps more steps of each row: GPU time by kernel family in the "
-        "row's JSON, the top kernels in DIR/<model>_<variant>.txt (CUDA only)",
+        "row's JSON, the top kernels in DIR/<model>_<variant>.txt ('+' written '_'; CUDA only)",
     )
     parser.add_argument("--profile_steps", type=int, default=2, help="steps profiled per row with --profile")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="cpu: smoke test only")
@@ -404,6 +420,10 @@ def main() -> None:
         from hf_switchback.kernels import matmul
 
         matmul.USE_TMA = True
+    if args.opaque_gemm_under_compile:
+        from hf_switchback.kernels import compiled
+
+        compiled.TRACE_GEMM = False
     if args.custom_op_eager or args.triton_quantize_under_compile:
         from hf_switchback.kernels import backends, ops
 

@@ -84,12 +84,42 @@ def test_inductor_quantize_matches_triton_kernels(name, dtype):
 
 
 @requires_gpu
-def test_compiled_block_uses_inductor_quantize_and_matches_eager():
-    """Under torch.compile the block's generated code holds no hf_switchback quantize op, only the GEMM op."""
+@pytest.mark.parametrize("m", [64, 4096])  # the fixed small-tile launch and the autotuned one
+@pytest.mark.parametrize("qdtype", [torch.int8, torch.float8_e4m3fn])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_traced_gemm_under_compile_matches_eager_gemm(m, qdtype, with_bias):
+    """The triton_op form of the GEMM (launched by Inductor's code) computes what the eager launcher does."""
+    from hf_switchback.kernels import ops
+
+    torch.manual_seed(0)
+    a, b = torch.randn(m, 1024, device="cuda"), torch.randn(768, 1024, device="cuda")
+    a_q, a_s = ops.quantize_rowwise(a, qdtype)
+    b_q, b_s = ops.quantize_rowwise(b, qdtype)
+    bias = torch.randn(768, device="cuda", dtype=torch.bfloat16) if with_bias else None
+    eager = ops.scaled_matmul(a_q, b_q, a_s, b_s, bias, torch.bfloat16)
+    torch._dynamo.reset()
+    traced = torch.compile(
+        lambda *args: torch.ops.hf_switchback.scaled_matmul_traced(*args, torch.bfloat16), fullgraph=True
+    )
+    out = traced(a_q, b_q, a_s, b_s, bias)
+    # Same kernel source; Inductor may pick another tile config. int8 accumulates exactly in int32, fp8 per
+    # 128-wide K tile in float32, so the only allowed difference is the last bf16 bit of the output cast.
+    torch.testing.assert_close(out, eager, rtol=2**-7, atol=0)
+    assert (out != eager).float().mean().item() <= (0 if qdtype == torch.int8 else 1e-2)
+
+
+@requires_gpu
+@pytest.mark.parametrize("trace_gemm", [True, False])
+def test_compiled_block_uses_inductor_quantize_and_matches_eager(trace_gemm, monkeypatch):
+    """Under torch.compile the block's generated code holds no hf_switchback quantize op. The GEMM is launched
+    by Inductor's code itself (default) or, with compiled.TRACE_GEMM off, through the opaque custom op."""
     from torch._inductor.utils import run_and_get_code
 
     from hf_switchback import SwitchBackConfig
+    from hf_switchback.kernels import compiled
     from hf_switchback.modules import SwitchBackLinear
+
+    monkeypatch.setattr(compiled, "TRACE_GEMM", trace_gemm)
 
     torch.manual_seed(0)
     cfg = SwitchBackConfig(backend="triton")
@@ -103,8 +133,11 @@ def test_compiled_block_uses_inductor_quantize_and_matches_eager():
     compiled = torch.compile(block, fullgraph=True)
     out, codes = run_and_get_code(compiled, x)
     code = "\n".join(codes)
-    assert "hf_switchback.scaled_matmul" in code
     assert "hf_switchback.quantize_rowwise" not in code
+    if trace_gemm:
+        assert "_scaled_mm_kernel" in code and "torch.ops.hf_switchback" not in code
+    else:
+        assert "hf_switchback.scaled_matmul" in code
     eager = block(x)
     err = (out.float() - eager.float()).pow(2).mean() / eager.float().pow(2).mean()
     assert err.item() < 1e-4  # ~40 dB: the two differ only in rare rounding ties of the quantize

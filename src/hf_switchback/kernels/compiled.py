@@ -3,8 +3,10 @@
 The quantize functions (and the fused MLP's activation + quantize passes) are the torch reference ones
 (kernels/reference.py): plain tensor ops that Inductor fuses into the op that produced their input (LayerNorm,
 GELU, the residual add, and in backward GELU's gradient), so a compiled model pays no separate quantize pass
-and no Python launch overhead for them. The 8-bit GEMM stays our Triton kernel behind its custom op
-(kernels/ops.py): Inductor's own int8 matmul lowers to cuBLAS `_int_mm`, which is no faster than bf16 on Hopper.
+and no Python launch overhead for them. The 8-bit GEMM stays our Triton kernel (Inductor's own int8 matmul
+lowers to cuBLAS `_int_mm`, which is no faster than bf16 on Hopper), as a `triton_op` (kernels/ops.py) whose
+launch Inductor records and makes from its generated code, with no Python call per GEMM. With
+`matmul.USE_TMA` it is the opaque custom op instead: the TMA kernel's host-side setup is not traceable.
 
 Numerics: the same formulas as the Triton quantize kernels (absmax / QMAX, round half to even, clamp), so
 compiled and eager SwitchBack agree up to the float32 rounding of Inductor's generated code
@@ -15,7 +17,8 @@ from __future__ import annotations
 
 import torch
 
-from .ops import dequantize_rowwise, scaled_matmul
+from . import matmul
+from .ops import dequantize_rowwise
 from .reference import (
     QMAX,
     act_backward_quantize_colsum,
@@ -26,6 +29,23 @@ from .reference import (
     quantize_tensorwise,
     quantize_tensorwise_transposed,
 )
+
+# False keeps the GEMM an opaque custom op under torch.compile (benchmarks only, the A/B of the triton_op).
+TRACE_GEMM = True
+
+
+def scaled_matmul(
+    a_q: torch.Tensor,
+    b_q: torch.Tensor,
+    a_scale: torch.Tensor,
+    b_scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """The 8-bit GEMM of kernels/ops.py, launched from Inductor's generated code (see the module docstring)."""
+    if TRACE_GEMM and not matmul.USE_TMA:
+        return torch.ops.hf_switchback.scaled_matmul_traced(a_q, b_q, a_scale, b_scale, bias, out_dtype)
+    return torch.ops.hf_switchback.scaled_matmul(a_q, b_q, a_scale, b_scale, bias, out_dtype)
 
 
 def scaled_matmul_act_backward(

@@ -550,9 +550,17 @@ def scaled_matmul(
     b_scale: torch.Tensor,
     bias: torch.Tensor | None,
     out_dtype: torch.dtype,
+    *,
+    wrap=None,
 ) -> torch.Tensor:
     """a_q (M, K), b_q (N, K) both int8 or both float8; a_scale (M,) float32; b_scale (N,) or () float32;
-    bias (N,) or None -> (M, N) out_dtype. Same contract as `reference.scaled_matmul`."""
+    bias (N,) or None -> (M, N) out_dtype. Same contract as `reference.scaled_matmul`.
+
+    wrap: None launches the kernels here; `torch.library.wrap_triton` (inside a `triton_op`, see ops.py)
+    records the launch for torch.compile instead, which then calls the portable kernel straight from its
+    generated code (the TMA kernel's host-side descriptors and tuning pre-hook are not traceable, so it is
+    skipped there).
+    """
     if a_q.dtype != b_q.dtype:
         raise TypeError(f"scaled_matmul: operands must share a dtype, got {a_q.dtype} and {b_q.dtype}")
     m, k = a_q.shape
@@ -574,8 +582,9 @@ def scaled_matmul(
         a_scale,
         b_scale,
         # Any valid pointer when HAS_BIAS is False; c's keeps the autotuning key (tensor dtypes) of the biased
-        # call of the same shape, so forward and grad-input GEMMs of one shape share one tuning run.
-        bias if bias is not None else c,
+        # call of the same shape, so forward and grad-input GEMMs of one shape share one tuning run. A traced
+        # launch gets a_scale instead: c passed twice would alias the kernel's output in the recorded call.
+        bias if bias is not None else (c if wrap is None else a_scale),
         m,
         n,
         k,
@@ -593,18 +602,19 @@ def scaled_matmul(
         IS_INT=is_int,
         UPCAST=not is_int and _needs_fp8_upcast(a_q.device.index or 0),
     )
-    tma = not flags["UPCAST"] and _tma_applies(a_q, b_q, c)
+    tma = wrap is None and not flags["UPCAST"] and _tma_applies(a_q, b_q, c)
     if tma and _run_tma(a_q, b_q, c, a_scale, b_scale, bias, flags):
         return c
+    wrap = wrap or (lambda kernel: kernel)
     if m >= _AUTOTUNE_MIN_M:
         # EVEN_K must agree with the tuned BLOCK_K, so it is decided per config (64 divides 128).
         flags["EVEN_K"] = k % 128 == 0
         grid = lambda meta: (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)  # noqa: E731
-        _autotuned_kernel[grid](*args, **flags)
+        wrap(_autotuned_kernel)[grid](*args, **flags)
     else:
         bm, bn, bk = 64, 64, 128
         grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
-        _scaled_mm_kernel[grid](
+        wrap(_scaled_mm_kernel)[grid](
             *args,
             **flags,
             EVEN_K=k % bk == 0,
