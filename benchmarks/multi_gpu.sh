@@ -13,7 +13,10 @@
 #   OUT=/path bash benchmarks/multi_gpu.sh            # the GPU run: summary.json, summary.md, multi_gpu.log
 #   SMOKE=1 OUT=/tmp/smoke bash benchmarks/multi_gpu.sh   # dry run of the same logic on the CPU (tiny, gloo)
 #   PHASES="zero3 logits" LOGIT_GPUS=0,1 OUT=/path bash benchmarks/multi_gpu.sh   # a subset, e.g. on 2 GPUs
-# PHASES picks among: ddp (a), resume (c: FSDP2 + ZeRO-2), zero3 (c: ZeRO-3), same (b), logits (d).
+#   PHASES="ddp2 zero3 logits" LOGIT_GPUS=0,1 OUT=/path bash benchmarks/multi_gpu.sh   # the 2-GPU host
+# PHASES picks among: ddp (a), ddp2 (a on a 2-GPU host: SwitchBack int8 on 1 GPU through single_gpu.yaml, then
+# on 2 GPUs, one after the other, so neither shares the host's CPUs), resume (c: FSDP2 + ZeRO-2), zero3
+# (c: ZeRO-3), same (b), logits (d).
 #
 # Parallel phases use disjoint GPUs (CUDA_VISIBLE_DEVICES), so the 1- and 2-GPU throughput runs share the host's
 # CPUs with each other (not the GPUs). Every launch has a timeout, capped by a global deadline; a failure is
@@ -49,13 +52,13 @@ PY=${PYTHON:-python}
 
 if [ "$SMOKE" = 1 ]; then
     export OMP_NUM_THREADS=1
-    DDP=accelerate_configs/cpu.yaml FSDP=accelerate_configs/fsdp2.yaml
+    DDP=accelerate_configs/cpu.yaml FSDP=accelerate_configs/fsdp2.yaml SINGLE=accelerate_configs/cpu.yaml
     MODEL=()  # the embedded default (32 px, 2 layers of width 128)
     B=16 STEPS=8 WORKERS=0 B_SAME=8 STEPS_SAME=4 B_C=8 CKPT=3 STEPS_C=6 B_LOGITS=64 STEPS_LOGITS=3
     DS_NPROC=1  # accelerate's DeepSpeed path on the CPU only works with one process (see README)
     T_THR=200 T_SAME=200 T_C=200 T_LOGITS=200
 else
-    DDP=accelerate_configs/multi_gpu.yaml FSDP=accelerate_configs/fsdp2.yaml
+    DDP=accelerate_configs/multi_gpu.yaml FSDP=accelerate_configs/fsdp2.yaml SINGLE=accelerate_configs/single_gpu.yaml
     MODEL=(--model_config examples/configs/clip-vit-b-16.json)
     # ViT-B/16 at 224 px: ~1.4k generated samples/s per CPU core (measured); 16 cores per GPU on the host
     B=128 STEPS=60 WORKERS=8 B_SAME=64 STEPS_SAME=20 B_C=64 CKPT=10 STEPS_C=20 B_LOGITS=8192 STEPS_LOGITS=6
@@ -100,6 +103,10 @@ launch ddp_int8_2gpu "$T_THR" 0,1 2 "$DDP" 29603 -- "${THR[@]}" &
 launch ddp_int8_1gpu "$T_THR" 2 1 "$DDP" 29604 -- "${THR[@]}" &
 launch ddp_bf16_1gpu "$T_THR" 3 1 "$DDP" 29605 -- "${THR[@]}" --switchback off &
 wait
+fi
+if want ddp2; then
+    launch ddp_int8_1gpu "$T_THR" 0 1 "$SINGLE" 29606 -- "${THR[@]}"
+    launch ddp_int8_2gpu "$T_THR" 0,1 2 "$DDP" 29607 -- "${THR[@]}"
 fi
 
 # c. checkpoint + resume: first launch to STEPS_C (checkpoints at CKPT and STEPS_C), drop the last checkpoint,
