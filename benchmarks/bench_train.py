@@ -396,6 +396,12 @@ def main() -> None:
         "launch it from its generated code)",
     )
     parser.add_argument(
+        "--inductor_grad_quantize",
+        action="store_true",
+        help="A/B: under torch.compile let Inductor quantize the output gradients too (the default runs our "
+        "one-pass Triton kernel there)",
+    )
+    parser.add_argument(
         "--tma",
         action="store_true",
         help="A/B: the Hopper TMA 8-bit GEMM instead of the portable one (default)",
@@ -424,6 +430,10 @@ def main() -> None:
         from hf_switchback.kernels import compiled
 
         compiled.TRACE_GEMM = False
+    if args.inductor_grad_quantize:
+        from hf_switchback.kernels import compiled
+
+        compiled.TRITON_GRAD_QUANTIZE = False
     if args.custom_op_eager or args.triton_quantize_under_compile:
         from hf_switchback.kernels import backends, ops
 

@@ -109,6 +109,67 @@ def test_traced_gemm_under_compile_matches_eager_gemm(m, qdtype, with_bias):
 
 
 @requires_gpu
+@pytest.mark.parametrize("shape", [(50, 768), (4099, 3072)])
+@pytest.mark.parametrize("qdtype", [torch.int8, torch.float8_e4m3fn, torch.float8_e5m2])
+def test_traced_grad_quantize_under_compile_matches_eager_kernel(shape, qdtype):
+    """The triton_op form of quantize_rowwise_colsum (launched by Inductor's code) is the eager kernel: q and
+    scale bitwise, the column sum to float32 summation order."""
+    from hf_switchback.kernels import ops
+
+    torch.manual_seed(0)
+    x = (torch.randn(*shape, device="cuda") * 5).to(torch.bfloat16)
+    x[3] = 0
+    q, s, cs = ops.quantize_rowwise_colsum(x, qdtype)
+    torch._dynamo.reset()
+    traced = torch.compile(
+        lambda t: torch.ops.hf_switchback.quantize_rowwise_colsum_traced(t, qdtype), fullgraph=True
+    )
+    q_t, s_t, cs_t = traced(x)
+    assert q_t.dtype == qdtype and torch.equal(q_t.view(torch.int8), q.view(torch.int8))
+    assert torch.equal(s_t, s)
+    torch.testing.assert_close(cs_t, cs, rtol=1e-5, atol=1e-3 * shape[0] ** 0.5)
+
+
+@requires_gpu
+@pytest.mark.parametrize("triton_grad_quantize", [True, False])
+def test_compiled_block_backward_matches_eager(triton_grad_quantize, monkeypatch):
+    """Compiled backward of a SwitchBack block: the output-gradient quantize runs our kernel (default) or
+    Inductor's, and every gradient agrees with eager SwitchBack to quantization-tie noise."""
+    from torch._inductor.utils import run_and_get_code
+
+    from hf_switchback import SwitchBackConfig
+    from hf_switchback.kernels import compiled
+    from hf_switchback.modules import SwitchBackLinear
+
+    monkeypatch.setattr(compiled, "TRITON_GRAD_QUANTIZE", triton_grad_quantize)
+    torch.manual_seed(0)
+    cfg = SwitchBackConfig(backend="triton")
+    block = torch.nn.Sequential(
+        SwitchBackLinear.from_linear(torch.nn.Linear(256, 1024), cfg),
+        torch.nn.GELU(),
+        SwitchBackLinear.from_linear(torch.nn.Linear(1024, 256), cfg),
+    ).to("cuda", torch.bfloat16)
+    x = torch.randn(8, 128, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    g = torch.randn(8, 128, 256, device="cuda", dtype=torch.bfloat16)
+
+    def grads(model):
+        x.grad = None
+        model.zero_grad(set_to_none=True)
+        model(x).backward(g)
+        return [x.grad] + [p.grad for p in block.parameters()]
+
+    torch._dynamo.reset()
+    compiled_block = torch.compile(block, fullgraph=True)
+    _, codes = run_and_get_code(lambda: grads(compiled_block))
+    code = "\n".join(codes)
+    assert ("_rowwise_colsum_kernel" in code) == triton_grad_quantize
+    got, want = grads(compiled_block), grads(block)
+    for a, b in zip(got, want, strict=True):
+        err = (a.float() - b.float()).pow(2).mean() / b.float().pow(2).mean()
+        assert err.item() < 1e-3, err.item()  # > 30 dB: only rounding ties of the quantizes differ
+
+
+@requires_gpu
 @pytest.mark.parametrize("trace_gemm", [True, False])
 def test_compiled_block_uses_inductor_quantize_and_matches_eager(trace_gemm, monkeypatch):
     """Under torch.compile the block's generated code holds no hf_switchback quantize op. The GEMM is launched

@@ -8,6 +8,12 @@ lowers to cuBLAS `_int_mm`, which is no faster than bf16 on Hopper), as a `trito
 launch Inductor records and makes from its generated code, with no Python call per GEMM. With
 `matmul.USE_TMA` it is the opaque custom op instead: the TMA kernel's host-side setup is not traceable.
 
+One quantize stays ours too: the output gradient's (with the bias gradient's column sum). That tensor is
+written in 16 bits anyway (the grad-weight GEMM reads it), so fusing its quantize into the op that produced it
+saves nothing; Inductor's version re-read the producer's inputs instead (GELU backward: grad and h) in a
+slow persistent reduction, 0.57 ms per (16,448 x 5,120) call on the H100, ~3x our one-pass kernel
+(BENCHMARKS.md, fourth session).
+
 Numerics: the same formulas as the Triton quantize kernels (absmax / QMAX, round half to even, clamp), so
 compiled and eager SwitchBack agree up to the float32 rounding of Inductor's generated code
 (tests/test_compiled_kernels.py states the bound).
@@ -17,14 +23,14 @@ from __future__ import annotations
 
 import torch
 
-from . import matmul
+from . import matmul, reference
 from .ops import dequantize_rowwise
+from .quantize import colsum_in_one_pass
 from .reference import (
     QMAX,
     act_backward_quantize_colsum,
     act_quantize_rowwise,
     quantize_rowwise,
-    quantize_rowwise_colsum,
     quantize_rowwise_transposed,
     quantize_tensorwise,
     quantize_tensorwise_transposed,
@@ -32,6 +38,17 @@ from .reference import (
 
 # False keeps the GEMM an opaque custom op under torch.compile (benchmarks only, the A/B of the triton_op).
 TRACE_GEMM = True
+# False leaves the output-gradient quantize + column sum to Inductor too (benchmarks only, the A/B).
+TRITON_GRAD_QUANTIZE = True
+
+
+def quantize_rowwise_colsum(
+    x: torch.Tensor, qdtype: torch.dtype = torch.int8
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Our one-pass Triton kernel, launched from Inductor's code (see the module docstring)."""
+    if TRITON_GRAD_QUANTIZE and colsum_in_one_pass(x):
+        return torch.ops.hf_switchback.quantize_rowwise_colsum_traced(x, qdtype)
+    return reference.quantize_rowwise_colsum(x, qdtype)
 
 
 def scaled_matmul(

@@ -157,6 +157,15 @@ def _scaled_matmul_traced(
     return _matmul.scaled_matmul(a_q, b_q, a_scale, b_scale, bias, out_dtype, wrap=torch.library.wrap_triton)
 
 
+# The output-gradient quantize + bias column sum for torch.compile, launched from Inductor's code like the
+# GEMM above (see kernels/compiled.py for why this pass, and only this one, stays ours under compile).
+@torch.library.triton_op(f"{_LIB}::quantize_rowwise_colsum_traced", mutates_args=())
+def _quantize_rowwise_colsum_traced(
+    x: torch.Tensor, qdtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _quantize.quantize_rowwise_colsum(x, qdtype, wrap=torch.library.wrap_triton)
+
+
 @torch.library.custom_op(f"{_LIB}::scaled_matmul_act_backward", mutates_args=())
 def _scaled_matmul_act_backward(
     a_q: torch.Tensor,

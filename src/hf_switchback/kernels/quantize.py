@@ -45,15 +45,21 @@ def _div_rn(x, divisor, inv):
 
 
 @triton.jit
-def _to_q(x, safe_scale, inv_scale, QMAX_C: tl.constexpr, IS_INT: tl.constexpr, Q_DTYPE: tl.constexpr):
-    """float32 x -> q: divide (correctly rounded), round half-even for int8, clamp, cast."""
+def _scaled_clamped(x, safe_scale, inv_scale, QMAX_C: tl.constexpr, IS_INT: tl.constexpr):
+    """float32 x -> the value q will hold, still float32: divide (correctly rounded), round half-even for
+    int8, clamp."""
     scaled = _div_rn(x, safe_scale, inv_scale)
     if IS_INT:
         # Adding then subtracting 1.5 * 2**23 rounds |v| < 2**22 to an integer, ties to even, in plain fp32
         # arithmetic; unlike libdevice.rint it also runs under TRITON_INTERPRET=1.
         scaled = (scaled + 12582912.0) - 12582912.0
-    scaled = tl.minimum(tl.maximum(scaled, -QMAX_C), QMAX_C)
-    return scaled.to(Q_DTYPE)
+    return tl.minimum(tl.maximum(scaled, -QMAX_C), QMAX_C)
+
+
+@triton.jit
+def _to_q(x, safe_scale, inv_scale, QMAX_C: tl.constexpr, IS_INT: tl.constexpr, Q_DTYPE: tl.constexpr):
+    """float32 x -> q: _scaled_clamped, then the cast to the 8-bit dtype."""
+    return _scaled_clamped(x, safe_scale, inv_scale, QMAX_C, IS_INT).to(Q_DTYPE)
 
 
 # Activations fused into the row quantizes of a SwitchBack MLP (kernels/reference.ACTIVATIONS lists them).
@@ -144,12 +150,13 @@ def _rowwise_colsum_kernel(
     stride_qm,
     QMAX_C: tl.constexpr,
     IS_INT: tl.constexpr,
-    Q_DTYPE: tl.constexpr,
     BLOCK_K: tl.constexpr,
     ROWS: tl.constexpr,
 ):
     # Row-wise quantize of ROWS consecutive rows (each row read once, from registers) that also sums the
     # rows it reads: part[pid, :] = sum of those rows in float32. The bias gradient then needs no second pass.
+    # The 8-bit dtype comes from q_ptr, not from a dtype constexpr: torch.compile launches this kernel from
+    # its generated code (kernels/compiled.py), which takes numbers and booleans as constexprs.
     pid = tl.program_id(0)
     offs = tl.arange(0, BLOCK_K)
     kmask = offs < K
@@ -166,7 +173,8 @@ def _rowwise_colsum_kernel(
         safe = tl.where(scale == 0.0, 1.0, scale)
         inv = tl.div_rn(1.0, safe)
         tl.store(s_ptr + row, scale)
-        tl.store(q_ptr + row * stride_qm + offs, _to_q(x, safe, inv, QMAX_C, IS_INT, Q_DTYPE), mask=kmask)
+        q = _scaled_clamped(x, safe, inv, QMAX_C, IS_INT).to(q_ptr.dtype.element_ty)
+        tl.store(q_ptr + row * stride_qm + offs, q, mask=kmask)
     tl.store(part_ptr + pid.to(tl.int64) * K + offs, colsum, mask=kmask)
 
 
@@ -386,17 +394,24 @@ _COLSUM_PROGRAMS = 1024
 _COLSUM_MAX_ROWS = 64
 
 
+def colsum_in_one_pass(x: torch.Tensor) -> bool:
+    """Whether quantize_rowwise_colsum(x) runs its one-pass kernel (else two passes, see there)."""
+    return x.shape[0] > 0 and 0 < x.shape[1] <= _MAX_SINGLE_PASS
+
+
 def quantize_rowwise_colsum(
-    x: torch.Tensor, qdtype: torch.dtype = torch.int8
+    x: torch.Tensor, qdtype: torch.dtype = torch.int8, *, wrap=None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """quantize_rowwise(x) plus x.sum(dim=0) in float32, reading x once (the bias gradient of a layer).
 
     The column sum is accumulated in float32 per program then over programs, so it equals the twin's
     `x.sum(dim=0, dtype=torch.float32)` up to float32 summation order. Rows longer than the single-pass limit
-    take the two separate passes.
+    take the two separate passes. wrap: as in matmul.scaled_matmul (only for one-pass shapes).
     """
     m, k = x.shape
-    if m == 0 or k == 0 or k > _MAX_SINGLE_PASS:
+    if not colsum_in_one_pass(x):
+        if wrap is not None:
+            raise ValueError(f"quantize_rowwise_colsum: a traced launch needs a one-pass shape, got {(m, k)}")
         q, scale = quantize_rowwise(x, qdtype)
         return q, scale, x.sum(dim=0, dtype=torch.float32)
     q = torch.empty((m, k), dtype=qdtype, device=x.device)
@@ -405,7 +420,7 @@ def quantize_rowwise_colsum(
     grid = triton.cdiv(m, rows)
     part = torch.empty((grid, k), dtype=torch.float32, device=x.device)
     block = triton.next_power_of_2(k)
-    _rowwise_colsum_kernel[(grid,)](
+    (wrap or (lambda kernel: kernel))(_rowwise_colsum_kernel)[(grid,)](
         x,
         q,
         scale,
@@ -418,7 +433,8 @@ def quantize_rowwise_colsum(
         BLOCK_K=block,
         ROWS=rows,
         num_warps=max(1, min(16, block // 256)),
-        **_qargs(qdtype),
+        QMAX_C=_check_qdtype(qdtype),
+        IS_INT=qdtype == torch.int8,
     )
     return q, scale, part.sum(dim=0)
 
