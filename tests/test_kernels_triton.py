@@ -147,7 +147,7 @@ def _assert_quantizes_own_grad_h(q: torch.Tensor, q_own: torch.Tensor, qdtype: t
     # The kernel quantizes grad_h in float32, before its rounding to the grad_h output dtype; e4m3's finer steps
     # near its top resolve that double rounding (measured on H100: rare one-code flips).
     assert _adjacent(q, q_own)
-    assert (_bits(q) != _bits(q_own)).float().mean() <= 0.01
+    assert (_bits(q) != _bits(q_own)).sum() <= 0.01 * q.numel()  # a count, not a mean: M = 0 has no mean
 
 
 # Tolerance (relative to |h| or |g|) of an activation value or gradient: the kernels' float32 formulas differ
@@ -580,6 +580,7 @@ _INTERPRETER_CHECK = textwrap.dedent(
     import torch
     from hf_switchback.kernels import ops, reference as ref
     torch.manual_seed(0)
+
     # Tails on both axes (not multiples of the 64-wide tiles or 16-wide rows), a zero row, non-contiguous input.
     x = torch.randn(37, 70) * 3
     x[3] = 0
@@ -673,8 +674,19 @@ _INTERPRETER_CHECK = textwrap.dedent(
 )
 
 
+def _triton_version() -> tuple[int, ...]:
+    import triton
+
+    return tuple(int(part) for part in triton.__version__.split(".")[:2])
+
+
 @pytest.mark.skipif(
     not HAS_TRITON, reason="needs triton installed (TRITON_INTERPRET=1 runs kernels on the CPU)"
+)
+@pytest.mark.skipif(
+    HAS_TRITON and _triton_version() < (3, 9),
+    reason="the interpreter of triton < 3.9 cannot run these kernels (tl.cdiv in a loop bound is not a scalar "
+    "there) and emulates tl.fma unfused; the GPU tests in this file cover the compiled kernels",
 )
 def test_interpreter_int8_kernels():
     env = dict(os.environ, TRITON_INTERPRET="1")
