@@ -640,15 +640,18 @@ def scaled_matmul_act_backward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """act_backward_quantize_colsum(scaled_matmul(a_q, b_q, a_scale, b_scale, None, h.dtype), h, ...).
 
-    With FUSE_ACT_EPILOGUE and USE_TMA (both off by default) on Hopper the activation backward runs in the GEMM's
-    epilogue (grad_a is never written), then one per-row quantize pass; otherwise the two steps run one after
-    the other.
+    With FUSE_ACT_EPILOGUE and USE_TMA (both off by default) on Hopper and a 16-bit h, the activation backward
+    runs in the GEMM's epilogue (grad_a is never written), then one per-row quantize pass; otherwise the two
+    steps run one after the other.
     """
     from . import quantize
 
     m, n = a_q.shape[0], b_q.shape[0]
     flags = dict(B_SCALE_PER_ROW=b_scale.dim() == 1, HAS_BIAS=False, IS_INT=a_q.dtype == torch.int8)
-    if FUSE_ACT_EPILOGUE and m > 0 and n > 0 and h.is_contiguous() and h.shape == (m, n):
+    # 16-bit h only: with float32 h and grad_h tiles no tuned config fits the epilogue in shared memory (the
+    # H100 run built none, so every call paid a failed build before falling back).
+    fits = h.element_size() == 2
+    if FUSE_ACT_EPILOGUE and fits and m > 0 and n > 0 and h.is_contiguous() and h.shape == (m, n):
         gh = torch.empty((m, n), dtype=h.dtype, device=h.device)
         act = torch.empty((m, n) if want_act else (0,), dtype=h.dtype, device=h.device)
         absmax = torch.zeros((m,), dtype=torch.float32, device=h.device)
