@@ -216,7 +216,8 @@ KERNEL_FAMILIES = (
     ("16-bit GEMM (cuBLAS/CUTLASS)", ("gemm", "nvjet", "cutlass", "xmma", "cublas", "splitk")),
     ("optimizer", ("multi_tensor", "adam", "foreach")),
     ("Inductor fused (Triton)", ("triton_",)),
-    ("switchback quantize (Triton)", ("quantize", "_act_")),
+    # our Triton quantize kernels (the Inductor-generated ones start with triton_ and are counted above)
+    ("switchback quantize (Triton)", ("quantize", "_act_", "_rowwise", "colsum", "absmax_kernel")),
 )
 
 
