@@ -130,6 +130,20 @@ def test_traced_grad_quantize_under_compile_matches_eager_kernel(shape, qdtype):
     torch.testing.assert_close(cs_t, cs, rtol=1e-5, atol=1e-3 * shape[0] ** 0.5)
 
 
+def _switchback_block() -> torch.nn.Sequential:
+    """fc1 -> GELU -> fc2 of SwitchBack linears (Triton backend), bf16 on the GPU, seeded."""
+    from hf_switchback import SwitchBackConfig
+    from hf_switchback.modules import SwitchBackLinear
+
+    torch.manual_seed(0)
+    cfg = SwitchBackConfig(backend="triton")
+    return torch.nn.Sequential(
+        SwitchBackLinear.from_linear(torch.nn.Linear(256, 1024), cfg),
+        torch.nn.GELU(),
+        SwitchBackLinear.from_linear(torch.nn.Linear(1024, 256), cfg),
+    ).to("cuda", torch.bfloat16)
+
+
 @requires_gpu
 @pytest.mark.parametrize("triton_grad_quantize", [True, False])
 def test_compiled_block_backward_matches_eager(triton_grad_quantize, monkeypatch):
@@ -137,18 +151,10 @@ def test_compiled_block_backward_matches_eager(triton_grad_quantize, monkeypatch
     Inductor's, and every gradient agrees with eager SwitchBack to quantization-tie noise."""
     from torch._inductor.utils import run_and_get_code
 
-    from hf_switchback import SwitchBackConfig
     from hf_switchback.kernels import compiled
-    from hf_switchback.modules import SwitchBackLinear
 
     monkeypatch.setattr(compiled, "TRITON_GRAD_QUANTIZE", triton_grad_quantize)
-    torch.manual_seed(0)
-    cfg = SwitchBackConfig(backend="triton")
-    block = torch.nn.Sequential(
-        SwitchBackLinear.from_linear(torch.nn.Linear(256, 1024), cfg),
-        torch.nn.GELU(),
-        SwitchBackLinear.from_linear(torch.nn.Linear(1024, 256), cfg),
-    ).to("cuda", torch.bfloat16)
+    block = _switchback_block()
     x = torch.randn(8, 128, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     g = torch.randn(8, 128, 256, device="cuda", dtype=torch.bfloat16)
 
@@ -176,23 +182,14 @@ def test_compiled_block_uses_inductor_quantize_and_matches_eager(trace_gemm, mon
     by Inductor's code itself (default) or, with compiled.TRACE_GEMM off, through the opaque custom op."""
     from torch._inductor.utils import run_and_get_code
 
-    from hf_switchback import SwitchBackConfig
     from hf_switchback.kernels import compiled
-    from hf_switchback.modules import SwitchBackLinear
 
     monkeypatch.setattr(compiled, "TRACE_GEMM", trace_gemm)
-
-    torch.manual_seed(0)
-    cfg = SwitchBackConfig(backend="triton")
-    block = torch.nn.Sequential(
-        SwitchBackLinear.from_linear(torch.nn.Linear(256, 1024), cfg),
-        torch.nn.GELU(),
-        SwitchBackLinear.from_linear(torch.nn.Linear(1024, 256), cfg),
-    ).to("cuda", torch.bfloat16)
+    block = _switchback_block()
     x = torch.randn(8, 128, 256, device="cuda", dtype=torch.bfloat16)
     torch._dynamo.reset()
-    compiled = torch.compile(block, fullgraph=True)
-    out, codes = run_and_get_code(compiled, x)
+    compiled_block = torch.compile(block, fullgraph=True)
+    out, codes = run_and_get_code(compiled_block, x)
     code = "\n".join(codes)
     assert "hf_switchback.quantize_rowwise" not in code
     if trace_gemm:
