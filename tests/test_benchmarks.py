@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -58,6 +59,36 @@ def test_bench_train_time_budget_skips_and_keeps_rows(tmp_path, monkeypatch):
     args = bench.argparse.Namespace(device="cpu", tiny=True, batch=None, compile="layers")
     with pytest.raises(ValueError, match="unknown variant"):
         bench.time_training("vit-b-16", "int4", False, 1, 0, args)
+
+
+def test_bench_train_profile_families_and_report(tmp_path):
+    bench = load_script("bench_train")
+    families = {
+        "_scaled_mm_kernel": "switchback 8-bit GEMM",
+        "_rowwise_colsum_kernel": "switchback quantize (Triton)",
+        "triton_per_fused__to_copy_abs_amax_clamp_sum_0": "Inductor fused (Triton)",
+        "nvjet_sm90_tst_192x192_64x3_1x2_h_bz_coopB_NNN": "16-bit GEMM (cuBLAS/CUTLASS)",
+        "cudnn_generated_fort_native_sdpa_sm90_flash_bprop": "attention",
+        "void at::native::vectorized_elementwise_kernel<4, FillFunctor>": "other",
+    }
+    assert {name: bench.kernel_family(name) for name in families} == families
+    # on the CPU there are no CUDA kernels: zero GPU time, but the host-time table is written
+    x = torch.randn(64, 64, requires_grad=True)
+    report = bench.profile_steps(lambda: (x @ x).sum().backward(), 2, tmp_path / "prof" / "row.txt")
+    assert report == dict(gpu_ms_per_step=0, gpu_ms_by_family={})
+    text = (tmp_path / "prof" / "row.txt").read_text()
+    assert "self CPU ms/step" in text and "aten::mm" in text
+
+
+def test_bench_train_profile_needs_cuda():
+    proc = subprocess.run(
+        [sys.executable, "benchmarks/bench_train.py", "--device", "cpu", "--tiny", "--profile", "/tmp/p"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2 and "--profile needs --device cuda" in proc.stderr
 
 
 def test_bench_train_models_come_from_configs():
