@@ -97,7 +97,9 @@ def clip_config(name: str, tiny: bool = False):
     return config
 
 
-def build_model(config, variant: str, grad_ckpt: bool, compile_mode: str, device: str):
+def build_model(
+    config, variant: str, grad_ckpt: bool, compile_mode: str, device: str, inductor_mode: str = "default"
+):
     """The CLIPModel of one table row, converted and (for +compile) compiled, in training mode."""
     from transformers import CLIPModel
 
@@ -134,13 +136,14 @@ def build_model(config, variant: str, grad_ckpt: bool, compile_mode: str, device
         raise ValueError(f"unknown variant {variant!r}; choose from {CHOICES}")
     if not variant.endswith("+compile"):
         return model
+    options = {} if inductor_mode == "default" else dict(mode=inductor_mode)
     if compile_mode == "model":
-        return torch.compile(model)
+        return torch.compile(model, **options)
     # dynamic=False: the vision and text layers have different shapes; without it the second shape would make
     # dynamo recompile the shared layer code with symbolic sizes instead of one static graph per tower
     for tower in (model.vision_model, model.text_model):
         for layer in tower.encoder.layers:
-            layer.compile(dynamic=False)
+            layer.compile(dynamic=False, **options)
     return model
 
 
@@ -156,7 +159,9 @@ def time_training(
     device = args.device
     config = clip_config(name, tiny=args.tiny)
     batch = args.batch or (TINY_BATCH if args.tiny else MODELS[name]["batch"])
-    model = build_model(config, variant, grad_ckpt, args.compile, device)
+    model = build_model(
+        config, variant, grad_ckpt, args.compile, device, getattr(args, "compile_mode", "default")
+    )
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device == "cuda")
     side = config.vision_config.image_size
     text_tokens = min(TEXT_TOKENS, config.text_config.max_position_embeddings)
@@ -371,6 +376,13 @@ def main() -> None:
     )
     parser.add_argument(
         "--compile", choices=("layers", "model"), default="layers", help="what +compile rows compile"
+    )
+    parser.add_argument(
+        "--compile_mode",
+        choices=("default", "reduce-overhead", "max-autotune-no-cudagraphs"),
+        default="default",
+        help="torch.compile mode of the +compile rows; reduce-overhead replays CUDA graphs, for steps that are "
+        "host-bound (wall time well above GPU time in --profile)",
     )
     parser.add_argument("--batch", type=int, default=None, help="per-step batch (default: per model)")
     parser.add_argument("--steps", type=int, default=10, help="timed steps per row")
