@@ -14,7 +14,7 @@
 #   SMOKE=1 OUT=/tmp/smoke bash benchmarks/multi_gpu.sh   # dry run of the same logic on the CPU (tiny, gloo)
 #   PHASES="zero3 logits" LOGIT_GPUS=0,1 OUT=/path bash benchmarks/multi_gpu.sh   # a subset, e.g. on 2 GPUs
 #   PHASES="ddp2 zero3 logits" LOGIT_GPUS=0,1 OUT=/path bash benchmarks/multi_gpu.sh   # the 2-GPU host
-# PHASES picks among: ddp (a), ddp2 (a on a 2-GPU host: SwitchBack int8 on 1 GPU through single_gpu.yaml, then
+# PHASES picks among: ddp (a), ddp2 (a on a 2-GPU host, instead of ddp: int8 on 1 GPU through single_gpu.yaml, then
 # on 2 GPUs, one after the other, so neither shares the host's CPUs), resume (c: FSDP2 + ZeRO-2), zero3
 # (c: ZeRO-3), same (b), logits (d).
 #
@@ -31,6 +31,10 @@ PHASES=${PHASES:-ddp resume zero3 same logits}
 LOGIT_GPUS=${LOGIT_GPUS:-0,1,2,3}
 LOGIT_NPROC=$(($(echo "$LOGIT_GPUS" | tr -cd , | wc -c) + 1))
 want() { [[ " $PHASES " == *" $1 "* ]]; }
+if want ddp && want ddp2; then
+    echo "PHASES: ddp and ddp2 write the same run names (ddp_int8_1gpu, ddp_int8_2gpu); pick one" >&2
+    exit 2
+fi
 mkdir -p "$OUT"
 rm -rf "$WORK" && mkdir -p "$WORK"
 LOG="$OUT/multi_gpu.log"

@@ -88,7 +88,9 @@ def test_inductor_quantize_matches_triton_kernels(name, dtype):
 @pytest.mark.parametrize("qdtype", [torch.int8, torch.float8_e4m3fn])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_traced_gemm_under_compile_matches_eager_gemm(m, qdtype, with_bias):
-    """The triton_op form of the GEMM (launched by Inductor's code) computes what the eager launcher does."""
+    """The triton_op form of the GEMM is launched by Inductor's code and computes what the eager launcher does."""
+    from torch._inductor.utils import run_and_get_code
+
     from hf_switchback.kernels import ops
 
     torch.manual_seed(0)
@@ -101,7 +103,9 @@ def test_traced_gemm_under_compile_matches_eager_gemm(m, qdtype, with_bias):
     traced = torch.compile(
         lambda *args: torch.ops.hf_switchback.scaled_matmul_traced(*args, torch.bfloat16), fullgraph=True
     )
-    out = traced(a_q, b_q, a_s, b_s, bias)
+    out, codes = run_and_get_code(traced, a_q, b_q, a_s, b_s, bias)
+    code = "\n".join(codes)  # Inductor's code launches the kernel itself, not through an op
+    assert ("_scaled_mm_kernel" in code) and "torch.ops.hf_switchback" not in code
     # Same kernel source; Inductor may pick another tile config. int8 accumulates exactly in int32, fp8 per
     # 128-wide K tile in float32, so the only allowed difference is the last bf16 bit of the output cast.
     torch.testing.assert_close(out, eager, rtol=2**-7, atol=0)
@@ -114,6 +118,8 @@ def test_traced_gemm_under_compile_matches_eager_gemm(m, qdtype, with_bias):
 def test_traced_grad_quantize_under_compile_matches_eager_kernel(shape, qdtype):
     """The triton_op form of quantize_rowwise_colsum (launched by Inductor's code) is the eager kernel: q and
     scale bitwise, the column sum to float32 summation order."""
+    from torch._inductor.utils import run_and_get_code
+
     from hf_switchback.kernels import ops
 
     torch.manual_seed(0)
@@ -124,7 +130,9 @@ def test_traced_grad_quantize_under_compile_matches_eager_kernel(shape, qdtype):
     traced = torch.compile(
         lambda t: torch.ops.hf_switchback.quantize_rowwise_colsum_traced(t, qdtype), fullgraph=True
     )
-    q_t, s_t, cs_t = traced(x)
+    (q_t, s_t, cs_t), codes = run_and_get_code(traced, x)
+    code = "\n".join(codes)
+    assert "_rowwise_colsum_kernel" in code and "torch.ops.hf_switchback" not in code
     assert q_t.dtype == qdtype and torch.equal(q_t.view(torch.int8), q.view(torch.int8))
     assert torch.equal(s_t, s)
     torch.testing.assert_close(cs_t, cs, rtol=1e-5, atol=1e-3 * shape[0] ** 0.5)

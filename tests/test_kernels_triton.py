@@ -476,7 +476,8 @@ def test_scaled_matmul_act_backward(qdtype, dtype, activation, want_act, shape, 
         a.cuda(), b.cuda(), *(t.cuda() for t in args), qdtype, activation, want_act
     )
     if m >= 1024 and torch.cuda.get_device_capability()[0] == 9 and dtype != torch.float32:
-        # the fused epilogue ran (a build failure would have switched it off); float32 h never takes it
+        # No build failure switched the epilogue off. These shapes are TMA-eligible (M >= 1024, aligned,
+        # contiguous), so it ran; float32 h never takes it.
         assert matmul.FUSE_ACT_EPILOGUE
     gh_ref, act_ref, *_ = ref.scaled_matmul_act_backward(a, b, *args, qdtype, activation, want_act)
     grad_a = ref.scaled_matmul(a, b, a_scale, b_scale, None, torch.float32)
