@@ -194,10 +194,6 @@ def time_training(
     ms = (time.perf_counter() - t0) * 1000 / steps
     if not torch.isfinite(loss).item():
         raise FloatingPointError(f"loss is {loss.item()}")
-    if args.profile:
-        row_profile = profile_steps(
-            step, args.profile_steps, Path(args.profile) / f"{name}_{variant.replace('+', '_')}.txt"
-        )
     row = dict(
         model=name,
         variant=variant,
@@ -209,8 +205,9 @@ def time_training(
         first_step_s=first_step_s,
         loss=loss.item(),
     )
-    if args.profile:
-        row.update(row_profile)
+    if args.profile:  # after the row's figures, so the profiled steps do not enter its peak memory
+        path = Path(args.profile) / f"{name}_{variant.replace('+', '_')}.txt"
+        row.update(profile_steps(step, args.profile_steps, path))
     return row  # model, optimizer and compiled code are freed by the caller's cleanup()
 
 
@@ -247,7 +244,8 @@ def profile_steps(step, steps: int, path: Path) -> dict:
             step()
         if torch.cuda.is_available():
             torch.cuda.synchronize()
-    kernels = [e for e in prof.key_averages() if e.device_type == DeviceType.CUDA]
+    events = prof.key_averages()
+    kernels = [e for e in events if e.device_type == DeviceType.CUDA]
     families: dict[str, float] = {}
     for event in kernels:
         family = kernel_family(event.key)
@@ -263,7 +261,7 @@ def profile_steps(step, steps: int, path: Path) -> dict:
         for e in kernels[:60]
     ]
     # CPU side: where a launch-bound step (wall time well above GPU time) spends its host time
-    host = [e for e in prof.key_averages() if e.device_type == DeviceType.CPU]
+    host = [e for e in events if e.device_type == DeviceType.CPU]
     host.sort(key=lambda e: -e.self_cpu_time_total)
     lines += ["", f"{'self CPU ms/step':>16} {'calls/step':>10}  op"]
     lines += [
@@ -440,14 +438,11 @@ def main() -> None:
         from hf_switchback.kernels import matmul
 
         matmul.USE_TMA = True
-    if args.opaque_gemm_under_compile:
+    if args.opaque_gemm_under_compile or args.inductor_grad_quantize:
         from hf_switchback.kernels import compiled
 
-        compiled.TRACE_GEMM = False
-    if args.inductor_grad_quantize:
-        from hf_switchback.kernels import compiled
-
-        compiled.TRITON_GRAD_QUANTIZE = False
+        compiled.TRACE_GEMM = not args.opaque_gemm_under_compile
+        compiled.TRITON_GRAD_QUANTIZE = not args.inductor_grad_quantize
     if args.custom_op_eager or args.triton_quantize_under_compile:
         from hf_switchback.kernels import backends, ops
 

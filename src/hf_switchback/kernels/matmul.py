@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .quantize import ACT_CODES, _act_fwd_bwd, quantize_rowwise_known_absmax
+from .quantize import ACT_CODES, _act_fwd_bwd, launch_directly, quantize_rowwise_known_absmax
 
 _AUTOTUNE_MIN_M = 1024
 logger = logging.getLogger(__name__)
@@ -605,7 +605,7 @@ def scaled_matmul(
     tma = wrap is None and not flags["UPCAST"] and _tma_applies(a_q, b_q, c)
     if tma and _run_tma(a_q, b_q, c, a_scale, b_scale, bias, flags):
         return c
-    wrap = wrap or (lambda kernel: kernel)
+    wrap = wrap or launch_directly
     if m >= _AUTOTUNE_MIN_M:
         # One EVEN_K for every config: K a multiple of 128 is a multiple of each config's BLOCK_K (64 or 128).
         flags["EVEN_K"] = k % 128 == 0

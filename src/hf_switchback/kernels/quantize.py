@@ -346,8 +346,18 @@ def _quantize_2d_kernel(
     tl.store(q_ptrs, q, mask=mask)
 
 
+def _scale_args(qdtype: torch.dtype) -> dict:
+    """The number/bool constexprs of an 8-bit target (all a kernel launched from Inductor's code may take)."""
+    return dict(QMAX_C=_check_qdtype(qdtype), IS_INT=qdtype == torch.int8)
+
+
 def _qargs(qdtype: torch.dtype) -> dict:
-    return dict(QMAX_C=_check_qdtype(qdtype), IS_INT=qdtype == torch.int8, Q_DTYPE=_TL_QDTYPE[qdtype])
+    return dict(_scale_args(qdtype), Q_DTYPE=_TL_QDTYPE[qdtype])
+
+
+def launch_directly(kernel):
+    """The `wrap` of an eager launch: the kernel itself (a traced launch passes torch.library.wrap_triton)."""
+    return kernel
 
 
 def quantize_rowwise(x: torch.Tensor, qdtype: torch.dtype = torch.int8) -> tuple[torch.Tensor, torch.Tensor]:
@@ -420,7 +430,7 @@ def quantize_rowwise_colsum(
     grid = triton.cdiv(m, rows)
     part = torch.empty((grid, k), dtype=torch.float32, device=x.device)
     block = triton.next_power_of_2(k)
-    (wrap or (lambda kernel: kernel))(_rowwise_colsum_kernel)[(grid,)](
+    (wrap or launch_directly)(_rowwise_colsum_kernel)[(grid,)](
         x,
         q,
         scale,
@@ -433,8 +443,7 @@ def quantize_rowwise_colsum(
         BLOCK_K=block,
         ROWS=rows,
         num_warps=max(1, min(16, block // 256)),
-        QMAX_C=_check_qdtype(qdtype),
-        IS_INT=qdtype == torch.int8,
+        **_scale_args(qdtype),
     )
     return q, scale, part.sum(dim=0)
 
