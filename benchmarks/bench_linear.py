@@ -354,6 +354,9 @@ def bench_gemms(d: int, tokens: int) -> None:
         print(f"| gemm {name} d={d} M={tokens} | " + " | ".join(cells) + " |", flush=True)
 
 
+DEFAULT_COLSUM_TILE = kquantize.COLSUM_TILE_ELEMS
+
+
 def bench_row_kernels(d: int, tokens: int, act: str) -> None:
     """The (tokens, 4d) passes of a block, each alone: the fused kernels vs the torch ops they replace."""
     bf = dict(device="cuda", dtype=torch.bfloat16)
@@ -373,8 +376,21 @@ def bench_row_kernels(d: int, tokens: int, act: str) -> None:
             return ops.act_backward_quantize_colsum(g, h, torch.int8, act, True)
 
         timings[f"act_backward_quantize_colsum ({impl})"] = bwd
+    # The output-gradient quantize + column sum at both widths of a block (d: q/k/v/out_proj, fc2; 4d: fc1),
+    # one row per iteration vs several rows loaded at once (kernels.quantize.COLSUM_TILE_ELEMS).
+    for width in (d, 4 * d):
+        grad = torch.randn(tokens, width, **bf)
+        for tile in (1, DEFAULT_COLSUM_TILE):
+
+            def colsum(grad=grad, tile=tile):
+                kquantize.COLSUM_TILE_ELEMS = tile
+                return ops.quantize_rowwise_colsum(grad, torch.int8)
+
+            rows = "1 row" if tile == 1 else "rows at once"
+            timings[f"quantize_rowwise_colsum (tokens, {width}) {rows}"] = colsum
     cells = [f"{name} {do_bench(fn, rep=50):.3f} ms" for name, fn in timings.items()]
     kquantize.ACT_BACKWARD_IMPL = "tiles"
+    kquantize.COLSUM_TILE_ELEMS = DEFAULT_COLSUM_TILE
     print(f"| row kernels ({tokens}, {4 * d}) bf16 | " + " | ".join(cells) + " |", flush=True)
 
 
@@ -395,10 +411,10 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, nargs="+", default=[65536, 4096], help="rows (batch x seq)")
     parser.add_argument(
         "--cases",
-        nargs="+",
+        nargs="*",
         default=["fc1", "fc2", "block"],
         choices=["fc1", "fc2", "block"],
-        help="what to time",
+        help="what to time (none: only --kernels / --gemm)",
     )
     parser.add_argument(
         "--compile-cases",

@@ -23,6 +23,9 @@ Variants:
   int8-triton            backend="triton": every swapped linear quantizes, whatever its token count. Shows what
                          the floor is worth; at ViT-B/16 batch 256 both towers are above it, so it equals int8.
   int8-row-memeff        row-wise weight scales and the 8-bit saved input (SwitchBack's memory-saving mode).
+  int8-mlp / fp8-mlp     only the MLP linears (fc1, fc2) 8-bit; attention projections stay bf16.
+  int8-attn              only the attention projections (q/k/v/out_proj) 8-bit: with int8-mlp, shows which
+                         linears pay for their quantize passes.
   torchao-float8-<recipe> torchao's float8 training on the same linears (encoder layers; projections stay bf16).
   +compile               torch.compile; --compile layers (default) compiles each encoder layer (one graph per
                          tower, reused by all its layers: ViT-H/14 compiles in well under a minute instead of
@@ -68,16 +71,19 @@ VARIANTS = (
     "torchao-float8-tensorwise+compile",
     "torchao-float8-rowwise_with_gw_hp+compile",
 )
-BASES = (
-    "bf16",
-    "int8",
-    "int8-int8grad",
-    "int8-fused",
-    "int8-triton",
-    "int8-row-memeff",
-    "fp8",
-    "torchao-float8-tensorwise",
-)
+# SwitchBack rows: the SwitchBackConfig fields each one sets (the library defaults otherwise)
+SWITCHBACK_VARIANTS = {
+    "int8": {},
+    "int8-int8grad": dict(grad_precision="int8"),
+    "int8-fused": dict(fuse_mlp=True),
+    "int8-triton": dict(backend="triton"),
+    "int8-row-memeff": dict(weight_scaling="row", memory_efficient=True),
+    "int8-mlp": dict(target_modules=("fc1", "fc2")),
+    "int8-attn": dict(target_modules=("q_proj", "k_proj", "v_proj", "out_proj")),
+    "fp8": dict(precision="fp8"),
+    "fp8-mlp": dict(precision="fp8", target_modules=("fc1", "fc2")),
+}
+BASES = ("bf16", *SWITCHBACK_VARIANTS, "torchao-float8-tensorwise")
 BASES += ("torchao-float8-rowwise", "torchao-float8-rowwise_with_gw_hp")
 CHOICES = tuple(base + suffix for base in BASES for suffix in ("", "+compile"))
 
@@ -111,18 +117,8 @@ def build_model(
     if grad_ckpt:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     base = variant.removesuffix("+compile")
-    if base == "int8":
-        apply_switchback(model, SwitchBackConfig())
-    elif base == "int8-int8grad":
-        apply_switchback(model, SwitchBackConfig(grad_precision="int8"))
-    elif base == "int8-fused":
-        apply_switchback(model, SwitchBackConfig(fuse_mlp=True))
-    elif base == "int8-triton":
-        apply_switchback(model, SwitchBackConfig(backend="triton"))
-    elif base == "int8-row-memeff":
-        apply_switchback(model, SwitchBackConfig(weight_scaling="row", memory_efficient=True))
-    elif base == "fp8":
-        apply_switchback(model, SwitchBackConfig(precision="fp8"))
+    if base in SWITCHBACK_VARIANTS:
+        apply_switchback(model, SwitchBackConfig(**SWITCHBACK_VARIANTS[base]))
     elif base.startswith("torchao-float8-"):
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
@@ -419,6 +415,12 @@ def main() -> None:
         help="A/B: the Hopper TMA 8-bit GEMM instead of the portable one (default)",
     )
     parser.add_argument(
+        "--colsum_one_row",
+        action="store_true",
+        help="A/B: the output-gradient quantize + column sum loads one row per iteration (the kernel before "
+        "2026-11-22; the default loads several short rows at once)",
+    )
+    parser.add_argument(
         "--profile",
         default=None,
         metavar="DIR",
@@ -438,6 +440,10 @@ def main() -> None:
         from hf_switchback.kernels import matmul
 
         matmul.USE_TMA = True
+    if args.colsum_one_row:
+        from hf_switchback.kernels import quantize
+
+        quantize.COLSUM_TILE_ELEMS = 1
     if args.opaque_gemm_under_compile or args.inductor_grad_quantize:
         from hf_switchback.kernels import compiled
 

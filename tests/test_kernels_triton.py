@@ -99,7 +99,7 @@ def test_quantize_non_contiguous_and_3d_strides(qdtype):
 @requires_gpu
 @pytest.mark.parametrize("qdtype", QDTYPES)
 @pytest.mark.parametrize("dtype", FLOATS)
-@pytest.mark.parametrize("shape", [*SHAPES, (65, 5120), (3000, 1280)])
+@pytest.mark.parametrize("shape", [*SHAPES, (65, 5120), (3000, 1280), (3001, 768)])
 def test_quantize_rowwise_colsum(shape, dtype, qdtype):
     """Fused grad quantize + bias-gradient column sum: q and scale bitwise, sum up to float32 order."""
     x = _input(shape, dtype)
@@ -592,7 +592,8 @@ _INTERPRETER_CHECK = textwrap.dedent(
             q, s = getattr(ops, name)(inp, torch.int8)
             q_ref, s_ref = getattr(ref, name)(inp, torch.int8)
             assert torch.equal(q, q_ref) and torch.equal(s, s_ref), name
-    for inp in (x, x.t(), torch.randn(200, 37).bfloat16()):  # the last one: several rows per program
+    # the last two: several rows per program, then several loaded at once with a tail past M
+    for inp in (x, x.t(), torch.randn(200, 37).bfloat16(), torch.randn(3001, 37)):
         q, s, cs = ops.quantize_rowwise_colsum(inp, torch.int8)
         q_ref, s_ref, cs_ref = ref.quantize_rowwise_colsum(inp, torch.int8)
         assert torch.equal(q, q_ref) and torch.equal(s, s_ref)

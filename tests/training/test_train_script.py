@@ -58,6 +58,11 @@ def test_help_lists_every_flag_with_help():
         (["--precision", "int4"], "invalid choice"),
         (["--zeroshot_templates", "a photo"], "needs a {}"),
         (["--model_name_or_path", "m", "--tokenizer_name_or_path", "t"], "brings its own tokenizer"),
+        (["--compile_mode", "reduce-overhead"], "--compile_mode needs --torch_compile"),
+        (
+            ["--torch_compile", "--compile_mode", "reduce-overhead", "--accum_freq", "2"],
+            "needs --accum_freq 1",
+        ),
     ],
 )
 def test_invalid_combinations_fail_at_start(argv, message, capsys):
@@ -67,6 +72,28 @@ def test_invalid_combinations_fail_at_start(argv, message, capsys):
         module.check_args(parser, parser.parse_args(argv))
     assert exc.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_compile_mode_reaches_accelerate_and_picks_the_gemm(monkeypatch):
+    """--compile_mode becomes accelerate's dynamo mode; CUDA graphs on Hopper switch on the TMA GEMM (and only
+    there: the portable GEMM stays elsewhere, and without SwitchBack nothing is touched)."""
+    from hf_switchback.kernels import matmul
+
+    module = load_script()
+    parser = module.build_parser()
+    assert module.dynamo_plugin(parser.parse_args([])) is None
+    plugin = module.dynamo_plugin(parser.parse_args(["--torch_compile"]))
+    assert plugin.backend.value.lower() == "inductor" and plugin.mode == "default"
+    monkeypatch.setattr(matmul, "USE_TMA", False)
+    graphs = ["--torch_compile", "--compile_mode", "reduce-overhead"]
+    monkeypatch.setattr(module, "tma_gemm_available", lambda: False)
+    assert module.dynamo_plugin(parser.parse_args(graphs)).mode == "reduce-overhead"
+    assert matmul.USE_TMA is False
+    monkeypatch.setattr(module, "tma_gemm_available", lambda: True)
+    module.dynamo_plugin(parser.parse_args([*graphs, "--switchback", "off"]))
+    assert matmul.USE_TMA is False
+    module.dynamo_plugin(parser.parse_args(graphs))
+    assert matmul.USE_TMA is True
 
 
 def test_invalid_combination_exits_before_loading_anything():

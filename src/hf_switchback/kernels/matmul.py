@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 
 import torch
 import triton
@@ -407,6 +408,13 @@ def _scaled_mm_tma_kernel(
             )
 
 
+def _env_flag(name: str) -> bool:
+    value = os.environ.get(name, "0")
+    if value not in ("0", "1"):
+        raise ValueError(f"environment variable {name} must be 0 or 1, got {value!r}")
+    return value == "1"
+
+
 def _tma_configs() -> list[triton.Config]:
     # (BM, BN, BK, warps, stages, epilogue subtile). Shared memory: stages * (BM + BN) * BK bytes for the
     # operands plus BM * BN(/2) * 2 for the bf16 store staging, under Hopper's 227 KiB.
@@ -442,9 +450,11 @@ _tma_autotuned_kernel = triton.autotune(
     configs=_tma_configs(), key=["M_BUCKET", "N", "K"], reset_to_zero=["absmax_ptr", "part_ptr"]
 )(_scaled_mm_tma_kernel)
 # Use the persistent TMA kernel where it applies (sm90, aligned shapes). Off by default: alone it beats the
-# portable kernel (1.50-1.63x over cuBLAS bf16 vs 1.37-1.53x), but in a whole ViT-B/16 training step on the
-# H100 it was slower (int8 + compile 160 ms/step with it vs 125-143 ms without; BENCHMARKS.md, 2026-11-22).
-USE_TMA = False
+# portable kernel (1.50-1.63x over cuBLAS bf16 vs 1.37-1.53x), but its host-side setup (tensor descriptors,
+# per-config block shapes) made launch-bound training steps slower (ViT-B/16 int8 + compile 160 ms/step with it
+# vs 125-143 ms without). Under CUDA graphs (torch.compile mode="reduce-overhead") that setup is not replayed
+# and it wins: 102.6 vs 106.9 ms/step (BENCHMARKS.md, 2026-11-22). Set it here or with HF_SWITCHBACK_TMA=1.
+USE_TMA = _env_flag("HF_SWITCHBACK_TMA")
 
 
 @functools.cache
