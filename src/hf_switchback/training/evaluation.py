@@ -38,10 +38,12 @@ def encode(
         )
         # CLIPForContrastive returns (image, text, scale); a plain CLIPModel a CLIPOutput
         image_embeds, text_embeds = out[:2] if isinstance(out, tuple) else (out.image_embeds, out.text_embeds)
+        # Copies, not views: under CUDA graphs (--compile_mode reduce-overhead) the next batch's replay
+        # overwrites the model's outputs in place.
         if start < len(images):
-            image_feats.append(image_embeds.float())
+            image_feats.append(image_embeds.to(torch.float32, copy=True))
         if start < len(texts):
-            text_feats.append(text_embeds.float())
+            text_feats.append(text_embeds.to(torch.float32, copy=True))
     image_out = torch.cat(image_feats)[: len(images)] if image_feats else None
     text_out = torch.cat(text_feats)[: len(texts)] if text_feats else None
     return (
