@@ -354,9 +354,6 @@ def bench_gemms(d: int, tokens: int) -> None:
         print(f"| gemm {name} d={d} M={tokens} | " + " | ".join(cells) + " |", flush=True)
 
 
-DEFAULT_COLSUM_TILE = kquantize.COLSUM_TILE_ELEMS
-
-
 def bench_row_kernels(d: int, tokens: int, act: str) -> None:
     """The (tokens, 4d) passes of a block, each alone: the fused kernels vs the torch ops they replace."""
     bf = dict(device="cuda", dtype=torch.bfloat16)
@@ -366,7 +363,6 @@ def bench_row_kernels(d: int, tokens: int, act: str) -> None:
         "torch gelu fwd": lambda: torch.nn.functional.gelu(h, approximate=approximate),
         "torch gelu bwd": lambda: torch.ops.aten.gelu_backward(g, h, approximate=approximate),
         "quantize_rowwise": lambda: ops.quantize_rowwise(h, torch.int8),
-        "quantize_rowwise_colsum": lambda: ops.quantize_rowwise_colsum(g, torch.int8),
         "act_quantize_rowwise": lambda: ops.act_quantize_rowwise(h, torch.int8, act),
     }
     for impl in ("tiles", "rows"):
@@ -376,21 +372,14 @@ def bench_row_kernels(d: int, tokens: int, act: str) -> None:
             return ops.act_backward_quantize_colsum(g, h, torch.int8, act, True)
 
         timings[f"act_backward_quantize_colsum ({impl})"] = bwd
-    # The output-gradient quantize + column sum at both widths of a block (d: q/k/v/out_proj, fc2; 4d: fc1),
-    # one row per iteration vs several rows loaded at once (kernels.quantize.COLSUM_TILE_ELEMS).
+    # The output-gradient quantize + column sum at both widths of a block (d: q/k/v/out_proj, fc2; 4d: fc1).
     for width in (d, 4 * d):
         grad = torch.randn(tokens, width, **bf)
-        for tile in (1, DEFAULT_COLSUM_TILE):
-
-            def colsum(grad=grad, tile=tile):
-                kquantize.COLSUM_TILE_ELEMS = tile
-                return ops.quantize_rowwise_colsum(grad, torch.int8)
-
-            rows = "1 row" if tile == 1 else "rows at once"
-            timings[f"quantize_rowwise_colsum (tokens, {width}) {rows}"] = colsum
+        timings[f"quantize_rowwise_colsum (tokens, {width})"] = lambda grad=grad: ops.quantize_rowwise_colsum(
+            grad, torch.int8
+        )
     cells = [f"{name} {do_bench(fn, rep=50):.3f} ms" for name, fn in timings.items()]
     kquantize.ACT_BACKWARD_IMPL = "tiles"
-    kquantize.COLSUM_TILE_ELEMS = DEFAULT_COLSUM_TILE
     print(f"| row kernels ({tokens}, {4 * d}) bf16 | " + " | ".join(cells) + " |", flush=True)
 
 

@@ -415,12 +415,6 @@ def main() -> None:
         help="A/B: the Hopper TMA 8-bit GEMM instead of the portable one (default)",
     )
     parser.add_argument(
-        "--colsum_one_row",
-        action="store_true",
-        help="A/B: the output-gradient quantize + column sum loads one row per iteration (the kernel before "
-        "2026-11-22; the default loads several short rows at once)",
-    )
-    parser.add_argument(
         "--profile",
         default=None,
         metavar="DIR",
@@ -440,10 +434,6 @@ def main() -> None:
         from hf_switchback.kernels import matmul
 
         matmul.USE_TMA = True
-    if args.colsum_one_row:
-        from hf_switchback.kernels import quantize
-
-        quantize.COLSUM_TILE_ELEMS = 1
     if args.opaque_gemm_under_compile or args.inductor_grad_quantize:
         from hf_switchback.kernels import compiled
 

@@ -592,7 +592,7 @@ _INTERPRETER_CHECK = textwrap.dedent(
             q, s = getattr(ops, name)(inp, torch.int8)
             q_ref, s_ref = getattr(ref, name)(inp, torch.int8)
             assert torch.equal(q, q_ref) and torch.equal(s, s_ref), name
-    # the last two: several rows per program, then several loaded at once with a tail past M
+    # the last two: several rows per program, the last program with a tail past M
     for inp in (x, x.t(), torch.randn(200, 37).bfloat16(), torch.randn(3001, 37)):
         q, s, cs = ops.quantize_rowwise_colsum(inp, torch.int8)
         q_ref, s_ref, cs_ref = ref.quantize_rowwise_colsum(inp, torch.int8)

@@ -152,34 +152,30 @@ def _rowwise_colsum_kernel(
     IS_INT: tl.constexpr,
     BLOCK_K: tl.constexpr,
     ROWS: tl.constexpr,
-    ROWS_AT_ONCE: tl.constexpr,
 ):
     # Row-wise quantize of ROWS consecutive rows (each row read once, from registers) that also sums the
     # rows it reads: part[pid, :] = sum of those rows in float32. The bias gradient then needs no second pass.
-    # ROWS_AT_ONCE rows are loaded together: with one row per iteration a program has a single short row in
-    # flight and the kernel is latency-bound (~1.5 TB/s on the H100 at K=1280, BENCHMARKS.md).
     # The 8-bit dtype comes from q_ptr, not from a dtype constexpr: torch.compile launches this kernel from
     # its generated code (kernels/compiled.py), which takes numbers and booleans as constexprs.
     pid = tl.program_id(0)
     offs = tl.arange(0, BLOCK_K)
-    kmask = offs[None, :] < K
+    kmask = offs < K
     colsum = tl.zeros([BLOCK_K], dtype=tl.float32)
-    for r0 in range(0, ROWS, ROWS_AT_ONCE):
+    for r in range(ROWS):
         # Rows past M (last program only) redo row M - 1: the same values written again by the program that
-        # owns that row, kept out of the sum. This keeps every mask free of row terms.
-        row_raw = pid.to(tl.int64) * ROWS + r0 + tl.arange(0, ROWS_AT_ONCE)
+        # owns that row, kept out of the sum. This keeps every mask a vector (the interpreter needs that).
+        row_raw = pid.to(tl.int64) * ROWS + r
         row = tl.minimum(row_raw, M - 1)
-        x = tl.load(x_ptr + row[:, None] * stride_xm + offs[None, :] * stride_xk, mask=kmask, other=0.0)
-        x = x.to(tl.float32)
-        colsum += tl.sum(tl.where(row_raw[:, None] < M, x, 0.0), axis=0)
-        absmax = tl.max(tl.abs(x), axis=1)
+        x = tl.load(x_ptr + row * stride_xm + offs * stride_xk, mask=kmask, other=0.0).to(tl.float32)
+        colsum += tl.where(row_raw < M, x, 0.0)
+        absmax = tl.max(tl.abs(x), axis=0)
         scale = tl.div_rn(absmax, QMAX_C)
         safe = tl.where(scale == 0.0, 1.0, scale)
-        inv = tl.div_rn(tl.full([ROWS_AT_ONCE], 1.0, tl.float32), safe)
+        inv = tl.div_rn(1.0, safe)
         tl.store(s_ptr + row, scale)
-        q = _scaled_clamped(x, safe[:, None], inv[:, None], QMAX_C, IS_INT).to(q_ptr.dtype.element_ty)
-        tl.store(q_ptr + row[:, None] * stride_qm + offs[None, :], q, mask=kmask)
-    tl.store(part_ptr + pid.to(tl.int64) * K + offs, colsum, mask=offs < K)
+        q = _scaled_clamped(x, safe, inv, QMAX_C, IS_INT).to(q_ptr.dtype.element_ty)
+        tl.store(q_ptr + row * stride_qm + offs, q, mask=kmask)
+    tl.store(part_ptr + pid.to(tl.int64) * K + offs, colsum, mask=kmask)
 
 
 @triton.jit
@@ -406,9 +402,6 @@ def _quantize_rowwise(x: torch.Tensor, qdtype: torch.dtype, activation: str | No
 # float32 partial sums (cdiv(M, ROWS) x K) that writing and reducing them costs far less than re-reading x.
 _COLSUM_PROGRAMS = 1024
 _COLSUM_MAX_ROWS = 64
-# Elements each program loads per iteration of the quantize + column-sum kernel (several short rows at once).
-# 1 = one row per iteration, the kernel before 2026-11-22 (kept for the A/B in benchmarks/bench_linear.py).
-COLSUM_TILE_ELEMS = 8192
 
 
 def colsum_in_one_pass(x: torch.Tensor) -> bool:
@@ -437,7 +430,6 @@ def quantize_rowwise_colsum(
     grid = triton.cdiv(m, rows)
     part = torch.empty((grid, k), dtype=torch.float32, device=x.device)
     block = triton.next_power_of_2(k)
-    at_once = min(rows, max(1, COLSUM_TILE_ELEMS // block))
     (wrap or launch_directly)(_rowwise_colsum_kernel)[(grid,)](
         x,
         q,
@@ -450,8 +442,7 @@ def quantize_rowwise_colsum(
         q.stride(0),
         BLOCK_K=block,
         ROWS=rows,
-        ROWS_AT_ONCE=at_once,
-        num_warps=max(1, min(16, at_once * block // 256)),
+        num_warps=max(1, min(16, block // 256)),
         **_scale_args(qdtype),
     )
     return q, scale, part.sum(dim=0)
