@@ -187,6 +187,7 @@ WITH_TMA = " [tma]"
 ACT_BWD = {" [act-bwd epilogue]": "epilogue", " [act-bwd tiles]": "tiles", " [act-bwd rows]": "rows"}
 DEFAULT_ACT_EPILOGUE = kmatmul.FUSE_ACT_EPILOGUE
 DEFAULT_TMA = kmatmul.USE_TMA
+DEFAULT_ACT_BACKWARD = kquantize.ACT_BACKWARD_IMPL
 
 
 def fuse_tag(cfg: SwitchBackConfig) -> str:
@@ -298,7 +299,7 @@ def run_case(
             name.endswith(WITH_TMA) or bwd_impl == "epilogue"
         )  # the epilogue is in the TMA kernel
         kmatmul.FUSE_ACT_EPILOGUE = DEFAULT_ACT_EPILOGUE if bwd_impl is None else bwd_impl == "epilogue"
-        kquantize.ACT_BACKWARD_IMPL = bwd_impl if bwd_impl in ("tiles", "rows") else "tiles"
+        kquantize.ACT_BACKWARD_IMPL = bwd_impl if bwd_impl in ("tiles", "rows") else DEFAULT_ACT_BACKWARD
         try:
             model = make(copy.deepcopy(ref))
             run_model = torch.compile(model) if compiled else model
@@ -318,7 +319,7 @@ def run_case(
             row.ratio = base_ms / row.ms
         functional.FUSED_BIAS_GRAD = True
         kmatmul.USE_TMA = DEFAULT_TMA
-        kquantize.ACT_BACKWARD_IMPL = "tiles"
+        kquantize.ACT_BACKWARD_IMPL = DEFAULT_ACT_BACKWARD
         kmatmul.FUSE_ACT_EPILOGUE = DEFAULT_ACT_EPILOGUE
         rows.append(row)
         print(format_row(row), flush=True)
@@ -379,7 +380,7 @@ def bench_row_kernels(d: int, tokens: int, act: str) -> None:
             grad, torch.int8
         )
     cells = [f"{name} {do_bench(fn, rep=50):.3f} ms" for name, fn in timings.items()]
-    kquantize.ACT_BACKWARD_IMPL = "tiles"
+    kquantize.ACT_BACKWARD_IMPL = DEFAULT_ACT_BACKWARD
     print(f"| row kernels ({tokens}, {4 * d}) bf16 | " + " | ".join(cells) + " |", flush=True)
 
 

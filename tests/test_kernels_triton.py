@@ -187,8 +187,8 @@ def test_act_quantize_rowwise(shape, dtype, qdtype, activation):
     assert flips.sum() <= 0.01 * max(int(counted.sum()), 1)
 
 
-# The default "tiles" implementation in every dtype pair; the non-default "rows" one in bfloat16 -> int8 only.
-_ACT_BACKWARD_CASES = [("tiles", d, q) for d, q in ACT_DTYPES[:4]] + [("rows", torch.bfloat16, torch.int8)]
+# Both implementations ("auto" picks one per width) in every dtype pair.
+_ACT_BACKWARD_CASES = [(impl, d, q) for impl in ("tiles", "rows") for d, q in ACT_DTYPES[:4]]
 
 
 @requires_gpu
@@ -199,7 +199,7 @@ _ACT_BACKWARD_CASES = [("tiles", d, q) for d, q in ACT_DTYPES[:4]] + [("rows", t
 def test_act_backward_quantize_colsum(shape, dtype, qdtype, activation, want_act, impl, monkeypatch):
     """Fused activation backward + grad quantize + column sum: grad_h and act(h) within one rounding of the
     torch twin; q / scale bitwise equal to quantizing the kernel's own grad_h; the sum up to float32 order.
-    Both GPU implementations (ACT_BACKWARD_IMPL); the non-default "rows" one in bfloat16 -> int8 only."""
+    Both GPU implementations (ACT_BACKWARD_IMPL)."""
     from hf_switchback.kernels import quantize
 
     monkeypatch.setattr(quantize, "ACT_BACKWARD_IMPL", impl)
@@ -218,6 +218,22 @@ def test_act_backward_quantize_colsum(shape, dtype, qdtype, activation, want_act
     _assert_quantizes_own_grad_h(q, q_own, qdtype)
     bound = max(shape[0], 1) * 2**-24 * gh.cpu().float().abs().sum(0) + 1e-30
     assert ((colsum.cpu() - sum_own).abs() <= bound).all()
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
+def test_act_backward_impl_picks_rows_up_to_4096_wide(monkeypatch):
+    """ "auto" resolves per width (measured crossover, BENCHMARKS.md); a bad setting is refused by name."""
+    from hf_switchback.kernels import quantize
+
+    assert quantize.ACT_BACKWARD_IMPL == "auto"
+    assert [quantize.act_backward_impl(k) for k in (37, 3072, 4096, 4097, 5120)] == ["rows"] * 3 + [
+        "tiles"
+    ] * 2
+    monkeypatch.setattr(quantize, "ACT_BACKWARD_IMPL", "tiles")
+    assert quantize.act_backward_impl(3072) == "tiles"
+    monkeypatch.setattr(quantize, "ACT_BACKWARD_IMPL", "row")
+    with pytest.raises(ValueError, match="ACT_BACKWARD_IMPL must be 'auto', 'tiles' or 'rows', got 'row'"):
+        quantize.act_backward_impl(3072)
 
 
 def _assert_one_graph_and_compiled_matches_eager(block: torch.nn.Module, x: torch.Tensor) -> None:
@@ -657,16 +673,17 @@ _INTERPRETER_CHECK = textwrap.dedent(
             assert torch.equal(q, q2) and torch.equal(s, s2), act
             torch.testing.assert_close(cs, cs2, rtol=1e-5, atol=1e-4)
     from hf_switchback.kernels import quantize
-    quantize.ACT_BACKWARD_IMPL = "rows"  # the other implementation (the loop above ran the default)
-    for act in ref.ACTIVATIONS:
-        g, h = torch.randn(70, 37).t(), x
-        gh, a, q, s, cs = ops.act_backward_quantize_colsum(g, h, torch.int8, act, True)
-        gh_ref, a_ref, *_ = ref.act_backward_quantize_colsum(g, h, torch.int8, act, True)
-        torch.testing.assert_close(gh, gh_ref, rtol=1.5e-5, atol=1.5e-5)
-        q2, s2, cs2 = ref.quantize_rowwise_colsum(gh, torch.int8)
-        assert torch.equal(q, q2) and torch.equal(s, s2), act
-        torch.testing.assert_close(cs, cs2, rtol=1e-5, atol=1e-4)
-    quantize.ACT_BACKWARD_IMPL = "tiles"
+    for impl in ("rows", "tiles"):  # the loop above ran "auto", which picks "rows" at these widths
+        quantize.ACT_BACKWARD_IMPL = impl
+        for act in ref.ACTIVATIONS:
+            g, h = torch.randn(70, 37).t(), x
+            gh, a, q, s, cs = ops.act_backward_quantize_colsum(g, h, torch.int8, act, True)
+            gh_ref, a_ref, *_ = ref.act_backward_quantize_colsum(g, h, torch.int8, act, True)
+            torch.testing.assert_close(gh, gh_ref, rtol=1.5e-5, atol=1.5e-5)
+            q2, s2, cs2 = ref.quantize_rowwise_colsum(gh, torch.int8)
+            assert torch.equal(q, q2) and torch.equal(s, s2), (impl, act)
+            torch.testing.assert_close(cs, cs2, rtol=1e-5, atol=1e-4)
+    quantize.ACT_BACKWARD_IMPL = "auto"
     h = torch.randn(2, 8200)  # longer than one pass
     q, s = ops.act_quantize_rowwise(h, torch.int8, "gelu")
     q_ref, s_ref = ref.act_quantize_rowwise(h, torch.int8, "gelu")

@@ -455,9 +455,21 @@ def _colsum_rows(m: int) -> int:
 # How act_backward_quantize_colsum runs on the GPU: "tiles" = two 2-D tiled passes (activation backward with
 # row absmax and column sums, then quantize with the known scales: re-reads grad_h once, every program
 # independent); "rows" = one pass with whole rows per program (reads less, but a row of 4d values must fit
-# in one program's registers, which limits occupancy). Both give bitwise the same q, scale.
-ACT_BACKWARD_IMPL = "tiles"
+# in one program's registers, which limits occupancy). Both give bitwise the same q, scale. "auto" picks per
+# width: on the H100 "rows" wins at 4d = 3072 (50432 rows: 0.60 vs 0.84 ms; 16448: 0.21 vs 0.30) and loses at
+# 4d = 5120 (1.52 vs 1.38; 0.53 vs 0.47), BENCHMARKS.md "Fifth session".
+ACT_BACKWARD_IMPL = "auto"
+_ROWS_IMPL_MAX_K = 4096
 _BWD_TILE_M, _BWD_TILE_K = 32, 256
+
+
+def act_backward_impl(k: int) -> str:
+    """The implementation act_backward_quantize_colsum runs for rows of k values (ACT_BACKWARD_IMPL resolved)."""
+    if ACT_BACKWARD_IMPL not in ("auto", "tiles", "rows"):
+        raise ValueError(f"ACT_BACKWARD_IMPL must be 'auto', 'tiles' or 'rows', got {ACT_BACKWARD_IMPL!r}")
+    if ACT_BACKWARD_IMPL == "auto":
+        return "rows" if k <= _ROWS_IMPL_MAX_K else "tiles"
+    return ACT_BACKWARD_IMPL
 
 
 def _act_backward_tiles(grad, h, qdtype, activation, want_act):
@@ -523,8 +535,8 @@ def act_backward_quantize_colsum(
 
     grad, h (M, K) float -> (grad_h (M, K) grad.dtype, act(h) (M, K) h.dtype or (0,) when not want_act,
     q (M, K) qdtype, scale (M,) float32, grad_h.sum(0) float32): q, scale = quantize_rowwise(grad_h).
-    ACT_BACKWARD_IMPL picks the kernels. The "rows" kernel takes rows up to the single-pass limit (longer
-    ones use the torch twin).
+    ACT_BACKWARD_IMPL picks the kernels (act_backward_impl). The "rows" kernel takes rows up to the single-pass
+    limit (longer ones use the torch twin).
     """
     from . import reference
 
@@ -533,7 +545,7 @@ def act_backward_quantize_colsum(
         raise ValueError(f"unsupported activation {activation!r}; expected one of {list(ACT_CODES)[1:]}")
     if m == 0 or k == 0:
         return reference.act_backward_quantize_colsum(grad, h, qdtype, activation, want_act)
-    if ACT_BACKWARD_IMPL == "tiles":
+    if act_backward_impl(k) == "tiles":
         return _act_backward_tiles(grad, h, qdtype, activation, want_act)
     if k > _MAX_SINGLE_PASS:
         return reference.act_backward_quantize_colsum(grad, h, qdtype, activation, want_act)
