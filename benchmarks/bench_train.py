@@ -427,6 +427,14 @@ def main() -> None:
     args = parser.parse_args()
     if args.profile and args.device != "cuda":
         parser.error("--profile needs --device cuda (it reports GPU kernel time)")
+    if args.compile_mode == "reduce-overhead" and args.compile == "layers" and args.grad_ckpt != "off":
+        # Checkpoint recompute re-runs each compiled layer inside backward, whose replay overwrites the CUDA-graph
+        # outputs the first run still needs (H100: RuntimeError in every +compile row). examples/train_clip.py,
+        # which compiles the whole model, trains with both (2026-11-23).
+        parser.error(
+            "--compile_mode reduce-overhead with --grad_ckpt on/both needs --compile model (per-layer CUDA "
+            "graphs are overwritten by the checkpoint recompute)"
+        )
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("bench_train.py needs a CUDA GPU (or --device cpu --tiny for a smoke test)")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

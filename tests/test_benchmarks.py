@@ -61,6 +61,25 @@ def test_bench_train_time_budget_skips_and_keeps_rows(tmp_path, monkeypatch):
         bench.time_training("vit-b-16", "int4", False, 1, 0, args)
 
 
+def test_bench_train_refuses_per_layer_cuda_graphs_with_checkpointing(monkeypatch, capsys):
+    bench = load_script("bench_train")
+    argv = [
+        "bench_train.py",
+        "--device",
+        "cpu",
+        "--tiny",
+        "--grad_ckpt",
+        "on",
+        "--compile_mode",
+        "reduce-overhead",
+    ]
+    monkeypatch.setattr(sys, "argv", argv)
+    with pytest.raises(SystemExit) as exit_info:
+        bench.main()
+    assert exit_info.value.code == 2
+    assert "--grad_ckpt on/both needs --compile model" in capsys.readouterr().err
+
+
 def test_bench_train_profile_families_and_report(tmp_path):
     bench = load_script("bench_train")
     families = {
