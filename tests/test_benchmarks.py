@@ -63,16 +63,8 @@ def test_bench_train_time_budget_skips_and_keeps_rows(tmp_path, monkeypatch):
 
 def test_bench_train_refuses_per_layer_cuda_graphs_with_checkpointing(monkeypatch, capsys):
     bench = load_script("bench_train")
-    argv = [
-        "bench_train.py",
-        "--device",
-        "cpu",
-        "--tiny",
-        "--grad_ckpt",
-        "on",
-        "--compile_mode",
-        "reduce-overhead",
-    ]
+    argv = ["bench_train.py", "--device", "cpu", "--tiny", "--grad_ckpt", "on"]
+    argv += ["--compile_mode", "reduce-overhead"]
     monkeypatch.setattr(sys, "argv", argv)
     with pytest.raises(SystemExit) as exit_info:
         bench.main()
