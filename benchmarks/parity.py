@@ -22,6 +22,10 @@ loss (mean of the last 20% of logged steps; the per-step difference to bf16 at t
 noise) and retrieval recall over 576 distinct captions (colour, shape, size and position must all match) are
 the metrics that separate the variants. The eval set has at most 576 images, so one eval metric has a
 binomial standard error of up to ~2 pp: a 0.5 pp gap in zero-shot cannot be resolved by one run.
+Worse, the ViT-B/16 run makes one sharp loss drop between steps ~250 and ~400, and when it happens varies
+from run to run: on the H100 the same int8 run (seed 2) ended at 63% zero-shot with one data order and 97%
+with another (BENCHMARKS.md, seventh session). Judge a variant by the table "Pooled over seeds" (each seed
+paired with bf16 at that seed), not by one seed.
 """
 
 from __future__ import annotations
@@ -47,6 +51,7 @@ VARIANT_FLAGS = {
     "int8": ["--switchback", "on", "--precision", "int8"],
     "fp8": ["--switchback", "on", "--precision", "fp8"],
     "int8-int8grad": ["--switchback", "on", "--precision", "int8", "--grad_precision", "int8"],
+    "int8-rowweight": ["--switchback", "on", "--precision", "int8", "--weight_scaling", "row"],
 }
 EVAL_METRICS = ("zero_shot_top1", "zero_shot_top5", "image_to_text_R@1", "text_to_image_R@1")
 LAST_FRACTION = 0.2  # "final loss" = mean over the last 20% of logged steps
@@ -169,6 +174,35 @@ def summarize(runs: list[dict]) -> list[dict]:
     return rows
 
 
+def pooled(rows: list[dict]) -> list[dict]:
+    """Per variant, over the seeds that have a bf16 run: mean zero-shot and loss differences to bf16."""
+    out = []
+    for variant in dict.fromkeys(r["variant"] for r in rows if r["variant"] != "bf16"):
+        mine = [r for r in rows if r["variant"] == variant]
+        deltas = [r["d_zero_shot_top1_pp"] for r in mine if r.get("d_zero_shot_top1_pp") is not None]
+        if not deltas:
+            continue
+        mean, se = mean_se(deltas)
+        dloss, _ = mean_se([r["dloss_vs_bf16"] for r in mine if r.get("dloss_vs_bf16") is not None])
+        out.append(
+            dict(variant=variant, seeds=len(deltas), d_zero_shot_pp=mean, d_zero_shot_se=se,
+                 d_zero_shot_min=min(deltas), d_zero_shot_max=max(deltas), dloss_vs_bf16=dloss)
+        )  # fmt: skip
+    return out
+
+
+def parity_verdict(pool: dict, bound_pp: float = -0.5) -> str:
+    """The int8 target (zero-shot no more than 0.5 pp below bf16) read off the mean +- 2 standard errors."""
+    mean, se = pool["d_zero_shot_pp"], pool["d_zero_shot_se"]
+    if se is None:
+        return "not resolved (one seed: run more seeds)"
+    if mean - 2 * se >= bound_pp:
+        return "met"
+    if mean + 2 * se < bound_pp:
+        return "missed"
+    return f"not resolved (mean ± 2 SE spans {bound_pp:+.1f} pp: run more seeds)"
+
+
 def _fmt(value, spec: str = ".4f", scale: float = 1.0) -> str:
     return "-" if value is None else format(value * scale, spec)
 
@@ -214,9 +248,27 @@ def markdown(rows: list[dict], env: dict) -> str:
             # "within 0.5 pp" is a bound on the loss of accuracy: int8 above bf16 meets it
             met = "met" if r["d_zero_shot_top1_pp"] >= -0.5 else "missed"
             lines.append(
-                f"Target int8 zero-shot within 0.5 pp of bf16 (seed {r['seed']}): {met} "
+                f"Target int8 zero-shot within 0.5 pp of bf16 (seed {r['seed']} alone): {met} "
                 f"({r['d_zero_shot_top1_pp']:+.2f} pp)."
             )
+    pools = pooled(rows)
+    if pools:
+        lines += [
+            "",
+            "Pooled over seeds (each run minus bf16 at its seed; SE = standard error over the seeds):",
+            "",
+            "| variant | seeds | mean Δ zero-shot pp ± SE | min / max Δ pp | mean Δ loss |",
+            "|---|---:|---:|---:|---:|",
+        ]
+        for p in pools:
+            se = f" ± {p['d_zero_shot_se']:.2f}" if p["d_zero_shot_se"] is not None else ""
+            lines.append(
+                f"| {p['variant']} | {p['seeds']} | {p['d_zero_shot_pp']:+.2f}{se} "
+                f"| {p['d_zero_shot_min']:+.1f} / {p['d_zero_shot_max']:+.1f} | {_fmt(p['dloss_vs_bf16'], '+.4f')} |"
+            )
+        for p in pools:
+            if p["variant"] == "int8":
+                lines += ["", f"Target int8 zero-shot within 0.5 pp of bf16, pooled: {parity_verdict(p)}."]
     return "\n".join(lines) + "\n"
 
 
@@ -239,7 +291,7 @@ def plot(runs: list[dict], path: Path) -> bool:
     FigureCanvasAgg(fig)
     ax_loss, ax_diff, ax_eval = fig.subplots(1, 3)
     bf16 = {r["seed"]: r for r in runs if r["variant"] == "bf16"}
-    colors = {"bf16": "tab:blue", "int8": "tab:orange", "fp8": "tab:green"}
+    colors = {"bf16": "tab:blue", "int8": "tab:orange", "fp8": "tab:green", "int8-int8grad": "tab:red"}
     styles = ["-", "--", ":", "-."]
     for r in runs:
         if not r["train"]:
@@ -282,7 +334,9 @@ def write_outputs(runs: list[dict], env: dict, out_dir: Path) -> list[dict]:
     """parity.json, parity.md and parity_loss.png in out_dir; returns the summary rows."""
     out_dir.mkdir(parents=True, exist_ok=True)
     rows = summarize(runs)
-    (out_dir / "parity.json").write_text(json.dumps(dict(env=env, summary=rows, runs=runs), indent=1))
+    (out_dir / "parity.json").write_text(
+        json.dumps(dict(env=env, summary=rows, pooled=pooled(rows), runs=runs), indent=1)
+    )
     text = markdown(rows, env)
     if not plot(runs, out_dir / "parity_loss.png"):
         text += "\n(no plot: matplotlib is not installed here; re-plot with --merge parity.json)\n"

@@ -710,7 +710,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="Save the 8-bit input for backward instead of the 16-bit one.",
     )
-    g.add_argument("--precision", choices=PRECISIONS, help="Forward format: int8, or fp8 (Ada/Hopper GPUs).")
+    g.add_argument(
+        "--precision",
+        choices=PRECISIONS,
+        help="Forward format: int8 (default), or fp8 (Ada/Hopper GPUs; the safer choice from scratch in the "
+        "parity runs, README 'Accuracy').",
+    )
     g.add_argument(
         "--grad_precision",
         choices=GRAD_PRECISIONS,

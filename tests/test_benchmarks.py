@@ -3,6 +3,7 @@
 import importlib.util
 import json
 import math
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -147,6 +148,28 @@ def write_fake_log(run_dir: Path, losses: list[float], zero_shot: float) -> None
     (run_dir / "all_results.json").write_text(json.dumps(results))
 
 
+def test_parity_pools_seeds_and_reads_the_target_off_two_standard_errors():
+    parity = load_script("parity")
+
+    def rows(deltas_pp):
+        out = []
+        for seed, d in enumerate(deltas_pp):
+            out.append(dict(variant="bf16", seed=seed))
+            out.append(dict(variant="int8", seed=seed, d_zero_shot_top1_pp=d, dloss_vs_bf16=d / -100))
+        return out
+
+    (wide,) = parity.pooled(rows([-2.0, 9.0, -29.0]))
+    assert wide["seeds"] == 3 and wide["d_zero_shot_pp"] == pytest.approx(-22.0 / 3)
+    assert wide["d_zero_shot_se"] == pytest.approx(statistics.stdev([-2.0, 9.0, -29.0]) / math.sqrt(3))
+    assert (wide["d_zero_shot_min"], wide["d_zero_shot_max"]) == (-29.0, 9.0)
+    assert wide["dloss_vs_bf16"] == pytest.approx(22.0 / 300)
+    assert parity.parity_verdict(wide).startswith("not resolved (mean ± 2 SE spans")
+    assert parity.parity_verdict(parity.pooled(rows([0.1, 0.3, 0.2]))[0]) == "met"
+    assert parity.parity_verdict(parity.pooled(rows([-3.0, -3.2, -2.9]))[0]) == "missed"
+    assert parity.parity_verdict(parity.pooled(rows([1.0]))[0]).startswith("not resolved (one seed")
+    assert parity.pooled([dict(variant="bf16", seed=0)]) == []
+
+
 def test_parity_summary_and_plot_from_fabricated_logs(tmp_path):
     """Unit test of the log parser, the paired loss difference, the table and the plot (no training)."""
     parity = load_script("parity")
@@ -169,6 +192,9 @@ def test_parity_summary_and_plot_from_fabricated_logs(tmp_path):
     assert fp8["status"] == "skipped" and fp8["final_loss"] is None
     table = (tmp_path / "out" / "parity.md").read_text()
     assert "| int8 | 0 | ok | 50 |" in table and "+0.0200" in table and "met (-0.40 pp)" in table
+    assert (
+        "| int8 | 1 | -0.40 | -0.4 / -0.4 | +0.0200 |" in table and "pooled: not resolved (one seed" in table
+    )
     assert (tmp_path / "out" / "parity_loss.png").stat().st_size > 0
     merged = tmp_path / "merged"
     monkey_argv = ["parity.py", "--merge", str(tmp_path / "out" / "parity.json"), "--out_dir", str(merged)]

@@ -90,6 +90,24 @@ def test_map_style_ranks_partition_and_replay_exactly():
     assert s1["__key__"] == s2["__key__"] and torch.equal(s1["pixel_values"], s2["pixel_values"])
 
 
+def test_batches_do_not_depend_on_the_number_of_workers():
+    source = load_source(synthetic_samples=46, synthetic_image_size=32)
+    tokenizer = build_word_tokenizer(vocabulary())
+
+    def batch_keys(num_workers, rank=0, world=1):
+        stream = CaptionStream(source, TRANSFORM, seed=3, rank=rank, world_size=world)
+        loader = epoch_loader(stream, Collate(tokenizer, 12), batch_size=4, epoch=1, num_workers=num_workers)
+        return [b["keys"] for b in loader]
+
+    one_process = batch_keys(0)
+    assert len(one_process) == 11 and all(len(keys) == 4 for keys in one_process)  # 46 // 4, tail dropped
+    assert batch_keys(2) == one_process
+    assert batch_keys(3) == one_process
+    # per rank too: rank 1 of 2 sees 23 samples -> 5 batches, the same with 0 or 3 workers
+    assert batch_keys(3, rank=1, world=2) == batch_keys(0, rank=1, world=2)
+    assert len(batch_keys(0, rank=1, world=2)) == 5
+
+
 def test_csv_source_with_relative_paths_and_a_missing_file(tmp_path):
     data = SyntheticShapes(6, image_size=32)
     rows = ["path,text"]
