@@ -2,9 +2,10 @@
 # Multi-GPU runs of examples/train_clip.py on one 4-GPU host, in under 9 minutes, results aggregated under $OUT:
 #   a. DDP throughput (steady samples/s, peak memory): SwitchBack int8 at 1/2/4 GPUs, bf16 (--switchback off) at
 #      1/4 GPUs, same per-GPU batch -> scaling efficiency.
-#   b. Same loss: 1 GPU x 2B vs 2 GPUs x B, same seed. With --num_workers 1 the synthetic stream gives the same
-#      global batch in both (rank r takes positions r, r+world, ... of one permutation, so 2 ranks x B hold the
-#      samples of 1 rank x 2B, augmentation seeded per sample); the loss is permutation invariant.
+#   b. Same loss: 1 GPU x 2B vs 2 GPUs x B, same seed. The synthetic stream gives the same global batch in both
+#      (rank r takes positions r, r+world, ... of one permutation and each dataloader worker whole batches of
+#      those, so 2 ranks x B hold the samples of 1 rank x 2B, augmentation seeded per sample); the loss is
+#      permutation invariant.
 #   c. FSDP2, DeepSpeed ZeRO-2, ZeRO-3 on 2 GPUs: 20 steps with checkpoints at 10 and 20, then a second launch
 #      resumes from step 10 (`latest` after the step-20 checkpoint is removed) and reruns 11..20: losses compared,
 #      final model.safetensors loaded with plain transformers CLIPModel (hf_switchback not imported).

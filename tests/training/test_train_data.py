@@ -94,9 +94,10 @@ def test_batches_do_not_depend_on_the_number_of_workers():
     source = load_source(synthetic_samples=46, synthetic_image_size=32)
     tokenizer = build_word_tokenizer(vocabulary())
 
-    def batch_keys(num_workers, rank=0, world=1):
+    def batch_keys(num_workers, rank=0, world=1, batch_size=4):
         stream = CaptionStream(source, TRANSFORM, seed=3, rank=rank, world_size=world)
-        loader = epoch_loader(stream, Collate(tokenizer, 12), batch_size=4, epoch=1, num_workers=num_workers)
+        collate = Collate(tokenizer, 12)
+        loader = epoch_loader(stream, collate, batch_size=batch_size, epoch=1, num_workers=num_workers)
         return [b["keys"] for b in loader]
 
     one_process = batch_keys(0)
@@ -106,6 +107,10 @@ def test_batches_do_not_depend_on_the_number_of_workers():
     # per rank too: rank 1 of 2 sees 23 samples -> 5 batches, the same with 0 or 3 workers
     assert batch_keys(3, rank=1, world=2) == batch_keys(0, rank=1, world=2)
     assert len(batch_keys(0, rank=1, world=2)) == 5
+    # and 2 ranks x 4 hold, step by step, the samples of 1 rank x 8 (the same global batch), with 2 workers
+    one_rank = batch_keys(2, batch_size=8)
+    two_ranks = zip(batch_keys(2, rank=0, world=2), batch_keys(2, rank=1, world=2), strict=True)
+    assert [sorted(a + b) for a, b in two_ranks] == [sorted(keys) for keys in one_rank]
 
 
 def test_csv_source_with_relative_paths_and_a_missing_file(tmp_path):
