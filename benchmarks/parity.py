@@ -55,6 +55,9 @@ VARIANT_FLAGS = {
 }
 EVAL_METRICS = ("zero_shot_top1", "zero_shot_top5", "image_to_text_R@1", "text_to_image_R@1")
 LAST_FRACTION = 0.2  # "final loss" = mean over the last 20% of logged steps
+# The ViT-B/16 task plateaus near loss 3.0-3.1, then drops to ~2.0: the first logged step at which the smoothed
+# loss reaches DROP_LOSS dates that drop, the event whose timing decides most of a 500-step run's final metrics.
+DROP_LOSS = 2.5
 SETUP_RESERVE_S = 15  # summary + plot after the last run
 
 
@@ -142,7 +145,17 @@ def mean_se(values: list[float]) -> tuple[float | None, float | None]:
     return mean, math.sqrt(var / len(values))
 
 
-def summarize(runs: list[dict]) -> list[dict]:
+def drop_step(train: list[dict], level: float) -> int | None:
+    """First logged step whose smoothed loss (EMA 0.8, as plotted) is at or below `level`; None if never."""
+    if not train:
+        return None
+    for entry, smoothed in zip(train, ema_of([x["loss"] for x in train]), strict=True):
+        if smoothed <= level:
+            return entry["step"]
+    return None
+
+
+def summarize(runs: list[dict], drop_loss: float = DROP_LOSS) -> list[dict]:
     """One row per run: final loss, paired loss difference to bf16 of the same seed, eval metrics, speed."""
     bf16 = {r["seed"]: r for r in runs if r["variant"] == "bf16"}
     rows = []
@@ -151,6 +164,7 @@ def summarize(runs: list[dict]) -> list[dict]:
         loss, loss_se = mean_se([x["loss"] for x in window])
         row = dict(variant=r["variant"], seed=r["seed"], status=r["status"], wall_s=r.get("wall_s"))
         row.update(steps=r["train"][-1]["step"] if r["train"] else 0, final_loss=loss, final_loss_se=loss_se)
+        row["drop_step"] = drop_step(r["train"], drop_loss)
         base = bf16.get(r["seed"])
         if base is not None and base is not r and window:
             base_loss = {x["step"]: x["loss"] for x in base["train"]}
@@ -170,6 +184,9 @@ def summarize(runs: list[dict]) -> list[dict]:
             for key in ("zero_shot_top1", "image_to_text_R@1", "text_to_image_R@1"):
                 if row[key] is not None and base_results.get(key) is not None:
                     row[f"d_{key}_pp"] = 100 * (row[key] - base_results[key])
+            base_drop = drop_step(base["train"], drop_loss)
+            if row["drop_step"] is not None and base_drop is not None:
+                row["d_drop_step"] = row["drop_step"] - base_drop
         rows.append(row)
     return rows
 
@@ -184,9 +201,15 @@ def pooled(rows: list[dict]) -> list[dict]:
             continue
         mean, se = mean_se(deltas)
         dloss, _ = mean_se([r["dloss_vs_bf16"] for r in mine if r.get("dloss_vs_bf16") is not None])
+        ddrop, _ = mean_se([r["d_drop_step"] for r in mine if r.get("d_drop_step") is not None])
+        # runs with a bf16 partner that never reached the level: left out of the mean, so counted apart
+        never = sum(
+            1 for r in mine if r.get("d_zero_shot_top1_pp") is not None and r.get("drop_step") is None
+        )
         out.append(
             dict(variant=variant, seeds=len(deltas), d_zero_shot_pp=mean, d_zero_shot_se=se,
-                 d_zero_shot_min=min(deltas), d_zero_shot_max=max(deltas), dloss_vs_bf16=dloss)
+                 d_zero_shot_min=min(deltas), d_zero_shot_max=max(deltas), dloss_vs_bf16=dloss,
+                 d_drop_step=ddrop, drop_never=never)
         )  # fmt: skip
     return out
 
@@ -207,15 +230,16 @@ def _fmt(value, spec: str = ".4f", scale: float = 1.0) -> str:
     return "-" if value is None else format(value * scale, spec)
 
 
-def markdown(rows: list[dict], env: dict) -> str:
+def markdown(rows: list[dict], env: dict, drop_loss: float = DROP_LOSS) -> str:
     """The parity table, its environment and how to read it."""
     lines = [
         f"Parity run: {env.get('device', 'cpu')}, torch {env.get('torch')}, {env.get('model')}, "
         f"batch {env.get('batch_size')}, {env.get('steps')} steps, lr {env.get('lr')}.",
         "",
-        "| variant | seed | status | steps | final loss (last 20%) | Δ loss vs bf16 (paired) | zero-shot top-1 "
+        "| variant | seed | status | steps | final loss (last 20%) | Δ loss vs bf16 (paired) "
+        f"| loss ≤ {drop_loss} at step (Δ) | zero-shot top-1 "
         "| Δ pp | i→t R@1 | t→i R@1 | Δ t→i pp | samples/s | peak GiB | wall s |",
-        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         loss = _fmt(r["final_loss"]) + (f" ± {r['final_loss_se']:.4f}" if r["final_loss_se"] else "")
@@ -223,8 +247,11 @@ def markdown(rows: list[dict], env: dict) -> str:
         if r.get("dloss_vs_bf16") is not None:
             se = r.get("dloss_vs_bf16_se")
             dloss = f"{r['dloss_vs_bf16']:+.4f}" + (f" ± {se:.4f}" if se else "")
+        drop = "never" if r.get("drop_step") is None else str(r["drop_step"])
+        if r.get("d_drop_step") is not None:
+            drop += f" ({r['d_drop_step']:+d})"
         lines.append(
-            f"| {r['variant']} | {r['seed']} | {r['status']} | {r['steps']} | {loss} | {dloss} "
+            f"| {r['variant']} | {r['seed']} | {r['status']} | {r['steps']} | {loss} | {dloss} | {drop} "
             f"| {_fmt(r['zero_shot_top1'], '.1%')} | {_fmt(r.get('d_zero_shot_top1_pp'), '+.2f')} "
             f"| {_fmt(r['image_to_text_R@1'], '.1%')} | {_fmt(r['text_to_image_R@1'], '.1%')} "
             f"| {_fmt(r.get('d_text_to_image_R@1_pp'), '+.2f')} | {_fmt(r['samples_per_s'], '.0f')} "
@@ -257,14 +284,16 @@ def markdown(rows: list[dict], env: dict) -> str:
             "",
             "Pooled over seeds (each run minus bf16 at its seed; SE = standard error over the seeds):",
             "",
-            "| variant | seeds | mean Δ zero-shot pp ± SE | min / max Δ pp | mean Δ loss |",
-            "|---|---:|---:|---:|---:|",
+            f"| variant | seeds | mean Δ zero-shot pp ± SE | min / max Δ pp | mean Δ loss | mean Δ step to {drop_loss} |",
+            "|---|---:|---:|---:|---:|---:|",
         ]
         for p in pools:
             se = f" ± {p['d_zero_shot_se']:.2f}" if p["d_zero_shot_se"] is not None else ""
+            never = f" ({p['drop_never']} never)" if p["drop_never"] else ""
             lines.append(
                 f"| {p['variant']} | {p['seeds']} | {p['d_zero_shot_pp']:+.2f}{se} "
-                f"| {p['d_zero_shot_min']:+.1f} / {p['d_zero_shot_max']:+.1f} | {_fmt(p['dloss_vs_bf16'], '+.4f')} |"
+                f"| {p['d_zero_shot_min']:+.1f} / {p['d_zero_shot_max']:+.1f} | {_fmt(p['dloss_vs_bf16'], '+.4f')} "
+                f"| {_fmt(p['d_drop_step'], '+.0f')}{never} |"
             )
         for p in pools:
             if p["variant"] == "int8":
@@ -330,14 +359,14 @@ def plot(runs: list[dict], path: Path) -> bool:
     return True
 
 
-def write_outputs(runs: list[dict], env: dict, out_dir: Path) -> list[dict]:
+def write_outputs(runs: list[dict], env: dict, out_dir: Path, drop_loss: float = DROP_LOSS) -> list[dict]:
     """parity.json, parity.md and parity_loss.png in out_dir; returns the summary rows."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    rows = summarize(runs)
+    rows = summarize(runs, drop_loss)
     (out_dir / "parity.json").write_text(
         json.dumps(dict(env=env, summary=rows, pooled=pooled(rows), runs=runs), indent=1)
     )
-    text = markdown(rows, env)
+    text = markdown(rows, env, drop_loss)
     if not plot(runs, out_dir / "parity_loss.png"):
         text += "\n(no plot: matplotlib is not installed here; re-plot with --merge parity.json)\n"
     (out_dir / "parity.md").write_text(text)
@@ -402,6 +431,12 @@ def main() -> None:
     parser.add_argument("--runs_dir", default=None, help="train_clip output dirs (default: a temp dir)")
     parser.add_argument("--smoke", action="store_true", help="CPU smoke test: tiny model, few steps")
     parser.add_argument(
+        "--drop_loss",
+        type=float,
+        default=DROP_LOSS,
+        help="date each run's loss drop by the first step whose smoothed loss reaches this level",
+    )
+    parser.add_argument(
         "--merge", nargs="+", default=None, help="re-summarize these parity.json files, no runs"
     )
     parser.add_argument("extra", nargs=argparse.REMAINDER, help="after --: more train_clip.py flags")
@@ -414,8 +449,8 @@ def main() -> None:
     if args.merge:
         loaded = [json.loads(Path(p).read_text()) for p in args.merge]
         runs = [run for data in loaded for run in data["runs"]]
-        rows = write_outputs(runs, loaded[0]["env"], out_dir)
-        print(markdown(rows, loaded[0]["env"]))
+        rows = write_outputs(runs, loaded[0]["env"], out_dir, args.drop_loss)
+        print(markdown(rows, loaded[0]["env"], args.drop_loss))
         return
 
     runs_dir = Path(args.runs_dir or tempfile.mkdtemp(prefix="parity_runs_"))
@@ -443,9 +478,11 @@ def main() -> None:
         for run in done:
             runs.append(run)
             print(json.dumps({k: v for k, v in run.items() if k not in ("train", "evals")}), flush=True)
-        write_outputs(runs, env, out_dir)  # after every wave: a killed command keeps what finished
-    rows = write_outputs(runs, env, out_dir)
-    print(markdown(rows, env))
+        write_outputs(
+            runs, env, out_dir, args.drop_loss
+        )  # after every wave: a killed command keeps what finished
+    rows = write_outputs(runs, env, out_dir, args.drop_loss)
+    print(markdown(rows, env, args.drop_loss))
 
 
 if __name__ == "__main__":

@@ -170,6 +170,14 @@ def test_parity_pools_seeds_and_reads_the_target_off_two_standard_errors():
     assert parity.pooled([dict(variant="bf16", seed=0)]) == []
 
 
+def test_parity_dates_the_loss_drop_on_the_smoothed_curve():
+    parity = load_script("parity")
+    train = [dict(step=5 * (i + 1), loss=v) for i, v in enumerate([3.0, 3.0, 3.0, 1.0, 1.0, 1.0])]
+    # EMA 0.8 from 3.0: 3.0, 3.0, 3.0, 2.6, 2.28 -> first at or below 2.5 on the 5th entry (step 25)
+    assert parity.drop_step(train, 2.5) == 25
+    assert parity.drop_step(train, 0.5) is None and parity.drop_step([], 2.5) is None
+
+
 def test_parity_summary_and_plot_from_fabricated_logs(tmp_path):
     """Unit test of the log parser, the paired loss difference, the table and the plot (no training)."""
     parity = load_script("parity")

@@ -82,7 +82,8 @@ class SwitchBackConfig:
     # (`fp8_grad_format`) on GPUs with fp8 tensor cores (compute capability >= 8.9: Ada, Hopper, Blackwell) and
     # whenever precision="fp8"; int8 elsewhere (Ampere, CPU). Why not int8 everywhere: row-wise int8 rounds every
     # entry below absmax/254 of a gradient row to zero, fp8 keeps them. On the H100 parity run (BENCHMARKS.md)
-    # int8 gradients fell 32 pp behind bf16 in zero-shot; int8 forward + fp8 gradients matched bf16 on 2 seeds.
+    # int8 gradients fell 15-32 pp behind bf16 in zero-shot in both runs; int8 forward + fp8 gradients came out
+    # -5 +- 8.5 pp over 4 runs (one stalled run; parity at 0.5 pp not resolved), fp8 everywhere +1.9 +- 1.0.
     # "int8" forces the paper's all-int8 SwitchBack.
     grad_precision: str = "auto"
     # Which linears to swap. str: regex full match on the dotted module name. list: exact names or dotted
