@@ -155,18 +155,50 @@ def drop_step(train: list[dict], level: float) -> int | None:
     return None
 
 
+def data_order(run: dict) -> tuple[int, int | None]:
+    """What fixes a run's batches: its seed and, for runs made before 2026-11-23, its --num_workers.
+
+    Until then each dataloader worker took every W-th sample, so the batches depended on W; runs are paired
+    with bf16 only at the same seed and the same W, which is also right (if stricter than needed) after it.
+    """
+    command = run.get("command") or []
+    words = command.split() if isinstance(command, str) else list(command)
+    workers = int(words[words.index("--num_workers") + 1]) if "--num_workers" in words else None
+    return run["seed"], workers
+
+
+def bf16_partners(runs: list[dict]) -> dict:
+    partners = {}
+    for r in runs:
+        if r["variant"] == "bf16":
+            key = data_order(r)
+            if key in partners:
+                raise ValueError(
+                    f"two bf16 runs with seed {key[0]} and --num_workers {key[1]}: a run could be paired with "
+                    "either; merge only one of them"
+                )
+            partners[key] = r
+    return partners
+
+
 def summarize(runs: list[dict], drop_loss: float = DROP_LOSS) -> list[dict]:
-    """One row per run: final loss, paired loss difference to bf16 of the same seed, eval metrics, speed."""
-    bf16 = {r["seed"]: r for r in runs if r["variant"] == "bf16"}
+    """One row per run: final loss, paired differences to bf16 of the same data order, eval metrics, speed.
+
+    Differences are filled in only when both runs finished (status "ok"): a killed run's last eval is mid-run.
+    """
+    bf16 = bf16_partners(runs)
     rows = []
     for r in runs:
         window = tail_window(r["train"]) if r["train"] else []
         loss, loss_se = mean_se([x["loss"] for x in window])
         row = dict(variant=r["variant"], seed=r["seed"], status=r["status"], wall_s=r.get("wall_s"))
+        row["workers"] = data_order(r)[1]
         row.update(steps=r["train"][-1]["step"] if r["train"] else 0, final_loss=loss, final_loss_se=loss_se)
         row["drop_step"] = drop_step(r["train"], drop_loss)
-        base = bf16.get(r["seed"])
-        if base is not None and base is not r and window:
+        base = bf16.get(data_order(r))
+        if base is r or base is None or r["status"] != "ok" or base["status"] != "ok":
+            base = None  # nothing to pair with
+        if base is not None and window:
             base_loss = {x["step"]: x["loss"] for x in base["train"]}
             diffs = [x["loss"] - base_loss[x["step"]] for x in window if x["step"] in base_loss]
             row["dloss_vs_bf16"], row["dloss_vs_bf16_se"] = mean_se(diffs)
@@ -179,7 +211,7 @@ def summarize(runs: list[dict], drop_loss: float = DROP_LOSS) -> list[dict]:
             "train_samples_per_second"
         )
         row["peak_mem_gib"] = results.get("peak_memory_allocated_gib")
-        if base is not None and base is not r:
+        if base is not None:
             base_results = base.get("results") or {}
             for key in ("zero_shot_top1", "image_to_text_R@1", "text_to_image_R@1"):
                 if row[key] is not None and base_results.get(key) is not None:
@@ -195,17 +227,15 @@ def pooled(rows: list[dict]) -> list[dict]:
     """Per variant, over the seeds that have a bf16 run: mean zero-shot and loss differences to bf16."""
     out = []
     for variant in dict.fromkeys(r["variant"] for r in rows if r["variant"] != "bf16"):
-        mine = [r for r in rows if r["variant"] == variant]
-        deltas = [r["d_zero_shot_top1_pp"] for r in mine if r.get("d_zero_shot_top1_pp") is not None]
-        if not deltas:
+        mine = [r for r in rows if r["variant"] == variant and r.get("d_zero_shot_top1_pp") is not None]
+        if not mine:
             continue
+        deltas = [r["d_zero_shot_top1_pp"] for r in mine]
         mean, se = mean_se(deltas)
         dloss, _ = mean_se([r["dloss_vs_bf16"] for r in mine if r.get("dloss_vs_bf16") is not None])
         ddrop, _ = mean_se([r["d_drop_step"] for r in mine if r.get("d_drop_step") is not None])
-        # runs with a bf16 partner that never reached the level: left out of the mean, so counted apart
-        never = sum(
-            1 for r in mine if r.get("d_zero_shot_top1_pp") is not None and r.get("drop_step") is None
-        )
+        # paired runs that never reached the level: left out of the mean, so counted apart
+        never = sum(1 for r in mine if r.get("drop_step") is None)
         out.append(
             dict(variant=variant, seeds=len(deltas), d_zero_shot_pp=mean, d_zero_shot_se=se,
                  d_zero_shot_min=min(deltas), d_zero_shot_max=max(deltas), dloss_vs_bf16=dloss,
@@ -214,16 +244,41 @@ def pooled(rows: list[dict]) -> list[dict]:
     return out
 
 
+# Two-sided 95% Student t quantiles by degrees of freedom (seeds - 1): with a handful of seeds, +-2 SE is far too
+# narrow (2 seeds: 12.7 SE).
+T95 = {
+    1: 12.71,
+    2: 4.30,
+    3: 3.18,
+    4: 2.78,
+    5: 2.57,
+    6: 2.45,
+    7: 2.36,
+    8: 2.31,
+    9: 2.26,
+    10: 2.23,
+    15: 2.13,
+    20: 2.09,
+}
+MIN_SEEDS_FOR_VERDICT = 3
+
+
+def t95(df: int) -> float:
+    return T95[max(k for k in T95 if k <= df)]
+
+
 def parity_verdict(pool: dict, bound_pp: float = -0.5) -> str:
-    """The int8 target (zero-shot no more than 0.5 pp below bf16) read off the mean +- 2 standard errors."""
-    mean, se = pool["d_zero_shot_pp"], pool["d_zero_shot_se"]
-    if se is None:
-        return "not resolved (one seed: run more seeds)"
-    if mean - 2 * se >= bound_pp:
-        return "met"
-    if mean + 2 * se < bound_pp:
-        return "missed"
-    return f"not resolved (mean ± 2 SE spans {bound_pp:+.1f} pp: run more seeds)"
+    """The int8 target (zero-shot no more than 0.5 pp below bf16) read off a 95% t interval of the mean."""
+    n, mean, se = pool["seeds"], pool["d_zero_shot_pp"], pool["d_zero_shot_se"]
+    if n < MIN_SEEDS_FOR_VERDICT or se is None:
+        return f"not resolved ({n} paired run(s); needs >= {MIN_SEEDS_FOR_VERDICT})"
+    low, high = mean - t95(n - 1) * se, mean + t95(n - 1) * se
+    interval = f"95% interval {low:+.2f} to {high:+.2f} pp"
+    if low >= bound_pp:
+        return f"met ({interval})"
+    if high < bound_pp:
+        return f"missed ({interval})"
+    return f"not resolved ({interval} spans {bound_pp:+.1f} pp: run more seeds)"
 
 
 def _fmt(value, spec: str = ".4f", scale: float = 1.0) -> str:
@@ -236,10 +291,10 @@ def markdown(rows: list[dict], env: dict, drop_loss: float = DROP_LOSS) -> str:
         f"Parity run: {env.get('device', 'cpu')}, torch {env.get('torch')}, {env.get('model')}, "
         f"batch {env.get('batch_size')}, {env.get('steps')} steps, lr {env.get('lr')}.",
         "",
-        "| variant | seed | status | steps | final loss (last 20%) | Δ loss vs bf16 (paired) "
+        "| variant | seed | workers | status | steps | final loss (last 20%) | Δ loss vs bf16 (paired) "
         f"| loss ≤ {drop_loss} at step (Δ) | zero-shot top-1 "
         "| Δ pp | i→t R@1 | t→i R@1 | Δ t→i pp | samples/s | peak GiB | wall s |",
-        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         loss = _fmt(r["final_loss"]) + (f" ± {r['final_loss_se']:.4f}" if r["final_loss_se"] else "")
@@ -251,7 +306,7 @@ def markdown(rows: list[dict], env: dict, drop_loss: float = DROP_LOSS) -> str:
         if r.get("d_drop_step") is not None:
             drop += f" ({r['d_drop_step']:+d})"
         lines.append(
-            f"| {r['variant']} | {r['seed']} | {r['status']} | {r['steps']} | {loss} | {dloss} | {drop} "
+            f"| {r['variant']} | {r['seed']} | {'-' if r.get('workers') is None else r['workers']} | {r['status']} | {r['steps']} | {loss} | {dloss} | {drop} "
             f"| {_fmt(r['zero_shot_top1'], '.1%')} | {_fmt(r.get('d_zero_shot_top1_pp'), '+.2f')} "
             f"| {_fmt(r['image_to_text_R@1'], '.1%')} | {_fmt(r['text_to_image_R@1'], '.1%')} "
             f"| {_fmt(r.get('d_text_to_image_R@1_pp'), '+.2f')} | {_fmt(r['samples_per_s'], '.0f')} "
@@ -282,7 +337,8 @@ def markdown(rows: list[dict], env: dict, drop_loss: float = DROP_LOSS) -> str:
     if pools:
         lines += [
             "",
-            "Pooled over seeds (each run minus bf16 at its seed; SE = standard error over the seeds):",
+            "Pooled over seeds (each finished run minus the finished bf16 run of its seed and --num_workers; "
+            "SE = standard error over those pairs):",
             "",
             f"| variant | seeds | mean Δ zero-shot pp ± SE | min / max Δ pp | mean Δ loss | mean Δ step to {drop_loss} |",
             "|---|---:|---:|---:|---:|---:|",

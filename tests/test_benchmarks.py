@@ -126,7 +126,7 @@ def test_parity_cpu_smoke(tmp_path):
     assert [x["step"] for x in run["train"]] == [1, 2, 3, 4]
     assert run["evals"] and "zero_shot_top1" in run["evals"][-1]
     assert data["summary"][0]["final_loss"] is not None
-    assert "| bf16 | 0 | ok | 4 |" in stdout
+    assert "| bf16 | 0 | 0 | ok | 4 |" in stdout  # seed 0, 0 dataloader workers
     assert (tmp_path / "out" / "parity_loss.png").stat().st_size > 0
 
 
@@ -163,10 +163,19 @@ def test_parity_pools_seeds_and_reads_the_target_off_two_standard_errors():
     assert wide["d_zero_shot_se"] == pytest.approx(statistics.stdev([-2.0, 9.0, -29.0]) / math.sqrt(3))
     assert (wide["d_zero_shot_min"], wide["d_zero_shot_max"]) == (-29.0, 9.0)
     assert wide["dloss_vs_bf16"] == pytest.approx(22.0 / 300)
-    assert parity.parity_verdict(wide).startswith("not resolved (mean ± 2 SE spans")
-    assert parity.parity_verdict(parity.pooled(rows([0.1, 0.3, 0.2]))[0]) == "met"
-    assert parity.parity_verdict(parity.pooled(rows([-3.0, -3.2, -2.9]))[0]) == "missed"
-    assert parity.parity_verdict(parity.pooled(rows([1.0]))[0]).startswith("not resolved (one seed")
+    # 95% t interval, 2 degrees of freedom: -7.33 +- 4.30 x 11.35
+    assert (
+        parity.parity_verdict(wide)
+        == "not resolved (95% interval -55.88 to +41.21 pp spans -0.5 pp: run more seeds)"
+    )
+    assert parity.parity_verdict(parity.pooled(rows([0.1, 0.3, 0.2]))[0]).startswith(
+        "met (95% interval -0.05 to"
+    )
+    assert parity.parity_verdict(parity.pooled(rows([-3.0, -3.2, -2.9]))[0]).startswith("missed")
+    # +-2 SE would call these two seeds "met" (interval -0.1..+0.3); the t interval (12.7 SE) does not, and
+    # two seeds are never enough for a verdict
+    assert parity.parity_verdict(parity.pooled(rows([0.0, 0.2]))[0]).startswith("not resolved (2 paired")
+    assert parity.parity_verdict(parity.pooled(rows([1.0]))[0]).startswith("not resolved (1 paired")
     assert parity.pooled([dict(variant="bf16", seed=0)]) == []
 
 
@@ -190,19 +199,29 @@ def test_parity_summary_and_plot_from_fabricated_logs(tmp_path):
         assert len(train) == 10 and len(evals) == 2
         results = json.loads((tmp_path / variant / "all_results.json").read_text())
         runs.append(
-            dict(variant=variant, seed=0, status="ok", wall_s=1.0, train=train, evals=evals, results=results)
-        )
+            dict(variant=variant, seed=0, status="ok", wall_s=1.0, train=train, evals=evals, results=results,
+                 command="train_clip.py --seed 0 --num_workers 5")
+        )  # fmt: skip
     runs.append(dict(variant="fp8", seed=0, status="skipped", wall_s=0.0, train=[], evals=[], results=None))
+    # not paired with bf16: another data order (4 workers before the 2026-11-23 fix), and a run killed mid-way
+    # whose last eval is a mid-run one
+    other_order = dict(runs[1], command="train_clip.py --seed 0 --num_workers 4")
+    killed = dict(runs[1], variant="int8-int8grad", status="timeout", results=None)
+    runs += [other_order, killed]
     rows = parity.write_outputs(runs, {"torch": "x", "steps": 50}, tmp_path / "out")
-    bf16, int8, fp8 = rows
+    bf16, int8, fp8, int8_4, int8grad = rows
+    assert int8_4["workers"] == 4 and int8_4.get("d_zero_shot_top1_pp") is None
+    assert int8grad["zero_shot_top1"] == pytest.approx(0.896) and int8grad.get("d_zero_shot_top1_pp") is None
+    assert [p["variant"] for p in parity.pooled(rows)] == ["int8"]
+    with pytest.raises(ValueError, match="two bf16 runs with seed 0 and --num_workers 5"):
+        parity.summarize([*runs, runs[0]])
     assert bf16["final_loss"] == pytest.approx((2.1 + 2.2) / 2)  # last 20% of 10 logged steps
     assert int8["dloss_vs_bf16"] == pytest.approx(0.02) and int8["d_zero_shot_top1_pp"] == pytest.approx(-0.4)
     assert fp8["status"] == "skipped" and fp8["final_loss"] is None
     table = (tmp_path / "out" / "parity.md").read_text()
-    assert "| int8 | 0 | ok | 50 |" in table and "+0.0200" in table and "met (-0.40 pp)" in table
-    assert (
-        "| int8 | 1 | -0.40 | -0.4 / -0.4 | +0.0200 |" in table and "pooled: not resolved (one seed" in table
-    )
+    assert "| int8 | 0 | 5 | ok | 50 |" in table and "+0.0200" in table and "met (-0.40 pp)" in table
+    assert "| int8 | 1 | -0.40 | -0.4 / -0.4 | +0.0200 |" in table
+    assert "pooled: not resolved (1 paired run(s); needs >= 3)" in table
     assert (tmp_path / "out" / "parity_loss.png").stat().st_size > 0
     merged = tmp_path / "merged"
     monkey_argv = ["parity.py", "--merge", str(tmp_path / "out" / "parity.json"), "--out_dir", str(merged)]
