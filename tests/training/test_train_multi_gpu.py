@@ -4,9 +4,22 @@ without autocast (DeepSpeed bf16), and train_log.jsonl / steady throughput / pla
 import json
 import os
 import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import torch
-from train_helpers import fixed_batch, launch, read_results, tiny_model, write_tiny_model_config
+from train_helpers import (
+    REPO,
+    SCRIPT,
+    clean_env,
+    fixed_batch,
+    free_port,
+    launch,
+    read_results,
+    tiny_model,
+    write_tiny_model_config,
+)
 
 from hf_switchback.training.losses import ClipLoss
 from hf_switchback.training.step import CLIPForContrastive, export_state_dict, logit_scale_to_1d
@@ -114,3 +127,70 @@ def test_two_rank_log_resume_and_plain_load(tmp_path):
             assert abs(a["loss"] - b["loss"]) < 1e-5, (a, b)
     plain = CLIPModel.from_pretrained(out)
     assert plain.logit_scale.shape == ()
+
+
+def test_multi_node_config_as_two_machines_on_one_host(tmp_path):
+    """accelerate_configs/multi_node.yaml as its header says to run it: the same command on each "node" with its
+    machine_rank (two processes on this host, gloo, static rendezvous on localhost); the losses equal a
+    1-process run of the same global batch (2 ranks x 8 hold the samples of 1 rank x 16)."""
+    from transformers import CLIPModel
+
+    def args(out: Path, batch: int) -> list[str]:
+        return [
+            SCRIPT,
+            "--model_config", write_tiny_model_config(str(tmp_path / "tiny.json")),
+            "--output_dir", str(out),
+            "--batch_size", str(batch),
+            "--max_train_steps", "3",
+            "--logging_steps", "1",
+            "--eval_steps", "0",
+            "--max_eval_samples", "16",
+            "--num_workers", "0",
+            "--synthetic_train_samples", "96",
+            "--report_to", "none",
+        ]  # fmt: skip
+
+    port = str(free_port())
+    nodes = []
+    for machine_rank in ("0", "1"):
+        cmd = [
+            sys.executable, "-m", "accelerate.commands.launch",
+            "--config_file", os.path.join(REPO, "accelerate_configs", "multi_node.yaml"),
+            # the per-node edits the config's header asks for
+            "--machine_rank", machine_rank, "--main_process_ip", "127.0.0.1", "--main_process_port", port,
+            "--num_machines", "2", "--num_processes", "2",
+            "--mixed_precision", "no", "--num_cpu_threads_per_process", "1",
+            *args(tmp_path / "nodes", 8),
+        ]  # fmt: skip
+        log = open(tmp_path / f"node{machine_rank}.log", "w")  # noqa: SIM115 - closed below
+        nodes.append((subprocess.Popen(cmd, env=clean_env(), cwd=REPO, stdout=log, stderr=log), log))
+    try:
+        for proc, _ in nodes:
+            proc.wait(timeout=300)
+    finally:  # a hung node must not outlive the test
+        for proc, log in nodes:
+            proc.kill()
+            log.close()
+    for machine_rank, (proc, _) in enumerate(nodes):
+        text = (tmp_path / f"node{machine_rank}.log").read_text()
+        assert proc.returncode == 0, text[-6000:]
+    results = read_results(str(tmp_path / "nodes"))
+    assert results["num_processes"] == 2 and results["global_batch_size"] == 16
+
+    launch(args(tmp_path / "single", 16))
+
+    def losses(out: Path) -> list[float]:
+        with open(out / "train_log.jsonl") as f:
+            return [r["loss"] for r in map(json.loads, f) if "loss" in r]
+
+    two_nodes, one_process = losses(tmp_path / "nodes"), losses(tmp_path / "single")
+    assert len(two_nodes) == len(one_process) == 3
+    # step 1: same weights, same samples, fp32: equal to rounding. Later steps: the all-reduce sums gradients in
+    # another order than one process, and after an update a weight can round to another int8 step (seen: 3.5e-4
+    # at step 3 of a loss of ~3); a wrong global batch would differ at step 1 already.
+    assert abs(two_nodes[0] - one_process[0]) < 1e-5, (two_nodes, one_process)
+    assert max(abs(a - b) for a, b in zip(two_nodes, one_process, strict=True)) < 2e-3, (
+        two_nodes,
+        one_process,
+    )
+    assert CLIPModel.from_pretrained(tmp_path / "nodes").logit_scale.shape == ()
