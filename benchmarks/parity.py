@@ -191,11 +191,12 @@ def summarize(runs: list[dict], drop_loss: float = DROP_LOSS) -> list[dict]:
     for r in runs:
         window = tail_window(r["train"]) if r["train"] else []
         loss, loss_se = mean_se([x["loss"] for x in window])
+        key = data_order(r)
         row = dict(variant=r["variant"], seed=r["seed"], status=r["status"], wall_s=r.get("wall_s"))
-        row["workers"] = data_order(r)[1]
+        row["workers"] = key[1]
         row.update(steps=r["train"][-1]["step"] if r["train"] else 0, final_loss=loss, final_loss_se=loss_se)
         row["drop_step"] = drop_step(r["train"], drop_loss)
-        base = bf16.get(data_order(r))
+        base = bf16.get(key)
         if base is r or base is None or r["status"] != "ok" or base["status"] != "ok":
             base = None  # nothing to pair with
         if base is not None and window:
@@ -302,11 +303,12 @@ def markdown(rows: list[dict], env: dict, drop_loss: float = DROP_LOSS) -> str:
         if r.get("dloss_vs_bf16") is not None:
             se = r.get("dloss_vs_bf16_se")
             dloss = f"{r['dloss_vs_bf16']:+.4f}" + (f" ± {se:.4f}" if se else "")
+        workers = "-" if r.get("workers") is None else r["workers"]
         drop = "never" if r.get("drop_step") is None else str(r["drop_step"])
         if r.get("d_drop_step") is not None:
             drop += f" ({r['d_drop_step']:+d})"
         lines.append(
-            f"| {r['variant']} | {r['seed']} | {'-' if r.get('workers') is None else r['workers']} | {r['status']} | {r['steps']} | {loss} | {dloss} | {drop} "
+            f"| {r['variant']} | {r['seed']} | {workers} | {r['status']} | {r['steps']} | {loss} | {dloss} | {drop} "
             f"| {_fmt(r['zero_shot_top1'], '.1%')} | {_fmt(r.get('d_zero_shot_top1_pp'), '+.2f')} "
             f"| {_fmt(r['image_to_text_R@1'], '.1%')} | {_fmt(r['text_to_image_R@1'], '.1%')} "
             f"| {_fmt(r.get('d_text_to_image_R@1_pp'), '+.2f')} | {_fmt(r['samples_per_s'], '.0f')} "
@@ -375,7 +377,7 @@ def plot(runs: list[dict], path: Path) -> bool:
     fig = Figure(figsize=(13, 4.8))
     FigureCanvasAgg(fig)
     ax_loss, ax_diff, ax_eval = fig.subplots(1, 3)
-    bf16 = {r["seed"]: r for r in runs if r["variant"] == "bf16"}
+    bf16 = bf16_partners(runs)
     colors = {"bf16": "tab:blue", "int8": "tab:orange", "fp8": "tab:green", "int8-int8grad": "tab:red"}
     styles = ["-", "--", ":", "-."]
     for r in runs:
@@ -387,7 +389,7 @@ def plot(runs: list[dict], path: Path) -> bool:
         losses = [x["loss"] for x in r["train"]]
         ax_loss.plot(steps, losses, color=color, alpha=0.25, linewidth=0.8)
         ax_loss.plot(steps, ema_of(losses), color=color, linestyle=style, label=label)
-        base = bf16.get(r["seed"])
+        base = bf16.get(data_order(r))
         if base is not None and base is not r:
             base_loss = {x["step"]: x["loss"] for x in base["train"]}
             paired = [
@@ -403,7 +405,7 @@ def plot(runs: list[dict], path: Path) -> bool:
                 ax_eval.plot(xs, ys, color=color, linestyle=style, marker=marker, markersize=3)
     ax_loss.set(title="contrastive loss (EMA 0.8; raw faint)", xlabel="step", ylabel="loss")
     ax_diff.axhline(0.0, color="tab:blue", linewidth=0.8)
-    ax_diff.set(title="loss minus bf16's, same seed and step (EMA)", xlabel="step")
+    ax_diff.set(title="loss minus bf16's, same data order and step (EMA)", xlabel="step")
     ax_eval.set(title="eval: zero-shot top-1 (o), text→image R@1 (s)", xlabel="step", ylim=(0, 1.02))
     for ax in (ax_loss, ax_diff, ax_eval):
         ax.grid(alpha=0.3)
@@ -534,9 +536,8 @@ def main() -> None:
         for run in done:
             runs.append(run)
             print(json.dumps({k: v for k, v in run.items() if k not in ("train", "evals")}), flush=True)
-        write_outputs(
-            runs, env, out_dir, args.drop_loss
-        )  # after every wave: a killed command keeps what finished
+        # after every wave: a killed command keeps what finished
+        write_outputs(runs, env, out_dir, args.drop_loss)
     rows = write_outputs(runs, env, out_dir, args.drop_loss)
     print(markdown(rows, env, args.drop_loss))
 

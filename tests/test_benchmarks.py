@@ -148,7 +148,7 @@ def write_fake_log(run_dir: Path, losses: list[float], zero_shot: float) -> None
     (run_dir / "all_results.json").write_text(json.dumps(results))
 
 
-def test_parity_pools_seeds_and_reads_the_target_off_two_standard_errors():
+def test_parity_pools_seeds_and_reads_the_target_off_a_t_interval():
     parity = load_script("parity")
 
     def rows(deltas_pp):

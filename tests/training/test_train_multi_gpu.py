@@ -5,7 +5,6 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import torch
@@ -16,6 +15,7 @@ from train_helpers import (
     fixed_batch,
     free_port,
     launch,
+    launch_command,
     read_results,
     tiny_model,
     write_tiny_model_config,
@@ -135,10 +135,12 @@ def test_multi_node_config_as_two_machines_on_one_host(tmp_path):
     1-process run of the same global batch (2 ranks x 8 hold the samples of 1 rank x 16)."""
     from transformers import CLIPModel
 
+    model_config = write_tiny_model_config(str(tmp_path / "tiny.json"))
+
     def args(out: Path, batch: int) -> list[str]:
         return [
             SCRIPT,
-            "--model_config", write_tiny_model_config(str(tmp_path / "tiny.json")),
+            "--model_config", model_config,
             "--output_dir", str(out),
             "--batch_size", str(batch),
             "--max_train_steps", "3",
@@ -153,15 +155,13 @@ def test_multi_node_config_as_two_machines_on_one_host(tmp_path):
     port = str(free_port())
     nodes = []
     for machine_rank in ("0", "1"):
-        cmd = [
-            sys.executable, "-m", "accelerate.commands.launch",
+        launcher = [
             "--config_file", os.path.join(REPO, "accelerate_configs", "multi_node.yaml"),
             # the per-node edits the config's header asks for
             "--machine_rank", machine_rank, "--main_process_ip", "127.0.0.1", "--main_process_port", port,
-            "--num_machines", "2", "--num_processes", "2",
-            "--mixed_precision", "no", "--num_cpu_threads_per_process", "1",
-            *args(tmp_path / "nodes", 8),
+            "--num_machines", "2", "--num_processes", "2", "--mixed_precision", "no",
         ]  # fmt: skip
+        cmd = launch_command(launcher, args(tmp_path / "nodes", 8))
         log = open(tmp_path / f"node{machine_rank}.log", "w")  # noqa: SIM115 - closed below
         nodes.append((subprocess.Popen(cmd, env=clean_env(), cwd=REPO, stdout=log, stderr=log), log))
     try:

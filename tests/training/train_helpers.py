@@ -90,6 +90,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def launch_command(launcher: list[str], args: list[str]) -> list[str]:
+    """`accelerate launch <launcher flags> <script and its args>`, one CPU thread per process."""
+    accelerate = [sys.executable, "-m", "accelerate.commands.launch"]
+    return [*accelerate, *launcher, "--num_cpu_threads_per_process", "1", *args]
+
+
 def launch(
     args: list[str], num_processes: int = 1, timeout: int = 300, cwd: str = REPO
 ) -> subprocess.CompletedProcess:
@@ -115,15 +121,7 @@ def launch(
             "--dynamo_backend",
             "no",
         ]
-    cmd = [
-        sys.executable,
-        "-m",
-        "accelerate.commands.launch",
-        *launcher,
-        "--num_cpu_threads_per_process",
-        "1",
-        *args,
-    ]
+    cmd = launch_command(launcher, args)
     proc = subprocess.run(cmd, env=clean_env(), cwd=cwd, capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:
         raise AssertionError(
