@@ -105,7 +105,7 @@ def run_training(cmd: list[str], timeout_s: float, log_file: Path) -> dict:
 def one_run(args, seed: int, variant: str, runs_dir: Path, config: Path, budget_s: float) -> dict:
     """Train one (variant, seed) within budget_s seconds; its record for parity.json."""
     run_dir = runs_dir / f"{variant}_seed{seed}"
-    run = dict(variant=variant, seed=seed, train=[], evals=[], results=None)
+    run = dict(variant=variant, seed=seed, train=[], evals=[], results=None, data_layout=DATA_LAYOUT)
     if budget_s < 30:
         return {**run, "status": "skipped", "wall_s": 0.0}
     cmd = train_command(args, variant, seed, run_dir, config)
@@ -155,16 +155,32 @@ def drop_step(train: list[dict], level: float) -> int | None:
     return None
 
 
-def data_order(run: dict) -> tuple[int, int | None]:
-    """What fixes a run's batches: its seed and, for runs made before 2026-11-23, its --num_workers.
+# Since 2026-11-23 (train_clip's CaptionStream hands each dataloader worker whole batches) the batches no longer
+# depend on --num_workers; runs from before it are marked by the absence of this field in their record.
+DATA_LAYOUT = "worker-blocks"
 
-    Until then each dataloader worker took every W-th sample, so the batches depended on W; runs are paired
-    with bf16 only at the same seed and the same W, which is also right (if stricter than needed) after it.
-    """
+
+def command_flag(run: dict, flag: str) -> str | None:
+    """The value of `flag` in a run's train_clip.py command, or None."""
     command = run.get("command") or []
     words = command.split() if isinstance(command, str) else list(command)
-    workers = int(words[words.index("--num_workers") + 1]) if "--num_workers" in words else None
-    return run["seed"], workers
+    return words[words.index(flag) + 1] if flag in words[:-1] else None
+
+
+def data_order(run: dict) -> tuple:
+    """What fixes a run's batches and schedule; runs are paired with bf16 only when these are all equal.
+
+    The seed, the step count, batch size, learning rate and warm-up (a 500-step run is not a 1000-step run cut
+    short: the cosine schedule differs), and the data layout: before DATA_LAYOUT each dataloader worker took
+    every W-th sample, so the batches depended on --num_workers W as well.
+    """
+    schedule = tuple(
+        command_flag(run, f) for f in ("--max_train_steps", "--batch_size", "--lr", "--warmup_steps")
+    )
+    layout = run.get("data_layout")
+    workers = command_flag(run, "--num_workers")
+    order = (layout,) if layout == DATA_LAYOUT else ("strided", None if workers is None else int(workers))
+    return (run["seed"], *schedule, *order)
 
 
 def bf16_partners(runs: list[dict]) -> dict:
@@ -174,8 +190,8 @@ def bf16_partners(runs: list[dict]) -> dict:
             key = data_order(r)
             if key in partners:
                 raise ValueError(
-                    f"two bf16 runs with seed {key[0]} and --num_workers {key[1]}: a run could be paired with "
-                    "either; merge only one of them"
+                    f"two bf16 runs with the same seed, schedule and data order {key}: a run could be paired "
+                    "with either; merge only one of them"
                 )
             partners[key] = r
     return partners
@@ -193,7 +209,8 @@ def summarize(runs: list[dict], drop_loss: float = DROP_LOSS) -> list[dict]:
         loss, loss_se = mean_se([x["loss"] for x in window])
         key = data_order(r)
         row = dict(variant=r["variant"], seed=r["seed"], status=r["status"], wall_s=r.get("wall_s"))
-        row["workers"] = key[1]
+        workers = command_flag(r, "--num_workers")
+        row["workers"] = None if workers is None else int(workers)
         row.update(steps=r["train"][-1]["step"] if r["train"] else 0, final_loss=loss, final_loss_se=loss_se)
         row["drop_step"] = drop_step(r["train"], drop_loss)
         base = bf16.get(key)
@@ -339,7 +356,7 @@ def markdown(rows: list[dict], env: dict, drop_loss: float = DROP_LOSS) -> str:
     if pools:
         lines += [
             "",
-            "Pooled over seeds (each finished run minus the finished bf16 run of its seed and --num_workers; "
+            "Pooled over seeds (each finished run minus the finished bf16 run of the same seed, schedule and data order; "
             "SE = standard error over those pairs):",
             "",
             f"| variant | seeds | mean Δ zero-shot pp ± SE | min / max Δ pp | mean Δ loss | mean Δ step to {drop_loss} |",

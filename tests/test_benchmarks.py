@@ -213,8 +213,21 @@ def test_parity_summary_and_plot_from_fabricated_logs(tmp_path):
     assert int8_4["workers"] == 4 and int8_4.get("d_zero_shot_top1_pp") is None
     assert int8grad["zero_shot_top1"] == pytest.approx(0.896) and int8grad.get("d_zero_shot_top1_pp") is None
     assert [p["variant"] for p in parity.pooled(rows)] == ["int8"]
-    with pytest.raises(ValueError, match="two bf16 runs with seed 0 and --num_workers 5"):
+    with pytest.raises(ValueError, match="two bf16 runs with the same seed, schedule and data order"):
         parity.summarize([*runs, runs[0]])
+    # after the fix (runs marked with the data layout) the worker count no longer matters, the schedule does
+    blocks = [
+        dict(r, data_layout=parity.DATA_LAYOUT, command=r["command"] + " --max_train_steps 800")
+        for r in runs[:2]
+    ]
+    five, four = blocks[1], dict(blocks[1], command=blocks[1]["command"].replace("5", "4"))
+    longer = dict(blocks[1], command=blocks[1]["command"].replace("800", "1000"))
+    _, five_row, four_row, longer_row = parity.summarize([blocks[0], five, four, longer])
+    assert five_row["d_zero_shot_top1_pp"] == pytest.approx(-0.4) == four_row["d_zero_shot_top1_pp"]
+    assert longer_row.get("d_zero_shot_top1_pp") is None
+    # an old run (no layout field) with the same flags is another data order
+    old = {k: v for k, v in five.items() if k != "data_layout"}
+    assert parity.summarize([blocks[0], old])[1].get("d_zero_shot_top1_pp") is None
     assert bf16["final_loss"] == pytest.approx((2.1 + 2.2) / 2)  # last 20% of 10 logged steps
     assert int8["dloss_vs_bf16"] == pytest.approx(0.02) and int8["d_zero_shot_top1_pp"] == pytest.approx(-0.4)
     assert fp8["status"] == "skipped" and fp8["final_loss"] is None
