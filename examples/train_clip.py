@@ -713,7 +713,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--precision",
         choices=PRECISIONS,
-        help="Forward format: int8 (default), or fp8 (Ada/Hopper GPUs; the safer choice from scratch in the "
+        help="Forward format: int8 (default), or fp8 (Ada/Hopper GPUs; the smallest spread from scratch in the "
         "parity runs, README 'Accuracy').",
     )
     g.add_argument(
