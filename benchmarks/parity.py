@@ -23,9 +23,14 @@ noise) and retrieval recall over 576 distinct captions (colour, shape, size and 
 the metrics that separate the variants. The eval set has at most 576 images, so one eval metric has a
 binomial standard error of up to ~2 pp: a 0.5 pp gap in zero-shot cannot be resolved by one run.
 Worse, the ViT-B/16 run makes one sharp loss drop between steps ~250 and ~400, and when it happens varies
-from run to run: on the H100 the same int8 run (seed 2) ended at 63% zero-shot with one data order and 97%
-with another (BENCHMARKS.md, seventh session). Judge a variant by the table "Pooled over seeds" (each seed
-paired with bf16 at that seed), not by one seed.
+from run to run, for bf16 as for int8: on the H100 the same int8 run (seed 2) ended at 63% zero-shot with one
+data order and 97% with another, and a 1000-step bf16 run (seed 4) left the plateau at step ~620 and ended at
+85% against int8's 100% (BENCHMARKS.md, seventh and eighth sessions). Judge a variant by the table "Pooled over
+seeds" (each run paired with the bf16 run of the same seed, schedule and data order), not by one seed; the
+eighth session's protocol (one device call per seed, ~420 s on an H100):
+
+    PYTHONPATH=src python benchmarks/parity.py --out_dir $OUT/sN --steps 1000 --seeds N --variants bf16 int8 \
+        --parallel 2 --num_workers 7 --time_budget_s 570
 """
 
 from __future__ import annotations
