@@ -162,6 +162,8 @@ def test_parity_pools_seeds_and_reads_the_target_off_a_t_interval():
     assert wide["seeds"] == 3 and wide["d_zero_shot_pp"] == pytest.approx(-22.0 / 3)
     assert wide["d_zero_shot_se"] == pytest.approx(statistics.stdev([-2.0, 9.0, -29.0]) / math.sqrt(3))
     assert (wide["d_zero_shot_min"], wide["d_zero_shot_max"]) == (-29.0, 9.0)
+    assert wide["within_bound"] == 1  # only +9.0 is at or above -0.5 pp
+    assert parity.pooled(rows([-0.5, -0.6, 0.0]))[0]["within_bound"] == 2
     assert wide["dloss_vs_bf16"] == pytest.approx(22.0 / 300)
     # 95% t interval, 2 degrees of freedom: -7.33 +- 4.30 x 11.35
     assert (
@@ -233,7 +235,7 @@ def test_parity_summary_and_plot_from_fabricated_logs(tmp_path):
     assert fp8["status"] == "skipped" and fp8["final_loss"] is None
     table = (tmp_path / "out" / "parity.md").read_text()
     assert "| int8 | 0 | 5 | ok | 50 |" in table and "+0.0200" in table and "met (-0.40 pp)" in table
-    assert "| int8 | 1 | -0.40 | -0.4 / -0.4 | +0.0200 |" in table
+    assert "| int8 | 1 | -0.40 | -0.4 / -0.4 | 1 of 1 | +0.0200 |" in table
     assert "pooled: not resolved (1 paired run(s); needs >= 3)" in table
     assert (tmp_path / "out" / "parity_loss.png").stat().st_size > 0
     merged = tmp_path / "merged"
