@@ -41,8 +41,11 @@ def grad_precision(config: SwitchBackConfig, device: torch.device | None = None)
         return config.grad_precision
     if config.precision == "fp8":
         return "fp8"
-    on_fp8_gpu = device is not None and device.type == "cuda" and has_fp8_tensor_cores(device.index or 0)
-    return "fp8" if on_fp8_gpu else "int8"
+    if device is None or device.type != "cuda":
+        return "int8"
+    # a bare "cuda" device means the current one (a rank's own GPU), not GPU 0
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return "fp8" if has_fp8_tensor_cores(index) else "int8"
 
 
 def quantized_dtypes(
