@@ -411,6 +411,10 @@ def plot(runs: list[dict], path: Path) -> bool:
         if not r["train"]:
             continue
         label = f"{r['variant']} seed {r['seed']}"
+        if (
+            r.get("status") != "ok"
+        ):  # e.g. cut by the time budget: its curves stop early, it has no final eval
+            label += f" ({r.get('status')} at step {r['train'][-1]['step']})"
         color, style = colors.get(r["variant"], "gray"), styles[r["seed"] % len(styles)]
         steps = [x["step"] for x in r["train"]]
         losses = [x["loss"] for x in r["train"]]
