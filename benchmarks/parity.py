@@ -24,8 +24,8 @@ the metrics that separate the variants. The eval set has at most 576 images, so 
 binomial standard error of up to ~2 pp: a 0.5 pp gap in zero-shot cannot be resolved by one run.
 Worse, the ViT-B/16 run makes one sharp loss drop between steps ~250 and ~400, and when it happens varies
 from run to run, for bf16 as for int8: on the H100 the same int8 run (seed 2) ended at 63% zero-shot with one
-data order and 97% with another, and a 1000-step bf16 run (seed 4) left the plateau at step ~620 and ended at
-85% against int8's 100% (BENCHMARKS.md, seventh and eighth sessions). Judge a variant by the table "Pooled over
+data order and 97% with another, and a 1000-step bf16 run (seed 4) reached loss 2.5 only at step ~620 and ended
+at 85% against int8's 100% (BENCHMARKS.md, seventh and eighth sessions). Judge a variant by the table "Pooled over
 seeds" (each run paired with the bf16 run of the same seed, schedule and data order), not by one seed; the
 eighth session's protocol (one device call per seed, ~420 s on an H100):
 
@@ -167,32 +167,42 @@ DATA_LAYOUT = "worker-blocks"
 
 
 def command_flag(run: dict, flag: str) -> str | None:
-    """The value of `flag` in a run's train_clip.py command, or None."""
+    """The value of `flag` in a run's train_clip.py command (its last one, as argparse reads it), or None."""
     command = run.get("command") or []
     words = command.split() if isinstance(command, str) else list(command)
-    return words[words.index(flag) + 1] if flag in words[:-1] else None
+    value = None
+    for i, word in enumerate(words):
+        if word == flag and i + 1 < len(words):
+            value = words[i + 1]
+        elif word.startswith(flag + "="):
+            value = word[len(flag) + 1 :]
+    return value
 
 
 def data_order(run: dict) -> tuple:
     """What fixes a run's batches and schedule; runs are paired with bf16 only when these are all equal.
 
-    The seed, the step count, batch size, learning rate and warm-up (a 500-step run is not a 1000-step run cut
-    short: the cosine schedule differs), and the data layout: before DATA_LAYOUT each dataloader worker took
-    every W-th sample, so the batches depended on --num_workers W as well.
+    The seed, the model, the step count, batch size, learning rate, warm-up and autocast (a 500-step run is not
+    a 1000-step run cut short: the cosine schedule differs), and the data layout: before DATA_LAYOUT each
+    dataloader worker took every W-th sample, so the batches depended on --num_workers W as well.
     """
+    config = command_flag(run, "--model_config")
     schedule = tuple(
-        command_flag(run, f) for f in ("--max_train_steps", "--batch_size", "--lr", "--warmup_steps")
+        command_flag(run, f)
+        for f in ("--max_train_steps", "--batch_size", "--lr", "--warmup_steps", "--mixed_precision")
     )
     layout = run.get("data_layout")
     workers = command_flag(run, "--num_workers")
-    order = (layout,) if layout == DATA_LAYOUT else ("strided", None if workers is None else int(workers))
-    return (run["seed"], *schedule, *order)
+    order = (layout,) if layout is not None else ("strided", None if workers is None else int(workers))
+    return (run["seed"], config and Path(config).name, *schedule, *order)
 
 
 def bf16_partners(runs: list[dict]) -> dict:
+    """The finished bf16 run of each data order (a killed or skipped one pairs with nothing, so a re-run may
+    be merged beside it)."""
     partners = {}
     for r in runs:
-        if r["variant"] == "bf16":
+        if r["variant"] == "bf16" and r.get("status") == "ok":
             key = data_order(r)
             if key in partners:
                 raise ValueError(
@@ -260,7 +270,8 @@ def pooled(rows: list[dict]) -> list[dict]:
         ddrop, _ = mean_se([r["d_drop_step"] for r in mine if r.get("d_drop_step") is not None])
         # paired runs that never reached the level: left out of the mean, so counted apart
         never = sum(1 for r in mine if r.get("drop_step") is None)
-        # robust to one run's plateau lottery, unlike the mean: how many pairs are within the target bound
+        # how many pairs meet the bound: one outlier pair moves this count by one, the mean by its whole size
+        # (one-sided: a late bf16 run counts as a pass for the other variant)
         within = sum(1 for d in deltas if d >= PARITY_BOUND_PP)
         out.append(
             dict(variant=variant, seeds=len(deltas), d_zero_shot_pp=mean, d_zero_shot_se=se,
@@ -411,10 +422,9 @@ def plot(runs: list[dict], path: Path) -> bool:
         if not r["train"]:
             continue
         label = f"{r['variant']} seed {r['seed']}"
-        if (
-            r.get("status") != "ok"
-        ):  # e.g. cut by the time budget: its curves stop early, it has no final eval
-            label += f" ({r.get('status')} at step {r['train'][-1]['step']})"
+        # e.g. cut by the time budget: its curves stop early, it has no final eval
+        if r.get("status") != "ok":
+            label += f" ({r.get('status')}, last logged step {r['train'][-1]['step']})"
         color, style = colors.get(r["variant"], "gray"), styles[r["seed"] % len(styles)]
         steps = [x["step"] for x in r["train"]]
         losses = [x["loss"] for x in r["train"]]
@@ -538,8 +548,12 @@ def main() -> None:
     if args.merge:
         loaded = [json.loads(Path(p).read_text()) for p in args.merge]
         runs = [run for data in loaded for run in data["runs"]]
-        rows = write_outputs(runs, loaded[0]["env"], out_dir, args.drop_loss)
-        print(markdown(rows, loaded[0]["env"], args.drop_loss))
+        env = dict(loaded[0]["env"])
+        steps = sorted({data["env"].get("steps") for data in loaded}, key=str)
+        if len(steps) > 1:  # the header names one schedule; pairs stay within theirs (data_order)
+            env["steps"] = "mixed (" + " / ".join(map(str, steps)) + ")"
+        rows = write_outputs(runs, env, out_dir, args.drop_loss)
+        print(markdown(rows, env, args.drop_loss))
         return
 
     runs_dir = Path(args.runs_dir or tempfile.mkdtemp(prefix="parity_runs_"))

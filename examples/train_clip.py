@@ -714,7 +714,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--precision",
         choices=PRECISIONS,
         help="Forward format: int8 (default), or fp8 (Ada/Hopper GPUs; the smallest spread from scratch in the "
-        "parity runs, README 'Accuracy').",
+        "parity runs, 3 pairs, README 'Accuracy').",
     )
     g.add_argument(
         "--grad_precision",

@@ -223,10 +223,21 @@ def test_parity_summary_and_plot_from_fabricated_logs(tmp_path):
         for r in runs[:2]
     ]
     five, four = blocks[1], dict(blocks[1], command=blocks[1]["command"].replace("5", "4"))
-    longer = dict(blocks[1], command=blocks[1]["command"].replace("800", "1000"))
-    _, five_row, four_row, longer_row = parity.summarize([blocks[0], five, four, longer])
+    # another schedule pairs with nothing: steps, lr, batch, warm-up, autocast (a later flag wins, as in argparse)
+    others = [
+        dict(blocks[1], command=blocks[1]["command"].replace("800", "1000")),
+        *(dict(blocks[1], command=blocks[1]["command"] + extra) for extra in (
+            " --lr 1e-3", " --batch_size=64", " --warmup_steps 10", " --mixed_precision no",
+            " --max_train_steps 900",
+        )),
+    ]  # fmt: skip
+    five_row, four_row, *other_rows = parity.summarize([blocks[0], five, four, *others])[1:]
     assert five_row["d_zero_shot_top1_pp"] == pytest.approx(-0.4) == four_row["d_zero_shot_top1_pp"]
-    assert longer_row.get("d_zero_shot_top1_pp") is None
+    assert [row.get("d_zero_shot_top1_pp") for row in other_rows] == [None] * len(others)
+    # a killed bf16 run beside its finished re-run is no duplicate (it pairs with nothing)
+    killed_bf16 = dict(blocks[0], status="timeout")
+    assert parity.summarize([killed_bf16, blocks[0], five])[2]["d_zero_shot_top1_pp"] == pytest.approx(-0.4)
+    assert parity.summarize([killed_bf16, five])[1].get("d_zero_shot_top1_pp") is None
     # an old run (no layout field) with the same flags is another data order
     old = {k: v for k, v in five.items() if k != "data_layout"}
     assert parity.summarize([blocks[0], old])[1].get("d_zero_shot_top1_pp") is None

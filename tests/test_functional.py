@@ -254,5 +254,12 @@ def test_grad_precision_auto_picks_fp8_only_on_gpus_with_fp8_tensor_cores(monkey
         assert functional.quantized_dtypes(auto.replace(grad_precision="int8"), cuda0) == (int8, int8)
         e5m2_cfg = auto.replace(precision="fp8", fp8_grad_format="e5m2")
         assert functional.quantized_dtypes(e5m2_cfg, torch.device("cpu")) == (e4m3, e5m2)
+    # which GPU is asked: the tensor's own, and for a bare "cuda" the current one (a DDP rank's), not GPU 0
+    asked = []
+    monkeypatch.setattr(functional, "has_fp8_tensor_cores", lambda index: asked.append(index) or True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    functional.grad_precision(auto, torch.device("cuda", 2))
+    functional.grad_precision(auto, torch.device("cuda"))
+    assert asked == [2, 3]
     with pytest.raises(ValueError, match="grad_precision='auto'"):
         SwitchBackConfig(precision="fp8", grad_precision="int8")

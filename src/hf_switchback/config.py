@@ -83,8 +83,8 @@ class SwitchBackConfig:
     # whenever precision="fp8"; int8 elsewhere (Ampere, CPU). Why not int8 everywhere: row-wise int8 rounds every
     # entry below absmax/254 of a gradient row to zero, fp8 keeps them. On the H100 parity run (BENCHMARKS.md)
     # int8 gradients fell 15-32 pp behind bf16 in zero-shot in both runs; int8 forward + fp8 gradients came out
-    # -0.5 pp mean over 6 paired runs (late plateau escapes in 2 of 8 int8 and 1 of 8 bf16 runs; parity at 0.5 pp
-    # not resolved), fp8 everywhere +1.9 +- 1.0 over 3.
+    # -0.5 +- 6.2 pp (SE) over 6 paired runs, -29.5..+14.6 (late plateau escapes in 2 of 8 int8 and 1 of 8 bf16
+    # runs; parity at 0.5 pp not resolved), fp8 everywhere +1.9 +- 1.0 over 3.
     # "int8" forces the paper's all-int8 SwitchBack.
     grad_precision: str = "auto"
     # Which linears to swap. str: regex full match on the dotted module name. list: exact names or dotted
