@@ -48,6 +48,7 @@ import os
 import re
 import shutil
 import time
+import weakref
 
 import torch
 from accelerate import Accelerator
@@ -72,6 +73,7 @@ from hf_switchback.training.step import (
     export_state_dict,
     logit_scale_to_1d,
 )
+from hf_switchback.training.teardown import end_training
 from hf_switchback.training.tokenizer import build_word_tokenizer
 from hf_switchback.training.transforms import train_transform_for
 
@@ -598,7 +600,9 @@ def training_function(args):
             if not hasattr(clip.logit_scale, "full_tensor"):  # (FSDP-sharded models are not pushed as is)
                 clip.logit_scale = torch.nn.Parameter(clip.logit_scale.detach().reshape(()))
             push(clip, processor, args, sb_config, results)
-    accelerator.end_training()
+    # the prepared model goes before the process group (training/teardown.py: else exit can hang under DDP)
+    model_ref, model, monitor = weakref.ref(model), None, None
+    end_training(accelerator, model_ref)
     return results
 
 

@@ -1,12 +1,17 @@
-"""Small training parts: patch dropout, parameter groups, the schedule, the tokenizer, the evaluator."""
+"""Small training parts: patch dropout, parameter groups, the schedule, the tokenizer, the evaluator, the teardown."""
 
+import logging
 import math
+import weakref
 
 import pytest
 import torch
 import torch.nn.functional as F
+from accelerate import Accelerator
+from accelerate.state import AcceleratorState
 from train_helpers import tiny_model
 
+from hf_switchback.training import teardown
 from hf_switchback.training.evaluation import retrieval_metrics, zero_shot_accuracy
 from hf_switchback.training.optim import cosine_with_warmup, param_groups
 from hf_switchback.training.patch_dropout import PatchDropout, add_patch_dropout
@@ -98,3 +103,27 @@ def test_retrieval_and_zero_shot_metrics():
     assert zero_shot_accuracy(feats[:3], feats[:3], labels=[1, 0, 2])["zero_shot_top1"] == pytest.approx(
         1 / 3
     )
+
+
+def test_end_training_frees_the_prepared_model_and_says_when_something_still_holds_it(monkeypatch, caplog):
+    """training/teardown.py: under DDP a model that outlives the process group can hang the exit; end_training
+    frees what the accelerator holds and warns (on multi-process runs) when the caller still holds the model."""
+    monkeypatch.setattr(Accelerator, "num_processes", property(lambda self: 2))  # the warning's condition
+    monkeypatch.setattr(teardown, "WORKER_DRAIN_S", 0.0)
+    AcceleratorState._reset_state(True)
+    try:
+        accelerator = Accelerator(cpu=True)
+        model = accelerator.prepare(torch.nn.Linear(4, 4))
+        with caplog.at_level(logging.WARNING, logger=teardown.__name__):
+            teardown.end_training(accelerator, weakref.ref(model))  # the local `model` still holds it
+        assert teardown.STILL_REFERENCED in caplog.text and accelerator._models == []
+        caplog.clear()
+
+        accelerator = Accelerator(cpu=True)
+        model = accelerator.prepare(torch.nn.Linear(4, 4))
+        model_ref, model = weakref.ref(model), None
+        with caplog.at_level(logging.WARNING, logger=teardown.__name__):
+            teardown.end_training(accelerator, model_ref)  # only the accelerator held it: freed
+        assert model_ref() is None and teardown.STILL_REFERENCED not in caplog.text
+    finally:
+        AcceleratorState._reset_state(True)
