@@ -28,8 +28,8 @@ from accelerate import Accelerator
 logger = logging.getLogger(__name__)
 
 STILL_REFERENCED = "the prepared model is still referenced when the process group is destroyed"
-# GIL-free pause after the last barrier: a worker waiting for the GIL gets it at once; scheduling latency on a
-# loaded 2-core CI machine is well under this
+# GIL-free pause after the last barrier: a worker waiting for the GIL gets it at once, and thread scheduling
+# delays are typically milliseconds (not measured on the CI machine)
 WORKER_DRAIN_S = 0.2
 
 
