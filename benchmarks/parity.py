@@ -179,6 +179,11 @@ def command_flag(run: dict, flag: str) -> str | None:
     return value
 
 
+def num_workers(run: dict) -> int | None:
+    workers = command_flag(run, "--num_workers")
+    return None if workers is None else int(workers)
+
+
 def data_order(run: dict) -> tuple:
     """What fixes a run's batches and schedule; runs are paired with bf16 only when these are all equal.
 
@@ -192,8 +197,7 @@ def data_order(run: dict) -> tuple:
         for f in ("--max_train_steps", "--batch_size", "--lr", "--warmup_steps", "--mixed_precision")
     )
     layout = run.get("data_layout")
-    workers = command_flag(run, "--num_workers")
-    order = (layout,) if layout is not None else ("strided", None if workers is None else int(workers))
+    order = (layout,) if layout is not None else ("strided", num_workers(run))
     return (run["seed"], config and Path(config).name, *schedule, *order)
 
 
@@ -225,8 +229,7 @@ def summarize(runs: list[dict], drop_loss: float = DROP_LOSS) -> list[dict]:
         loss, loss_se = mean_se([x["loss"] for x in window])
         key = data_order(r)
         row = dict(variant=r["variant"], seed=r["seed"], status=r["status"], wall_s=r.get("wall_s"))
-        workers = command_flag(r, "--num_workers")
-        row["workers"] = None if workers is None else int(workers)
+        row["workers"] = num_workers(r)
         row.update(steps=r["train"][-1]["step"] if r["train"] else 0, final_loss=loss, final_loss_se=loss_se)
         row["drop_step"] = drop_step(r["train"], drop_loss)
         base = bf16.get(key)
@@ -552,8 +555,8 @@ def main() -> None:
         steps = sorted({data["env"].get("steps") for data in loaded}, key=str)
         if len(steps) > 1:  # the header names one schedule; pairs stay within theirs (data_order)
             env["steps"] = "mixed (" + " / ".join(map(str, steps)) + ")"
-        rows = write_outputs(runs, env, out_dir, args.drop_loss)
-        print(markdown(rows, env, args.drop_loss))
+        write_outputs(runs, env, out_dir, args.drop_loss)
+        print((out_dir / "parity.md").read_text())
         return
 
     runs_dir = Path(args.runs_dir or tempfile.mkdtemp(prefix="parity_runs_"))
@@ -581,10 +584,9 @@ def main() -> None:
         for run in done:
             runs.append(run)
             print(json.dumps({k: v for k, v in run.items() if k not in ("train", "evals")}), flush=True)
-        # after every wave: a killed command keeps what finished
+        # after every wave (the last one's are the final outputs): a killed command keeps what finished
         write_outputs(runs, env, out_dir, args.drop_loss)
-    rows = write_outputs(runs, env, out_dir, args.drop_loss)
-    print(markdown(rows, env, args.drop_loss))
+    print((out_dir / "parity.md").read_text())
 
 
 if __name__ == "__main__":

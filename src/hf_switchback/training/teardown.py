@@ -39,12 +39,13 @@ def end_training(accelerator: Accelerator, model_ref: weakref.ref | None = None)
     The caller drops its own references first and passes a weak reference to the prepared model: if something
     still holds the model, a warning says so (the exit may then hang as described above).
     """
-    if accelerator.num_processes > 1:
+    distributed = accelerator.num_processes > 1
+    if distributed:
         accelerator.wait_for_everyone()
         time.sleep(WORKER_DRAIN_S)  # releases the GIL
     accelerator.free_memory()  # its own models, optimizers, schedulers, dataloaders (and a first gc pass)
     gc.collect()  # DDP and its hooks form reference cycles; the pass above ran while accelerator still held them
-    if model_ref is not None and model_ref() is not None and accelerator.num_processes > 1:
+    if distributed and model_ref is not None and model_ref() is not None:
         referrers = [type(r).__name__ for r in gc.get_referrers(model_ref())]
         logger.warning("%s (held by %s): the process may hang on exit", STILL_REFERENCED, referrers)
     accelerator.end_training()
