@@ -32,14 +32,27 @@ def tiny_config(hidden: int = 32, layers: int = 1, image_size: int = 32, eos: in
     return CLIPConfig(text_config=text, vision_config=vision, projection_dim=16)
 
 
-def tiny_model(seed: int = 0, switchback: bool = False):
+def tiny_siglip_config(hidden: int = 32, layers: int = 1, image_size: int = 32):
+    """SiglipConfig of tiny_config's size, same vocabulary and special ids (fixed_batch fits both)."""
+    from transformers import SiglipConfig
+
+    tower = dict(
+        hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers, num_attention_heads=2
+    )
+    text = dict(
+        tower, vocab_size=VOCAB, max_position_embeddings=16, bos_token_id=2, eos_token_id=3, pad_token_id=0
+    )
+    return SiglipConfig(text_config=text, vision_config=dict(tower, image_size=image_size, patch_size=8))
+
+
+def tiny_model(seed: int = 0, switchback: bool = False, siglip: bool = False):
     import torch
-    from transformers import CLIPModel
+    from transformers import CLIPModel, SiglipModel
 
     from hf_switchback import SwitchBackConfig, apply_switchback
 
     torch.manual_seed(seed)
-    model = CLIPModel(tiny_config()).float()
+    model = SiglipModel(tiny_siglip_config()).float() if siglip else CLIPModel(tiny_config()).float()
     if switchback:
         apply_switchback(model, SwitchBackConfig(backend="torch"))
     return model
@@ -71,7 +84,8 @@ def write_tiny_model_config(path: str) -> str:
 
 def clean_env() -> dict:
     """Subprocess env: offline, single-threaded BLAS/OMP (2 processes on 2 cores), this venv first on PATH."""
-    keep = ("PATH", "HOME", "LANG", "LC_ALL", "TMPDIR", "SYSTEMROOT", "USER")
+    # PYTHONPATH: a checkout run with PYTHONPATH=src must launch its own tree, not an installed copy
+    keep = ("PATH", "PYTHONPATH", "HOME", "LANG", "LC_ALL", "TMPDIR", "SYSTEMROOT", "USER")
     env = {k: os.environ[k] for k in keep if k in os.environ}
     env.update(
         HF_HUB_OFFLINE="1",

@@ -5,5 +5,6 @@ users reach for first are re-exported here, and they import nothing heavier than
 """
 
 from .losses import ClipLoss, gather_features
+from .siglip_loss import SigLipLoss
 
-__all__ = ["ClipLoss", "gather_features"]
+__all__ = ["ClipLoss", "SigLipLoss", "gather_features"]

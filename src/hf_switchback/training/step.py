@@ -24,6 +24,9 @@ MAX_LOGIT_SCALE = math.log(100)
 class CLIPForContrastive(nn.Module):
     """A CLIPModel whose forward returns (image_features, text_features, logit_scale.exp()), as OpenCLIP's.
 
+    A SiglipModel (it has a `logit_bias`) returns (image_features, text_features, logit_scale.exp(),
+    logit_bias), the arguments of SigLipLoss.
+
     This wrapper is what `accelerator.prepare` sees, so the temperature is read inside forward: FSDP gathers
     the root parameters only around forward, and DDP expects every trained parameter to be used there.
     """
@@ -34,19 +37,23 @@ class CLIPForContrastive(nn.Module):
 
     def forward(self, input_ids, pixel_values, attention_mask=None):
         out = self.clip(input_ids=input_ids, pixel_values=pixel_values, attention_mask=attention_mask)
-        return out.image_embeds, out.text_embeds, self.clip.logit_scale.exp()
+        logit_params = (self.clip.logit_scale.exp(),)
+        if hasattr(self.clip, "logit_bias"):
+            logit_params += (self.clip.logit_bias,)
+        return out.image_embeds, out.text_embeds, *logit_params
 
 
 def clip_features(model, batch: dict):
-    """(image (B, D), text (B, D), logit_scale () or (1,)) from a CLIPForContrastive, features L2-normalized."""
+    """(image (B, D), text (B, D), logit_scale () or (1,)[, logit_bias (1,)]) from a CLIPForContrastive, features
+    L2-normalized."""
     return model(**{k: batch[k] for k in MODEL_INPUTS if k in batch})
 
 
 def contrastive_backward(model, loss_fn, micro_batches: list[dict], accelerator) -> torch.Tensor:
     """Forward + backward of one step over `micro_batches` (accum_freq = len). Returns the detached loss."""
     if len(micro_batches) == 1:
-        image, text, scale = clip_features(model, micro_batches[0])
-        loss = loss_fn(image, text, scale)
+        image, text, *logit_params = clip_features(model, micro_batches[0])
+        loss = loss_fn(image, text, *logit_params)
         accelerator.backward(loss)
         return loss.detach()
 
@@ -58,12 +65,12 @@ def contrastive_backward(model, loss_fn, micro_batches: list[dict], accelerator)
         last = j == len(micro_batches) - 1
         sync = contextlib.nullcontext() if last else accelerator.no_sync(model)
         with sync:
-            image, text, scale = clip_features(model, mb)
+            image, text, *logit_params = clip_features(model, mb)
             images = torch.cat([*cached_images[:j], image, *cached_images[j + 1 :]])
             texts = torch.cat([*cached_texts[:j], text, *cached_texts[j + 1 :]])
-            # Every pass computes the full-batch loss, so the temperature's gradient would be counted N
-            # times; only the last pass lets it through (OpenCLIP counts it N times).
-            loss = loss_fn(images, texts, scale if last else scale.detach())
+            # Every pass computes the full-batch loss, so the temperature's (and SigLIP's bias') gradient would
+            # be counted N times; only the last pass lets it through (OpenCLIP counts it N times).
+            loss = loss_fn(images, texts, *(p if last else p.detach() for p in logit_params))
             accelerator.backward(loss)
     # All N losses are the same full-batch loss (up to recompute noise); report the last.
     return loss.detach()
