@@ -13,7 +13,8 @@ def test_defaults_are_the_clip_encoder_linears():
     assert cfg.memory_efficient is False and cfg.min_tokens is None
     assert cfg.target_modules == DEFAULT_TARGET_MODULES
     assert set(DEFAULT_TARGET_MODULES) == {"q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2"}
-    assert cfg.exclude_modules == DEFAULT_EXCLUDE_MODULES == ("visual_projection", "text_projection")
+    assert cfg.exclude_modules == DEFAULT_EXCLUDE_MODULES
+    assert DEFAULT_EXCLUDE_MODULES == ("visual_projection", "text_projection", "head.mlp.fc1", "head.mlp.fc2")
 
 
 @pytest.mark.parametrize(

@@ -19,11 +19,16 @@ GRAD_PRECISIONS = ("auto", "int8", "fp8")
 # The name transformers files this method under: config.json's quantization_config.quant_method.
 QUANT_METHOD = "switchback"
 
-# Every linear inside the CLIP text and vision transformer layers (HF module names).
+# Every linear inside the text and vision transformer layers of CLIP and SigLIP (HF module names).
 DEFAULT_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2")
 # The projections into the joint embedding space are small and sit right before the contrastive logits,
 # where quantization noise costs the most accuracy for the least speed: keep them 16-bit, as the paper does.
-DEFAULT_EXCLUDE_MODULES = ("visual_projection", "text_projection")
+# SigLIP's equivalents are its heads: the text tower's `head` linear (not a target: its name is none of the
+# above) and the vision tower's attention-pool head (`head.attention`, an nn.MultiheadAttention that is never a
+# target, then `head.mlp`, excluded here). The pool head runs on one probe token per image, so 8-bit saves nothing
+# measurable there, and its output is the image embedding. Ask for them by naming them in target_modules and
+# leaving them out of exclude_modules.
+DEFAULT_EXCLUDE_MODULES = ("visual_projection", "text_projection", "head.mlp.fc1", "head.mlp.fc2")
 
 
 def _as_target(value: str | list[str] | tuple[str, ...] | None, field_name: str):
@@ -88,7 +93,7 @@ class SwitchBackConfig:
     # "int8" forces the paper's all-int8 SwitchBack.
     grad_precision: str = "auto"
     # Which linears to swap. str: regex full match on the dotted module name. list: exact names or dotted
-    # suffixes (PEFT semantics). None: the CLIP encoder defaults above.
+    # suffixes (PEFT semantics). None: the CLIP / SigLIP encoder defaults above.
     target_modules: str | tuple[str, ...] | None = DEFAULT_TARGET_MODULES
     # Same matching rules; wins over target_modules.
     exclude_modules: str | tuple[str, ...] | None = DEFAULT_EXCLUDE_MODULES

@@ -1,6 +1,7 @@
 """Fused SwitchBack MLP: a CLIP block fc1 -> activation -> fc2 run as one op (functional.switchback_mlp).
 
-When apply_switchback converts both linears of a transformers `CLIPMLP` with one config (and
+When apply_switchback converts both linears of a transformers `CLIPMLP` (or SigLIP's `SiglipMLP` /
+`Siglip2MLP`, the same block) with one config (and
 `config.fuse_mlp`, off by default), the block's class is swapped for a generated subclass whose forward calls
 `switchback_mlp` — the same technique `fully_shard` uses. Nothing else changes: the module is still an
 instance of CLIPMLP, fc1 / fc2 are the same SwitchBackLinear modules holding the same Parameters, so
@@ -13,6 +14,7 @@ cache) and otherwise runs the stock CLIPMLP forward, so a later change never sil
 from __future__ import annotations
 
 import functools
+import importlib
 
 import torch
 from torch import nn
@@ -51,12 +53,18 @@ def activation_kind(act: nn.Module) -> str | None:
     return None
 
 
+@functools.cache
 def _mlp_base_classes() -> tuple[type, ...]:
-    try:
-        from transformers.models.clip.modeling_clip import CLIPMLP
-    except ImportError:
-        return ()
-    return (CLIPMLP,)
+    """The transformers MLP blocks whose forward is exactly fc2(activation_fn(fc1(x)))."""
+    classes = []
+    for module, name in (("clip", "CLIPMLP"), ("siglip", "SiglipMLP"), ("siglip2", "Siglip2MLP")):
+        try:
+            classes.append(
+                getattr(importlib.import_module(f"transformers.models.{module}.modeling_{module}"), name)
+            )
+        except (ImportError, AttributeError):
+            continue
+    return tuple(classes)
 
 
 def _unfused_class(module: nn.Module) -> type:
