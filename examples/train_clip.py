@@ -1,4 +1,4 @@
-"""Contrastive CLIP training with SwitchBack int8/fp8 linears, on Accelerate.
+"""Contrastive CLIP (and SigLIP) training with SwitchBack int8/fp8 linears, on Accelerate.
 
 With no arguments it trains a small CLIP (random init, SwitchBack on) on a generated data set of captioned
 coloured shapes, with a tokenizer built locally — nothing is downloaded — and reports zero-shot accuracy and
@@ -20,6 +20,11 @@ Real models and data:
         --tokenizer_name_or_path openai/clip-vit-base-patch32 --train_data_dir images/
     accelerate launch examples/train_clip.py --model_name_or_path openai/clip-vit-base-patch32 \
         --dataset_name user/captions --streaming --max_train_steps 1000
+
+    # SigLIP: a SiglipConfig (or a siglip checkpoint) trains with the sigmoid loss, exchanged across ranks:
+    accelerate launch examples/train_clip.py --model_config examples/configs/siglip-tiny.json
+    accelerate launch examples/train_clip.py --model_name_or_path google/siglip-base-patch16-224 \
+        --train_file captions.csv --siglip_dist_impl bidir
 
     # The synthetic set as webdataset shards, then trained on in streaming mode by 2 CPU processes (gloo):
     python -m hf_switchback.training.synthetic --output_dir shards/ --num_samples 20000
@@ -63,13 +68,20 @@ from hf_switchback.training.cli import build_parser, check_args
 from hf_switchback.training.evaluation import evaluate
 from hf_switchback.training.layer_scale import add_layer_scale, fold_layer_scale, fold_layer_scale_state_dict
 from hf_switchback.training.losses import ClipLoss
-from hf_switchback.training.metrics import logit_scale_value, mean_over_ranks, peak_memory, sum_over_ranks
+from hf_switchback.training.metrics import (
+    logit_bias_value,
+    logit_scale_value,
+    mean_over_ranks,
+    peak_memory,
+    sum_over_ranks,
+)
 from hf_switchback.training.model_setup import load_model_and_processor, lock_towers, switchback_config
 from hf_switchback.training.optim import cosine_with_warmup, param_groups
 from hf_switchback.training.optimizers import create_optimizer, unstable_parameters
 from hf_switchback.training.patch_dropout import add_patch_dropout
 from hf_switchback.training.reporting import push_model, tracker_config
 from hf_switchback.training.runtime import check_deepspeed, dynamo_plugin
+from hf_switchback.training.siglip_loss import SigLipLoss
 from hf_switchback.training.sources import load_eval_set, load_train_source, micro_batch_stream
 from hf_switchback.training.spike_monitor import SpikeMonitor, default_group_name
 from hf_switchback.training.step import (
@@ -114,6 +126,7 @@ def training_function(args):
     # Model + SwitchBack
     clip, processor = load_model_and_processor(args)
     tokenizer, image_processor = processor.tokenizer, processor.image_processor
+    siglip = clip.config.model_type == "siglip"  # sigmoid loss, (1,)-shaped logit_scale and logit_bias
     lock_towers(clip, args.lock_image, args.lock_text)
     sb_config = None
     if args.switchback == "on":
@@ -170,7 +183,10 @@ def training_function(args):
     scheduler = cosine_with_warmup(optimizer, warmup, args.max_train_steps, args.min_lr_ratio)
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
     clip = accelerator.unwrap_model(model).clip  # the CLIPModel: clamping, logging, saving
-    loss_fn = ClipLoss(local_loss=args.local_loss, gather_with_grad=args.gather_with_grad)
+    if siglip:
+        loss_fn = SigLipLoss(dist_impl=args.siglip_dist_impl)
+    else:
+        loss_fn = ClipLoss(local_loss=args.local_loss, gather_with_grad=args.gather_with_grad)
     monitor = None
     if args.spike_monitor:
         # Parameter names as prepared: the monitor drops DDP's "module." / compile's "_orig_mod.", we drop the
@@ -273,6 +289,7 @@ def training_function(args):
                 "train/loss": mean_over_ranks(accelerator, loss_value),
                 "train/lr": scheduler.get_last_lr()[0],
                 "train/logit_scale": logit_scale_value(clip),
+                **({"train/logit_bias": logit_bias_value(clip)} if siglip else {}),
                 "train/samples_per_second": samples_per_s,
                 "train/epoch": state["epoch"],
                 "train/skipped_samples": sum_over_ranks(accelerator, state["num_skipped"]),
@@ -335,8 +352,9 @@ def training_function(args):
     # the main process receives them (None elsewhere: the 2-GPU ZeRO-3 run crashed on it), and only it writes.
     gathered = accelerator.get_state_dict(model)
     if accelerator.is_main_process:
-        # drop the wrapper's "clip." prefix; logit_scale back to CLIPModel's 0-d shape
-        state_dict = export_state_dict({k.removeprefix("clip."): v for k, v in gathered.items()})
+        # drop the wrapper's "clip." prefix; logit_scale back to CLIPModel's 0-d shape (SigLIP's stays (1,))
+        state_dict = {k.removeprefix("clip."): v for k, v in gathered.items()}
+        state_dict = export_state_dict(state_dict, scalar_logit_scale=not siglip)
         # layer-scale folded into out_proj / fc2: the checkpoint is a plain CLIPModel with the same outputs
         state_dict = fold_layer_scale_state_dict(state_dict)
         clip.save_pretrained(args.output_dir, state_dict=state_dict, save_function=accelerator.save)
@@ -349,7 +367,9 @@ def training_function(args):
         if args.push_to_hub:
             if args.layer_scale_init is not None:
                 fold_layer_scale(clip)  # training is over: upload a plain CLIPModel
-            if not hasattr(clip.logit_scale, "full_tensor"):  # (FSDP-sharded models are not pushed as is)
+            if not siglip and not hasattr(
+                clip.logit_scale, "full_tensor"
+            ):  # (FSDP-sharded: not pushed as is)
                 clip.logit_scale = torch.nn.Parameter(clip.logit_scale.detach().reshape(()))
             push_model(clip, processor, args, sb_config, results)
     # the prepared model goes before the process group (training/teardown.py: else exit can hang under DDP)

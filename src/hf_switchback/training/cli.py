@@ -19,6 +19,7 @@ from .data import CAPTION_COLUMNS, IMAGE_COLUMNS
 from .model_setup import SWITCHBACK_FLAGS
 from .optimizers import OPTIMIZER_CHOICES
 from .runtime import COMPILE_MODES
+from .siglip_loss import DIST_IMPLS
 from .sources import has_real_data
 
 _LIBRARY = SwitchBackConfig()
@@ -227,13 +228,21 @@ def build_parser() -> argparse.ArgumentParser:
         "--local_loss",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="Local rows x global columns loss.",
+        help="CLIP: local rows x global columns loss.",
     )
     g.add_argument(
         "--gather_with_grad",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="Differentiable all-gather of features.",
+        help="CLIP: differentiable all-gather of features.",
+    )
+    g.add_argument(
+        "--siglip_dist_impl",
+        choices=DIST_IMPLS,
+        default="bidir",
+        help="SigLIP (a SiglipConfig / siglip model): how text features travel between ranks for the sigmoid "
+        "loss. bidir: both ring neighbours per round; shift: one way round the ring; reduce: all-reduces; "
+        "gather: one all-gather. Same loss and gradients; exchanges are always differentiable.",
     )
     g.add_argument("--seed", type=int, default=0, help="Seed for init, data order and augmentation.")
 

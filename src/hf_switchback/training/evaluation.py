@@ -2,6 +2,11 @@
 
 Every rank runs the same evaluation on the same (small) eval set through the *prepared* model's forward, so
 wrappers that shard parameters (FSDP) or sync buffers (DDP) see the same collective calls on every rank.
+
+SigLIP scores a pair on its own: p(match) = sigmoid(logit_scale * cos + logit_bias). For a SigLIP model the
+metrics also report those probabilities (pass `sigmoid=(logit_scale, logit_bias)`, logit_scale exp()'d). Ranks
+and top-k come from the logits scale * cos + bias, never from the probabilities: in float32 the sigmoid rounds
+many scores to exactly 0 or 1, and ties would count as hits. With scale > 0 that is the cosine's order.
 """
 
 from __future__ import annotations
@@ -13,16 +18,26 @@ from PIL import Image
 
 @torch.no_grad()
 def encode(
-    model, tokenizer, image_processor, *, images=(), texts=(), batch_size=256, max_length=77, device=None
+    model,
+    tokenizer,
+    image_processor,
+    *,
+    images=(),
+    texts=(),
+    batch_size=256,
+    max_length=77,
+    device=None,
+    return_sigmoid=False,
 ):
     """Normalized features: images (N_i, D) and texts (N_t, D), float32, via model(input_ids, pixel_values)
-    (a CLIPModel or a CLIPForContrastive).
+    (a CLIPModel / SiglipModel or a CLIPForContrastive). return_sigmoid: also return (logit_scale exp()'d,
+    logit_bias) as floats for a SigLIP model, None for CLIP.
 
     The model's forward wants both inputs; when one list runs out the other is padded with its first item and
     the padding's features are dropped.
     """
     images, texts = list(images), list(texts)
-    image_feats, text_feats = [], []
+    image_feats, text_feats, sigmoid = [], [], None
     steps = max(len(images), len(texts))
     for start in range(0, steps, batch_size):
         chunk_images = images[start : start + batch_size] or images[:1] or [_blank_image(image_processor)]
@@ -36,8 +51,15 @@ def encode(
             attention_mask=tokens["attention_mask"].to(device),
             pixel_values=pixel_values.to(device),
         )
-        # CLIPForContrastive returns (image, text, scale); a plain CLIPModel a CLIPOutput
+        # CLIPForContrastive returns (image, text, scale[, bias]); a plain CLIPModel / SiglipModel its output
         image_embeds, text_embeds = out[:2] if isinstance(out, tuple) else (out.image_embeds, out.text_embeds)
+        params = (
+            out[2:]
+            if isinstance(out, tuple)
+            else (model.logit_scale.exp(), getattr(model, "logit_bias", None))
+        )
+        if len(params) == 2 and params[1] is not None:
+            sigmoid = tuple(float(p.float().reshape(-1)[0]) for p in params)
         # Copies, not views: under CUDA graphs (--compile_mode reduce-overhead) the next batch's replay
         # overwrites the model's outputs in place.
         if start < len(images):
@@ -46,10 +68,11 @@ def encode(
             text_feats.append(text_embeds.to(torch.float32, copy=True))
     image_out = torch.cat(image_feats)[: len(images)] if image_feats else None
     text_out = torch.cat(text_feats)[: len(texts)] if text_feats else None
-    return (
+    features = (
         None if image_out is None else F.normalize(image_out, dim=-1),
         None if text_out is None else F.normalize(text_out, dim=-1),
     )
+    return (*features, sigmoid) if return_sigmoid else features
 
 
 def _blank_image(image_processor) -> Image.Image:
@@ -57,9 +80,14 @@ def _blank_image(image_processor) -> Image.Image:
     return Image.new("RGB", (size["width"], size["height"]))
 
 
-def retrieval_metrics(image_features: torch.Tensor, text_features: torch.Tensor, ks=(1, 5)) -> dict:
-    """Pair i of (N, D) images and (N, D) texts matches; recall@K both ways, in [0, 1]."""
+def retrieval_metrics(
+    image_features: torch.Tensor, text_features: torch.Tensor, ks=(1, 5), sigmoid=None
+) -> dict:
+    """Pair i of (N, D) images and (N, D) texts matches; recall@K both ways, in [0, 1]. sigmoid=(scale, bias)
+    (SigLIP) adds the mean p(match) of the matching pairs and of all the others."""
     logits = image_features @ text_features.T
+    if sigmoid is not None:
+        logits = sigmoid[0] * logits + sigmoid[1]
     target = torch.arange(len(logits), device=logits.device)
     metrics = {}
     for name, scores in (("image_to_text", logits), ("text_to_image", logits.T)):
@@ -68,6 +96,14 @@ def retrieval_metrics(image_features: torch.Tensor, text_features: torch.Tensor,
         rank = (scores > right).sum(dim=1)
         for k in ks:
             metrics[f"{name}_R@{k}"] = (rank < k).float().mean().item()
+    if sigmoid is not None:
+        probs, matching = (
+            torch.sigmoid(logits),
+            torch.eye(len(logits), dtype=torch.bool, device=logits.device),
+        )
+        metrics["pair_prob_matching"] = probs[matching].mean().item()
+        if len(logits) > 1:
+            metrics["pair_prob_other"] = probs[~matching].mean().item()
     return metrics
 
 
@@ -79,33 +115,41 @@ def zero_shot_classifier(model, tokenizer, image_processor, classnames, template
     return F.normalize(text, dim=-1)
 
 
-def zero_shot_accuracy(image_features: torch.Tensor, classifier: torch.Tensor, labels, ks=(1, 5)) -> dict:
+def zero_shot_accuracy(
+    image_features: torch.Tensor, classifier: torch.Tensor, labels, ks=(1, 5), sigmoid=None
+) -> dict:
+    """Top-k accuracy of (N, D) images against (C, D) class embeddings. sigmoid=(scale, bias) (SigLIP) adds
+    the mean p(true class) and the mean number of classes with p > 0.5 (SigLIP may call none or several)."""
     labels = torch.as_tensor(labels, device=image_features.device)
     ks = [k for k in ks if k <= classifier.shape[0]]  # top-5 of 3 classes is meaningless
-    top = (image_features @ classifier.T).topk(max(ks), dim=1).indices
-    hits = top == labels[:, None]
-    return {
-        f"zero_shot_top{k}": hits[:, :k].any(dim=1).float().mean().item()
-        for k in ks
-        if k <= classifier.shape[0]
-    }
+    logits = image_features @ classifier.T
+    if sigmoid is not None:
+        logits = sigmoid[0] * logits + sigmoid[1]
+    hits = logits.topk(max(ks), dim=1).indices == labels[:, None]
+    metrics = {f"zero_shot_top{k}": hits[:, :k].any(dim=1).float().mean().item() for k in ks}
+    if sigmoid is not None:
+        probs = torch.sigmoid(logits)
+        metrics["zero_shot_prob_true"] = probs.gather(1, labels[:, None]).mean().item()
+        metrics["zero_shot_classes_above_half"] = (probs > 0.5).sum(dim=1).float().mean().item()
+    return metrics
 
 
 def evaluate(
     model, tokenizer, image_processor, eval_set, *, classnames=None, templates=("a photo of a {}.",), **kw
 ):
-    """eval_set = (images, captions, labels or None) -> {"image_to_text_R@1", ..., "zero_shot_top1", ...}."""
+    """eval_set = (images, captions, labels or None) -> {"image_to_text_R@1", ..., "zero_shot_top1", ...}, plus
+    the sigmoid probabilities for a SigLIP model."""
     images, captions, labels = eval_set
     was_training = model.training
     model.eval()
     try:
-        image_features, text_features = encode(
-            model, tokenizer, image_processor, images=images, texts=captions, **kw
+        image_features, text_features, sigmoid = encode(
+            model, tokenizer, image_processor, images=images, texts=captions, return_sigmoid=True, **kw
         )
-        metrics = retrieval_metrics(image_features, text_features)
+        metrics = retrieval_metrics(image_features, text_features, sigmoid=sigmoid)
         if classnames and labels is not None:
             classifier = zero_shot_classifier(model, tokenizer, image_processor, classnames, templates, **kw)
-            metrics.update(zero_shot_accuracy(image_features, classifier, labels))
+            metrics.update(zero_shot_accuracy(image_features, classifier, labels, sigmoid=sigmoid))
     finally:
         model.train(was_training)
     return metrics

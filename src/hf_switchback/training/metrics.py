@@ -33,9 +33,18 @@ def peak_memory(accelerator) -> dict:
     }
 
 
+def _full_value(param):
+    value = param.detach()
+    if hasattr(value, "full_tensor"):  # FSDP2 keeps it as a (sharded) DTensor between forwards
+        value = value.full_tensor()
+    return value.float().reshape(-1)[0]
+
+
 def logit_scale_value(clip) -> float:
-    """exp(logit_scale) of a CLIPModel, also when FSDP2 holds it as a sharded DTensor."""
-    scale = clip.logit_scale.detach()
-    if hasattr(scale, "full_tensor"):  # FSDP2 keeps it as a (sharded) DTensor between forwards
-        scale = scale.full_tensor()
-    return scale.exp().item()
+    """exp(logit_scale) of a CLIPModel / SiglipModel, also when FSDP2 holds it as a sharded DTensor."""
+    return _full_value(clip.logit_scale).exp().item()
+
+
+def logit_bias_value(model) -> float:
+    """A SiglipModel's logit_bias, also when FSDP2 holds it as a sharded DTensor."""
+    return _full_value(model.logit_bias).item()

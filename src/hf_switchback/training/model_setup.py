@@ -1,12 +1,17 @@
-"""The model of a train_clip.py run, from its flags: CLIPModel + processor, the SwitchBack config, tower locks.
+"""The model of a train_clip.py run, from its flags: CLIPModel or SiglipModel + processor, the SwitchBack
+config, tower locks.
 
 Three routes: --model_name_or_path (pretrained weights and processor), --model_config (random init from a
-CLIPConfig json), or the embedded default (a CLIP small enough to learn the synthetic set on a CPU in minutes).
+CLIPConfig or SiglipConfig json), or the embedded default (a CLIP small enough to learn the synthetic set on a
+CPU in minutes). The model type comes from the config's `model_type`; any other type is refused, never read as
+a CLIP config.
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import math
 
 from ..config import SwitchBackConfig
 from . import synthetic
@@ -52,6 +57,49 @@ def default_clip(tokenizer, image_size: int):
     return CLIPModel(config), CLIPProcessor(image_processor=image_processor, tokenizer=tokenizer)
 
 
+# model_type -> what trains it; the loss follows the type (ClipLoss / SigLipLoss).
+MODEL_TYPES = ("clip", "siglip")
+# SigLIP's from-scratch init (Zhai et al. 2023): temperature 10 and bias -10, so that the many negatives of a
+# batch start near probability 0 instead of flooding the first steps with loss. transformers' own init is 1 / 0.
+SIGLIP_INIT_LOGIT_SCALE, SIGLIP_INIT_LOGIT_BIAS = math.log(10.0), -10.0
+
+
+def model_type(args) -> str:
+    """ "clip" or "siglip", from the config that --model_name_or_path / --model_config names ("clip" for the
+    embedded default and for a config json without model_type); raise ValueError for any other type."""
+    if args.model_name_or_path:
+        from transformers import AutoConfig
+
+        kind, source = AutoConfig.from_pretrained(args.model_name_or_path).model_type, args.model_name_or_path
+    elif args.model_config:
+        with open(args.model_config, encoding="utf-8") as f:
+            kind, source = json.load(f).get("model_type", "clip"), args.model_config
+    else:
+        return "clip"
+    if kind in MODEL_TYPES:
+        return kind
+    hint = ""
+    if kind == "siglip2":
+        hint = (
+            " SigLIP 2 takes NaFlex inputs (variable-length patch sequences with pixel_attention_mask and "
+            "spatial_shapes), which this script's fixed-size image pipeline does not produce; apply_switchback "
+            "and from_pretrained(..., quantization_config=SwitchBackConfig()) do support Siglip2Model in a "
+            "training loop of your own."
+        )
+    raise ValueError(
+        f"{source} is a {kind!r} model; train_clip.py trains {' and '.join(MODEL_TYPES)} models.{hint}"
+    )
+
+
+def init_siglip_logits(model) -> None:
+    """SigLIP's from-scratch temperature and bias (log 10, -10), in place."""
+    import torch
+
+    with torch.no_grad():
+        model.logit_scale.fill_(SIGLIP_INIT_LOGIT_SCALE)
+        model.logit_bias.fill_(SIGLIP_INIT_LOGIT_BIAS)
+
+
 def load_model_and_processor(args):
     """--model_name_or_path (weights + processor), --model_config (random init), or the embedded default."""
     from transformers import (
@@ -61,11 +109,16 @@ def load_model_and_processor(args):
         CLIPImageProcessorPil,
         CLIPModel,
         CLIPProcessor,
+        SiglipConfig,
+        SiglipImageProcessorPil,
+        SiglipModel,
+        SiglipProcessor,
     )
 
+    kind = model_type(args)
     if args.model_name_or_path:
-        clip = CLIPModel.from_pretrained(args.model_name_or_path)
-        return clip, AutoProcessor.from_pretrained(args.model_name_or_path)
+        model = (SiglipModel if kind == "siglip" else CLIPModel).from_pretrained(args.model_name_or_path)
+        return model, AutoProcessor.from_pretrained(args.model_name_or_path)
     if args.tokenizer_name_or_path:
         tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_name_or_path)
         tokenizer.model_max_length = min(tokenizer.model_max_length, args.max_text_length)
@@ -78,12 +131,19 @@ def load_model_and_processor(args):
             )
     if not args.model_config:
         return default_clip(tokenizer, DEFAULT_IMAGE_SIZE)
-    config = CLIPConfig.from_json_file(args.model_config)
+    config = (SiglipConfig if kind == "siglip" else CLIPConfig).from_json_file(args.model_config)
     if config.text_config.vocab_size < len(tokenizer):
         raise ValueError(
             f"--model_config has text vocab_size {config.text_config.vocab_size} < the tokenizer's {len(tokenizer)}"
         )
     side = config.vision_config.image_size
+    if kind == "siglip":
+        # SigLIP resizes to the square (no centre crop), normalizes to [-1, 1], and its text tower pools the
+        # last position: Collate and evaluation pad every caption to max_length, so that is always one slot.
+        model = SiglipModel(config)
+        init_siglip_logits(model)
+        image_processor = SiglipImageProcessorPil(size={"height": side, "width": side})
+        return model, SiglipProcessor(image_processor=image_processor, tokenizer=tokenizer)
     image_processor = CLIPImageProcessorPil(
         size={"shortest_edge": side}, crop_size={"height": side, "width": side}
     )
@@ -97,10 +157,12 @@ def switchback_config(args) -> SwitchBackConfig:
 
 
 def lock_towers(model, lock_image: bool, lock_text: bool) -> None:
-    """Freeze a whole tower and its projection (OpenCLIP's --lock-image / --lock-text, fully locked)."""
+    """Freeze a whole tower and its projection (OpenCLIP's --lock-image / --lock-text, fully locked); SigLIP's
+    towers hold their heads, and it has no projections."""
     towers = [("vision_model", "visual_projection")] * lock_image + [
         ("text_model", "text_projection")
     ] * lock_text
     for names in towers:
         for name in names:
-            getattr(model, name).requires_grad_(False)
+            if hasattr(model, name):
+                getattr(model, name).requires_grad_(False)

@@ -89,8 +89,11 @@ def logit_scale_to_1d(clip: nn.Module) -> None:
         clip.logit_scale = nn.Parameter(scale.detach().reshape(1), requires_grad=scale.requires_grad)
 
 
-def export_state_dict(state_dict: dict) -> dict:
-    """A (gathered) state dict as CLIPModel stores it: the 1-D `logit_scale` back to a 0-d tensor."""
+def export_state_dict(state_dict: dict, scalar_logit_scale: bool = True) -> dict:
+    """A (gathered) state dict as the model class stores it: CLIPModel's `logit_scale` back to 0-d.
+    scalar_logit_scale=False for SiglipModel, whose `logit_scale` (and `logit_bias`) are (1,) already."""
+    if not scalar_logit_scale:
+        return state_dict
     return {
         k: v.reshape(()) if k.endswith("logit_scale") and v.numel() == 1 else v for k, v in state_dict.items()
     }
