@@ -142,3 +142,36 @@ def test_push_rejects_mismatched_config_before_creating_repo(hub_calls):
             metrics={},
         )
     assert hub_calls == {}
+
+
+def test_siglip_model_card_and_saved_folder(tmp_path):
+    from transformers import SiglipConfig, SiglipModel
+
+    from hf_switchback.hub import save_for_hub
+
+    text = model_card(
+        "me/siglip-sb", switchback_config=CONFIG, training_args={}, metrics={}, model_class="SiglipModel"
+    )
+    assert "siglip" in ModelCard(text).data.tags and "clip" not in ModelCard(text).data.tags
+    assert (
+        "torch.sigmoid(outputs.logits_per_image)" in text
+        and 'SiglipModel.from_pretrained("me/siglip-sb")' in text
+    )
+    assert "sigmoid" not in model_card("me/c", switchback_config=CONFIG, training_args={}, metrics={})
+
+    tower = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2)
+    model = SiglipModel(
+        SiglipConfig(
+            text_config=dict(tower, vocab_size=64), vision_config=dict(tower, image_size=16, patch_size=8)
+        )
+    )
+    apply_switchback(model, CONFIG)
+    save_for_hub(
+        model, None, tmp_path, "me/siglip-sb", switchback_config=CONFIG, training_args={}, metrics={}
+    )
+    assert (
+        json.loads((tmp_path / "config.json").read_text())["quantization_config"]["quant_method"]
+        == "switchback"
+    )
+    assert "SiglipModel" in (tmp_path / "README.md").read_text()
+    assert set(switchback_modules(SiglipModel.from_pretrained(tmp_path))) == set(switchback_modules(model))

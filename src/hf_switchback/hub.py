@@ -68,10 +68,16 @@ def model_card(
     args = _public_args(training_args)
     base = _hub_id_or_none(base_model) or _hub_id_or_none(args.get("model_name_or_path"))
     datasets = [str(args[k]) for k in DATASET_KEYS if args.get(k)]
+    siglip = model_class.startswith("Siglip")
     card_data = ModelCardData(
         library_name="transformers",
         pipeline_tag="zero-shot-image-classification",
-        tags=["clip", "switchback", "hf_switchback", f"{switchback_config.precision}-training"],
+        tags=[
+            "siglip" if siglip else "clip",
+            "switchback",
+            "hf_switchback",
+            f"{switchback_config.precision}-training",
+        ],
         base_model=base,
         datasets=[d for d in datasets if _hub_id_or_none(d)] or None,
     )
@@ -83,7 +89,7 @@ def model_card(
         "([Wortsman, Dettmers et al., 2023](https://arxiv.org/abs/2304.13013)) using "
         "`hf_switchback`. Forward and input-gradient matmuls of the selected linears ran "
         "in 8 bit; the weight gradient and everything else in 16 bit. The weights are stored unquantized, as "
-        "ordinary safetensors.",
+        "ordinary safetensors." + (SIGLIP_NOTE if siglip else ""),
         "## Base model\n\n"
         + (f"Fine-tuned from [{base}](https://huggingface.co/{base})." if base else "Trained from scratch."),
         "## SwitchBack configuration\n\n" + _table(sb, ("field", "value")),
@@ -94,6 +100,14 @@ def model_card(
         _usage(repo_id, model_class),
     ]
     return "\n\n".join(sections) + "\n"
+
+
+SIGLIP_NOTE = (
+    " Trained with SigLIP's sigmoid loss ([Zhai et al., 2023](https://arxiv.org/abs/2303.15343)): each "
+    "image-text pair is scored on its own, p(match) = `torch.sigmoid(outputs.logits_per_image)` (not a softmax "
+    'over the candidates). Tokenize text with `padding="max_length"`, as in training: the text tower pools '
+    "the last position."
+)
 
 
 def _usage(repo_id: str, model_class: str) -> str:

@@ -82,6 +82,11 @@ def write_tiny_model_config(path: str) -> str:
     return path
 
 
+def write_tiny_siglip_config(path: str) -> str:
+    tiny_siglip_config().to_json_file(path)
+    return path
+
+
 def clean_env() -> dict:
     """Subprocess env: offline, single-threaded BLAS/OMP (2 processes on 2 cores), this venv first on PATH (and
     PYTHONPATH kept, so a checkout run with PYTHONPATH=src launches its own package)."""

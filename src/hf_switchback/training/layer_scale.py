@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 from transformers.models.clip.modeling_clip import CLIPEncoderLayer
+from transformers.models.siglip.modeling_siglip import SiglipEncoderLayer
 
 __all__ = [
     "LayerScale",
@@ -66,8 +67,12 @@ class _ScaleBranchOutput:
         return self.layer_scale(output)
 
 
-def _encoder_layers(model: nn.Module) -> list[CLIPEncoderLayer]:
-    layers = [m for m in model.modules() if isinstance(m, CLIPEncoderLayer)]
+# SigLIP's encoder layer has CLIP's layout (self_attn.out_proj, mlp.fc2, the same residual adds).
+_ENCODER_LAYERS = (CLIPEncoderLayer, SiglipEncoderLayer)
+
+
+def _encoder_layers(model: nn.Module) -> list[nn.Module]:
+    layers = [m for m in model.modules() if isinstance(m, _ENCODER_LAYERS)]
     if not layers:
         raise ValueError(f"{type(model).__name__} has no CLIPEncoderLayer to add layer-scale to")
     return layers

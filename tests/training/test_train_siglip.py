@@ -1,0 +1,125 @@
+"""train_clip.py with SigLIP: the model type read from the config (others refused), SigLIP's init, patch
+dropout and layer-scale on SiglipModel, the shipped tiny config learning, and a 2-rank run that checkpoints,
+resumes exactly and saves a plain SiglipModel."""
+
+import argparse
+import json
+import math
+import os
+import shutil
+
+import pytest
+import torch
+from train_helpers import (
+    REPO,
+    SCRIPT,
+    launch,
+    logged_losses,
+    read_results,
+    tiny_model,
+    write_tiny_siglip_config,
+)
+
+from hf_switchback.training import model_setup
+from hf_switchback.training.layer_scale import add_layer_scale, fold_layer_scale
+from hf_switchback.training.patch_dropout import add_patch_dropout
+
+SIGLIP_TINY = os.path.join(REPO, "examples", "configs", "siglip-tiny.json")
+
+
+def setup_args(**kw):
+    defaults = dict(
+        model_name_or_path=None, model_config=None, tokenizer_name_or_path=None, max_text_length=16
+    )
+    defaults.update(train_file=None, train_data_dir=None, train_shards=None, dataset_name=None)
+    return argparse.Namespace(**{**defaults, **kw})
+
+
+@pytest.mark.parametrize(
+    "model_type,message",
+    [("bert", "'bert' model; train_clip.py trains clip and siglip"), ("siglip2", "NaFlex")],
+)
+def test_configs_of_other_model_types_are_refused(tmp_path, model_type, message):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"model_type": model_type, "hidden_size": 32}))
+    with pytest.raises(ValueError, match=message):
+        model_setup.load_model_and_processor(setup_args(model_config=str(path)))
+
+
+def test_model_type_of_each_route(tmp_path):
+    assert model_setup.model_type(setup_args()) == "clip"  # the embedded default
+    assert model_setup.model_type(setup_args(model_config=SIGLIP_TINY)) == "siglip"
+    legacy = tmp_path / "no_type.json"
+    legacy.write_text(json.dumps({"projection_dim": 16}))
+    assert model_setup.model_type(setup_args(model_config=str(legacy))) == "clip"
+
+
+def test_siglip_config_builds_a_siglip_model_with_siglip_init():
+    from transformers import SiglipModel, SiglipProcessor
+
+    model, processor = model_setup.load_model_and_processor(setup_args(model_config=SIGLIP_TINY))
+    assert isinstance(model, SiglipModel) and isinstance(processor, SiglipProcessor)
+    assert model.logit_scale.shape == (1,) and model.logit_scale.item() == pytest.approx(math.log(10))
+    assert model.logit_bias.item() == -10.0
+    assert processor.image_processor.size == {"height": 32, "width": 32}
+    assert model.config.text_config.vocab_size >= len(processor.tokenizer)
+
+
+def test_patch_dropout_and_layer_scale_on_siglip():
+    model = tiny_model(siglip=True)
+    embeddings = model.vision_model.embeddings
+    pixels = torch.randn(8, 3, 32, 32)
+    full = embeddings(pixels)  # (8, 16 patches, D): no class token
+    handle = add_patch_dropout(model, 0.5)
+    dropped = embeddings(pixels)
+    assert dropped.shape == (8, 8, full.shape[-1])
+    for b in range(8):  # 8 distinct patches of the sample's own
+        matches = (dropped[b, :, None] == full[b, None]).all(-1).nonzero()[:, 1]
+        assert len(set(matches.tolist())) == 8
+    # no token is kept by position (CLIP keeps its class token first): patch 0 is not always first
+    assert not all(torch.equal(dropped[b, 0], full[b, 0]) for b in range(8))
+    handle.remove()
+
+    batch = {"input_ids": torch.tensor([[2, 5, 6, 3]]), "pixel_values": pixels[:1]}
+    with torch.no_grad():
+        before = model(**batch).logits_per_image
+    add_layer_scale(model, 0.5)
+    with torch.no_grad():
+        scaled = model(**batch).logits_per_image
+        fold_layer_scale(model)
+        assert torch.allclose(model(**batch).logits_per_image, scaled, atol=1e-5)
+    assert not torch.allclose(scaled, before)
+
+
+@pytest.mark.slow
+def test_two_rank_siglip_run_checkpoints_resumes_and_saves_a_siglip_model(tmp_path):
+    """2 ranks (gloo), accum_freq 2, SwitchBack on: the sigmoid loss across ranks inside the script; losses
+    after resuming from the step-2 checkpoint equal the uninterrupted run's; the result is a SiglipModel."""
+    from transformers import SiglipModel
+
+    config = write_tiny_siglip_config(str(tmp_path / "siglip.json"))
+    common = [SCRIPT, "--model_config", config, "--max_train_steps", "4", "--batch_size", "8", "--accum_freq", "2",
+              "--siglip_dist_impl", "shift", "--num_workers", "0", "--logging_steps", "1", "--log_losses",
+              "--eval_steps", "0", "--max_eval_samples", "16", "--checkpointing_steps", "2",
+              "--synthetic_train_samples", "256"]  # fmt: skip
+    full = launch([*common, "--output_dir", str(tmp_path / "full")], num_processes=2)
+    full_losses = logged_losses(full.stdout)
+    assert sorted(full_losses) == [1, 2, 3, 4]
+    shutil.copytree(
+        tmp_path / "full" / "checkpoints" / "step_2", tmp_path / "resumed" / "checkpoints" / "step_2"
+    )
+    resumed = launch(
+        [*common, "--output_dir", str(tmp_path / "resumed"), "--resume_from_checkpoint", "latest"],
+        num_processes=2,
+    )
+    resumed_losses = logged_losses(resumed.stdout)
+    assert sorted(resumed_losses) == [3, 4]
+    for step in (3, 4):
+        assert resumed_losses[step] == pytest.approx(full_losses[step], rel=1e-6, abs=1e-6), step
+
+    results = read_results(tmp_path / "full")
+    assert 0 < results["pair_prob_matching"] < 1 and 0 < results["pair_prob_other"] < 1
+    saved = json.loads((tmp_path / "full" / "config.json").read_text())
+    assert saved["model_type"] == "siglip"
+    model = SiglipModel.from_pretrained(tmp_path / "full")  # plain transformers class, every weight present
+    assert model.logit_scale.shape == (1,) and model.logit_bias.shape == (1,)
