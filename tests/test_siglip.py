@@ -20,14 +20,8 @@ from hf_switchback import (
 from hf_switchback.mlp import is_fused_mlp
 
 TORCH = SwitchBackConfig(backend="torch")
-PER_LAYER = (
-    "self_attn.q_proj",
-    "self_attn.k_proj",
-    "self_attn.v_proj",
-    "self_attn.out_proj",
-    "mlp.fc1",
-    "mlp.fc2",
-)
+# SigLIP's encoder layers name their linears as CLIP's do
+PER_LAYER = (*(f"self_attn.{p}_proj" for p in ("q", "k", "v", "out")), "mlp.fc1", "mlp.fc2")
 HEADS = ("text_model.head", "vision_model.head.mlp.fc1", "vision_model.head.mlp.fc2")
 
 
