@@ -1,7 +1,8 @@
-"""End-to-end CLIP training step speed: bf16 vs SwitchBack vs torchao float8, one process, one table.
+"""End-to-end CLIP / SigLIP training step speed: bf16 vs SwitchBack vs torchao float8, one process, one table.
 
-Each row is one HF CLIPModel built from examples/configs/<model>.json (random init, no download) trained on
-random data: forward with CLIP's contrastive loss, backward, AdamW step (fused on CUDA), bf16 autocast, SDPA
+Each row is one HF CLIPModel (SiglipModel for siglip-*) built from examples/configs/<model>.json (random init,
+no download) trained on random data: forward with the model's own loss (CLIP's contrastive, SigLIP's sigmoid;
+transformers' return_loss), backward, AdamW step (fused on CUDA), bf16 autocast, SDPA
 attention. Ratios are against bf16 eager and bf16 + compile measured in the same run. Every finished row is
 printed as one JSON line and rewritten to --json at once, so a killed process keeps what it measured.
 
@@ -54,6 +55,7 @@ MODELS = {
     "vit-b-16": dict(config="clip-vit-b-16.json", batch=256),
     "vit-l-14": dict(config="clip-vit-l-14.json", batch=128),
     "vit-h-14": dict(config="clip-vit-h-14.json", batch=64),
+    "siglip-b-16": dict(config="siglip-vit-b-16.json", batch=256),
 }
 TEXT_TOKENS = 77
 # --tiny: the same model family at CPU-test size (the smoke mode and tests/test_benchmarks.py)
@@ -89,10 +91,11 @@ CHOICES = tuple(base + suffix for base in BASES for suffix in ("", "+compile"))
 
 
 def clip_config(name: str, tiny: bool = False):
-    """CLIPConfig of examples/configs/<model>.json; `tiny` shrinks both towers to CPU-test size."""
-    from transformers import CLIPConfig
+    """CLIPConfig (SiglipConfig) of examples/configs/<model>.json; `tiny` shrinks both towers to CPU-test size."""
+    from transformers import CLIPConfig, SiglipConfig
 
-    config = CLIPConfig.from_json_file(CONFIG_DIR / MODELS[name]["config"])
+    path = CONFIG_DIR / MODELS[name]["config"]
+    config = (SiglipConfig if name.startswith("siglip") else CLIPConfig).from_json_file(path)
     if tiny:
         for key, value in TINY_TOWER.items():
             setattr(config.text_config, key, value)
@@ -100,19 +103,21 @@ def clip_config(name: str, tiny: bool = False):
         config.vision_config.image_size, config.vision_config.patch_size = 32, 8
         config.projection_dim = config.text_config.projection_dim = config.vision_config.projection_dim = 32
         config.text_config.vocab_size = 64
+        if config.model_type == "siglip":
+            config.text_config.projection_size = TINY_TOWER["hidden_size"]  # the text head's output width
     return config
 
 
 def build_model(
     config, variant: str, grad_ckpt: bool, compile_mode: str, device: str, inductor_mode: str = "default"
 ):
-    """The CLIPModel of one table row, converted and (for +compile) compiled, in training mode."""
-    from transformers import CLIPModel
+    """The CLIPModel / SiglipModel of one table row, converted and (for +compile) compiled, in training mode."""
+    from transformers import CLIPModel, SiglipModel
 
     from hf_switchback import SwitchBackConfig, apply_switchback
 
     with torch.device(device):  # init on the GPU: ViT-H/14's random init on the CPU takes tens of seconds
-        model = CLIPModel(config)
+        model = (SiglipModel if config.model_type == "siglip" else CLIPModel)(config)
     model.train()  # HF only checkpoints in training mode
     if grad_ckpt:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -162,7 +167,7 @@ def time_training(
     side = config.vision_config.image_size
     text_tokens = min(TEXT_TOKENS, config.text_config.max_position_embeddings)
     ids = torch.randint(4, config.text_config.vocab_size, (batch, text_tokens), device=device)
-    ids[:, -1] = config.text_config.eos_token_id  # the text tower pools at the first eos token
+    ids[:, -1] = config.text_config.eos_token_id  # CLIP pools at the first eos token, SigLIP at the last
     pixels = torch.randn(batch, 3, side, side, device=device)
 
     def step() -> torch.Tensor:
@@ -360,7 +365,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS), help="CLIP sizes")
+    parser.add_argument(
+        "--models",
+        nargs="+",
+        choices=list(MODELS),
+        default=[m for m in MODELS if m.startswith("vit")],
+        help="model sizes (default: the CLIP ones)",
+    )
     parser.add_argument("--variants", nargs="+", choices=CHOICES, default=list(VARIANTS), help="table rows")
     parser.add_argument(
         "--grad_ckpt",

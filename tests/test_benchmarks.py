@@ -115,6 +115,21 @@ def test_bench_train_models_come_from_configs():
     )
 
 
+def test_bench_train_siglip_row_builds_a_switchback_siglip_model():
+    from transformers import SiglipModel
+
+    from hf_switchback import switchback_modules
+
+    bench = load_script("bench_train")
+    full = bench.clip_config("siglip-b-16")
+    assert full.model_type == "siglip" and full.vision_config.patch_size == 16
+    assert (full.vision_config.hidden_size, full.text_config.max_position_embeddings) == (768, 64)
+    model = bench.build_model(bench.clip_config("siglip-b-16", tiny=True), "int8", False, "layers", "cpu")
+    assert isinstance(model, SiglipModel) and len(switchback_modules(model)) == 2 * 2 * 6
+    ids, pixels = torch.randint(4, 64, (2, 64)), torch.randn(2, 3, 32, 32)
+    assert torch.isfinite(model(input_ids=ids, pixel_values=pixels, return_loss=True).loss)
+
+
 @pytest.mark.slow
 def test_parity_cpu_smoke(tmp_path):
     """One tiny bf16 training run through train_clip.py, its log parsed into the table and JSON."""
