@@ -42,6 +42,16 @@ def test_siglip_loss_matches_transformers_siglip_model():
     assert SigLipLoss()(image, text, scale, bias) != SigLipLoss()(image, text, scale, bias + 1)
 
 
+def test_siglip_loss_sums_in_float32_under_bf16_autocast():
+    features = F.normalize(torch.randn(256, 32, generator=torch.Generator().manual_seed(0)), dim=-1)
+    scale, bias = torch.tensor(10.0), torch.tensor(-10.0)
+    reference = sigmoid_loss(features.double(), features.double(), scale.double(), bias.double())
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = SigLipLoss()(features, features, scale, bias)
+    # 65536 terms: a bf16 sum would be off by ~0.4% (8 bits of mantissa); the matmul's own rounding is less
+    assert loss.dtype == torch.float32 and abs(loss.item() / reference.item() - 1) < 1e-3
+
+
 def test_siglip_loss_refuses_bad_arguments():
     with pytest.raises(ValueError, match="dist_impl must be one of"):
         SigLipLoss(dist_impl="ring")

@@ -103,6 +103,9 @@ def sigmoid_loss_sum(
 ) -> torch.Tensor:
     """sum of -log sigmoid(label * logits) over the (B_i, B_t) block; label +1 on the diagonal if `positives`."""
     logits = logit_scale * image_features @ text_features.T + logit_bias
+    if logits.dtype in (torch.float16, torch.bfloat16):
+        # the sum runs over B_i x B_t terms: in fp32, as cross-entropy autocasts (the matmul stays 16-bit)
+        logits = logits.float()
     signs = -torch.ones_like(logits)
     if positives:
         signs.diagonal().fill_(1.0)
