@@ -40,6 +40,8 @@ Real models and data:
 
 Batch sizes: --batch_size is per device and per micro-batch; one optimizer step sees
 batch_size x accum_freq x num_processes image-text pairs, all of them negatives for each other.
+Flag names from transformers' run_clip.py that mean the same here work too (--per_device_train_batch_size,
+--learning_rate, --max_steps, --bf16, ...: `--help` shows each as its flag's second name).
 """
 
 from __future__ import annotations
@@ -65,6 +67,7 @@ from hf_switchback.training.checkpoints import (
     save_checkpoint,
 )
 from hf_switchback.training.cli import build_parser, check_args
+from hf_switchback.training.console import console, setup_logging
 from hf_switchback.training.evaluation import evaluate
 from hf_switchback.training.layer_scale import add_layer_scale, fold_layer_scale, fold_layer_scale_state_dict
 from hf_switchback.training.losses import ClipLoss
@@ -109,9 +112,7 @@ def training_function(args):
         step_scheduler_with_optimizer=False,
         dynamo_plugin=dynamo_plugin(args),
     )
-    logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO)
-    if not accelerator.is_main_process:
-        logging.getLogger().setLevel(logging.WARNING)
+    setup_logging(accelerator.is_main_process)  # through tqdm.write: log lines never land on the progress bar
     if (
         accelerator.distributed_type == DistributedType.MULTI_CPU
         and os.environ.get("ACCELERATE_USE_FSDP") == "true"
@@ -122,6 +123,7 @@ def training_function(args):
         check_deepspeed(accelerator, args)  # before anything is loaded: it can refuse the run
     set_seed(args.seed)
     os.makedirs(args.output_dir, exist_ok=True)
+    accelerator.print(f"output directory: {os.path.abspath(args.output_dir)}")
 
     # Model + SwitchBack
     clip, processor = load_model_and_processor(args)
@@ -229,7 +231,7 @@ def training_function(args):
             device=accelerator.device,
         )
         accelerator.log({f"eval/{k}": v for k, v in metrics.items()}, step=step)
-        accelerator.print(f"step {step}: " + ", ".join(f"{k} {v:.3f}" for k, v in sorted(metrics.items())))
+        console(accelerator, f"step {step}: " + ", ".join(f"{k} {v:.3f}" for k, v in sorted(metrics.items())))
         append_log(accelerator, log_path, {"step": step, **metrics})
         return metrics
 
@@ -314,7 +316,7 @@ def training_function(args):
                 },
             )
             if args.log_losses:
-                accelerator.print(f"step {state['step']} loss {logs['train/loss']:.8f}")
+                console(accelerator, f"step {state['step']} loss {logs['train/loss']:.8f}")
         if args.eval_steps and state["step"] % args.eval_steps == 0 and state["step"] < args.max_train_steps:
             run_eval(state["step"])
         if args.checkpointing_steps and state["step"] % args.checkpointing_steps == 0:
@@ -344,6 +346,9 @@ def training_function(args):
         "train_steps": state["step"],
         "train_skipped_samples": sum_over_ranks(accelerator, state["num_skipped"]),
         "eval_samples": len(eval_set[0]),
+        # what ran: autocast dtype ("no", "bf16", "fp16") and the SwitchBack config (null: --switchback off)
+        "mixed_precision": accelerator.mixed_precision,
+        "switchback": sb_config.to_dict() if sb_config else None,
     }
     if monitor:
         results["spike_monitor_warnings"] = len(monitor.warnings)
@@ -362,8 +367,13 @@ def training_function(args):
         with open(os.path.join(args.output_dir, "all_results.json"), "w") as f:
             json.dump(results, f, indent=2)
         accelerator.print(json.dumps(results, indent=2))
+        saved = ["the model, processor, all_results.json, train_log.jsonl"]
         if monitor:
             monitor.save_plot(os.path.join(args.output_dir, "spike_monitor.png"))
+            saved.append("spike_monitor.png")
+        if args.checkpointing_steps:
+            saved.append("checkpoints/")
+        accelerator.print(f"saved {', '.join(saved)} in {os.path.abspath(args.output_dir)}")
         if args.push_to_hub:
             if args.layer_scale_init is not None:
                 fold_layer_scale(clip)  # training is over: upload a plain CLIPModel
