@@ -346,7 +346,10 @@ def training_function(args):
         "train_steps": state["step"],
         "train_skipped_samples": sum_over_ranks(accelerator, state["num_skipped"]),
         "eval_samples": len(eval_set[0]),
-        # what ran: autocast dtype ("no", "bf16", "fp16") and the SwitchBack config (null: --switchback off)
+        # what ran: the model type and its loss, autocast dtype ("no", "bf16", "fp16") and the SwitchBack config
+        # (null: --switchback off)
+        "model_type": clip.config.model_type,
+        "loss_fn": f"siglip/{args.siglip_dist_impl}" if siglip else "clip",
         "mixed_precision": accelerator.mixed_precision,
         "switchback": sb_config.to_dict() if sb_config else None,
     }

@@ -118,6 +118,7 @@ def test_two_rank_siglip_run_checkpoints_resumes_and_saves_a_siglip_model(tmp_pa
         assert resumed_losses[step] == pytest.approx(full_losses[step], rel=1e-6, abs=1e-6), step
 
     results = read_results(tmp_path / "full")
+    assert (results["model_type"], results["loss_fn"]) == ("siglip", "siglip/shift")
     assert 0 < results["pair_prob_matching"] < 1 and 0 < results["pair_prob_other"] < 1
     saved = json.loads((tmp_path / "full" / "config.json").read_text())
     assert saved["model_type"] == "siglip"
