@@ -46,6 +46,20 @@ def test_configs_of_other_model_types_are_refused(tmp_path, model_type, message)
         model_setup.load_model_and_processor(setup_args(model_config=str(path)))
 
 
+def test_script_refuses_another_model_type_before_loading_anything(tmp_path, capsys):
+    from hf_switchback.training.cli import build_parser, check_args
+
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"model_type": "bert"}))
+    parser = build_parser()
+    args = parser.parse_args(["--model_config", str(path)])
+    with pytest.raises(SystemExit) as exit_info:
+        check_args(parser, args)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "--model_config: " in err and "'bert' model; train_clip.py trains clip and siglip" in err
+
+
 def test_model_type_of_each_route(tmp_path):
     assert model_setup.model_type(setup_args()) == "clip"  # the embedded default
     assert model_setup.model_type(setup_args(model_config=SIGLIP_TINY)) == "siglip"

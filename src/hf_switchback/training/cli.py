@@ -16,7 +16,7 @@ import os
 from ..config import BACKENDS, GRAD_PRECISIONS, PRECISIONS, WEIGHT_SCALINGS, SwitchBackConfig
 from . import synthetic
 from .data import CAPTION_COLUMNS, IMAGE_COLUMNS
-from .model_setup import SWITCHBACK_FLAGS
+from .model_setup import SWITCHBACK_FLAGS, model_type
 from .optimizers import OPTIMIZER_CHOICES
 from .runtime import COMPILE_MODES
 from .siglip_loss import DIST_IMPLS
@@ -341,6 +341,11 @@ def check_args(parser: argparse.ArgumentParser, args) -> None:
         parser.error(
             "--model_name_or_path and --model_config are exclusive (pretrained weights vs random init)"
         )
+    if args.model_config:
+        try:  # a local json: read its model_type now, so another model's config never starts a run
+            model_type(args)
+        except (OSError, ValueError) as err:
+            parser.error(f"--model_config: {err}")
     if args.model_name_or_path and args.tokenizer_name_or_path:
         parser.error(
             "--tokenizer_name_or_path is for random init: --model_name_or_path brings its own tokenizer"
