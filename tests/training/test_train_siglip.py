@@ -79,6 +79,47 @@ def test_siglip_config_builds_a_siglip_model_with_siglip_init():
     assert model.config.text_config.vocab_size >= len(processor.tokenizer)
 
 
+def test_pretrained_siglip_loads_as_siglip_and_keeps_its_logit_params(tmp_path):
+    from transformers import SiglipModel
+
+    _, processor = model_setup.load_model_and_processor(setup_args(model_config=SIGLIP_TINY))
+    pretrained = tiny_model(siglip=True)
+    with torch.no_grad():
+        pretrained.logit_scale.fill_(1.5)
+        pretrained.logit_bias.fill_(-3.0)
+    pretrained.save_pretrained(tmp_path)
+    processor.save_pretrained(tmp_path)
+    model, loaded_processor = model_setup.load_model_and_processor(
+        setup_args(model_name_or_path=str(tmp_path))
+    )
+    assert isinstance(model, SiglipModel) and type(loaded_processor) is type(processor)
+    assert (model.logit_scale.item(), model.logit_bias.item()) == (1.5, -3.0)  # no from-scratch init
+
+
+def test_sigmoid_eval_ranks_by_logits_and_reports_probabilities():
+    from hf_switchback.training.evaluation import retrieval_metrics, zero_shot_accuracy
+
+    # pair 0's right text is only second best for image 0 (cos 0.8 vs 0.9); at scale 100 both sigmoids round to
+    # 1.0 in float32, so ranking by probability would call it a tie and a hit
+    image = torch.tensor([[1.0, 0.0], [0.0, 1.0]])
+    text = torch.tensor([[0.8, 0.6], [0.9, math.sqrt(1 - 0.81)]])
+    cosine = retrieval_metrics(image, text)
+    sigmoid = retrieval_metrics(image, text, sigmoid=(100.0, 0.0))
+    assert sigmoid["image_to_text_R@1"] == cosine["image_to_text_R@1"] == 0.0
+    probs = torch.sigmoid(100.0 * image @ text.T)
+    assert sigmoid["pair_prob_matching"] == pytest.approx(probs.diagonal().mean().item())
+    assert sigmoid["pair_prob_other"] == pytest.approx((probs.sum() - probs.diagonal().sum()).item() / 2)
+    assert "pair_prob_matching" not in cosine
+
+    shot = zero_shot_accuracy(image, text, labels=[0, 1], sigmoid=(10.0, -5.0))
+    assert shot["zero_shot_top1"] == zero_shot_accuracy(image, text, labels=[0, 1])["zero_shot_top1"] == 0.0
+    class_probs = torch.sigmoid(10.0 * image @ text.T - 5.0)
+    assert shot["zero_shot_prob_true"] == pytest.approx(class_probs.diagonal().mean().item())
+    assert shot["zero_shot_classes_above_half"] == pytest.approx(
+        (class_probs > 0.5).sum(1).float().mean().item()
+    )
+
+
 def test_patch_dropout_and_layer_scale_on_siglip():
     model = tiny_model(siglip=True)
     embeddings = model.vision_model.embeddings
