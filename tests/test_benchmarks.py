@@ -130,6 +130,26 @@ def test_bench_train_siglip_row_builds_a_switchback_siglip_model():
     assert torch.isfinite(model(input_ids=ids, pixel_values=pixels, return_loss=True).loss)
 
 
+def test_bench_loss_memory_computes_rank0s_share_of_each_loss():
+    """The benchmark's stand-ins compute what rank 0 would: checked on the CPU against the formulas."""
+    import torch.nn.functional as F
+
+    bench = load_script("bench_loss_memory")
+    g = torch.Generator().manual_seed(0)
+    image, text = (F.normalize(torch.randn(16, 8, generator=g, dtype=torch.float64), dim=-1) for _ in "it")
+    logits = 10.0 * image @ text.T
+    labels = torch.arange(16)
+    signs = 2 * torch.eye(16, dtype=torch.float64) - 1
+    assert torch.allclose(
+        bench.rank0_loss("clip-global", image, text, 4),
+        (F.cross_entropy(logits, labels) + F.cross_entropy(logits.T, labels)) / 2,
+    )
+    local = (F.cross_entropy(logits[:4], labels[:4]) + F.cross_entropy(logits.T[:4], labels[:4])) / 2
+    assert torch.allclose(bench.rank0_loss("clip-local", image, text, 4), local)
+    siglip = -F.logsigmoid(signs[:4] * (logits[:4] - 10.0)).sum() / 4
+    assert torch.allclose(bench.rank0_loss("siglip", image, text, 4), siglip)
+
+
 @pytest.mark.slow
 def test_parity_cpu_smoke(tmp_path):
     """One tiny bf16 training run through train_clip.py, its log parsed into the table and JSON."""
