@@ -103,11 +103,20 @@ def test_four_process_siglip_loss_and_grads_equal_single_process(tmp_path):
             assert (text_grad - text.grad).abs().max() <= 1e-9, (sizes, impl)
 
     # A SiglipModel under DDP. fp32: only the order of summation differs (1e-5). SwitchBack int8 quantizes
-    # per token (inputs, output gradients) and per tensor (weights), so a rank's rows quantize as they would
-    # in the whole batch; the same 1e-5 holds, rounding ties aside.
+    # inputs and output gradients per token and weights per tensor, so a rank's rows quantize as they would in
+    # the whole batch; but the float-order differences of the loss gradient can move an output-gradient entry
+    # across an int8 rounding boundary (1/127 of its row's absmax). Seen: 3e-5 on a gradient of magnitude 0.16
+    # (2e-4 relative). Stated bound: each gradient within 1e-3 of its tensor's largest entry.
     for switchback in (False, True):
         ref_loss, ref_grads = model_reference(switchback)
         for impl, accum_freq in [(impl, 1) for impl in DIST_IMPLS] + [("bidir", 2)]:
             got = ranks[0][("model", switchback, impl, accum_freq)]
-            assert abs(got["loss"] - ref_loss) <= 1e-5, (switchback, impl, accum_freq)
-            assert max_error(got["grads"], ref_grads) <= 1e-5, (switchback, impl, accum_freq)
+            case = (switchback, impl, accum_freq)
+            assert abs(got["loss"] - ref_loss) <= 1e-5, case
+            if not switchback:
+                assert max_error(got["grads"], ref_grads) <= 1e-5, case
+                continue
+            assert got["grads"].keys() == ref_grads.keys()
+            for name, ref in ref_grads.items():
+                bound = 1e-3 * ref.abs().max().item() + 1e-7
+                assert (got["grads"][name] - ref).abs().max() <= bound, (case, name)
