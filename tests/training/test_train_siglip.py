@@ -185,10 +185,11 @@ def test_two_rank_siglip_run_checkpoints_resumes_and_saves_a_siglip_model(tmp_pa
 def test_shipped_siglip_tiny_config_learns_far_above_chance(tmp_path):
     """examples/configs/siglip-tiny.json (the embedded default's size) on the synthetic set, shortened. SigLIP
     first collapses (every embedding alike, loss log(batch) + 1 ~ 5.84) and leaves that plateau near step 55,
-    so fewer steps would test nothing. Seen: zero-shot 25.4% (chance 3.1%), R@5 0.47 / 0.41 (chance 0.02),
-    p(match) 0.080 on matching pairs vs 0.0074 on the others."""
+    so fewer steps would test nothing (with 100 steps the faster cosine left it collapsed). Seen: zero-shot
+    25.4% (chance 3.1%), R@5 0.47 / 0.41 (chance 0.02), p(match) 0.080 on matching pairs vs 0.0074 on the
+    others."""
     out = tmp_path / "run"
-    # ~2.5 s a step with one thread on a 2-core CI machine: the timeout only catches a hang
+    # ~55 s with one thread on an idle core (363 pairs/s): the timeout only catches a hang
     launch([SCRIPT, "--model_config", SIGLIP_TINY, "--max_train_steps", "150", "--eval_steps", "0",
             "--output_dir", str(out)], timeout=900)  # fmt: skip
     results = read_results(out)
