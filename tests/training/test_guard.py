@@ -38,7 +38,7 @@ def _backward(accelerator, model, poison=False):
 
 
 def _same(before, model):
-    return _same(before, model)
+    return all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
 
 
 def _snapshot(model, optimizer, scheduler):
