@@ -50,13 +50,15 @@ def test_a_nan_batch_is_skipped_and_changes_nothing():
     accelerator, model, optimizer, scheduler = _setup()
     guard = NonFiniteGuard()
     loss = _backward(accelerator, model)
-    applied, norm = guarded_step(accelerator, model, optimizer, scheduler, loss, guard, step=1)
+    applied, norm, _ = guarded_step(accelerator, model, optimizer, scheduler, loss, guard, step=1)
     assert applied and math.isfinite(norm) and guard.skipped == 0
     params, sched_epoch, opt_state = _snapshot(model, optimizer, scheduler)
     lr = scheduler.get_last_lr()[0]
 
     loss = _backward(accelerator, model, poison=True)
-    applied, norm = guarded_step(accelerator, model, optimizer, scheduler, loss, guard, step=2, clip_norm=1.0)
+    applied, norm, _ = guarded_step(
+        accelerator, model, optimizer, scheduler, loss, guard, step=2, clip_norm=1.0
+    )
     assert not applied and not math.isfinite(norm)
     assert _same(params, model)
     assert scheduler.scheduler.last_epoch == sched_epoch and scheduler.get_last_lr()[0] == lr
@@ -65,7 +67,7 @@ def test_a_nan_batch_is_skipped_and_changes_nothing():
     assert len(optimizer.state_dict()["state"]) == opt_state
 
     loss = _backward(accelerator, model)  # a good batch again: applied, the run of skips is reset
-    applied, norm = guarded_step(accelerator, model, optimizer, scheduler, loss, guard, step=3)
+    applied, norm, _ = guarded_step(accelerator, model, optimizer, scheduler, loss, guard, step=3)
     assert applied and math.isfinite(norm) and guard.consecutive == 0
     assert not _same(params, model)
     assert scheduler.scheduler.last_epoch == sched_epoch + 1
@@ -76,7 +78,7 @@ def test_consecutive_non_finite_steps_stop_the_run_naming_the_step():
     guard = NonFiniteGuard(max_consecutive=3)
     for step in (1, 2):
         loss = _backward(accelerator, model, poison=True)
-        assert guarded_step(accelerator, model, optimizer, scheduler, loss, guard, step=step)[0] is False
+        assert guarded_step(accelerator, model, optimizer, scheduler, loss, guard, step=step).applied is False
     loss = _backward(accelerator, model, poison=True)
     with pytest.raises(NonFiniteError, match=r"step 3: 3 consecutive"):
         guarded_step(accelerator, model, optimizer, scheduler, loss, guard, step=3)
@@ -90,7 +92,9 @@ def test_an_inf_loss_with_finite_gradients_is_skipped_too():
     guard = NonFiniteGuard()
     _backward(accelerator, model)
     before = [p.detach().clone() for p in model.parameters()]
-    applied, _ = guarded_step(accelerator, model, optimizer, scheduler, torch.tensor(math.inf), guard, step=1)
+    applied, _, _ = guarded_step(
+        accelerator, model, optimizer, scheduler, torch.tensor(math.inf), guard, step=1
+    )
     assert not applied and _same(before, model)
 
 
@@ -132,7 +136,7 @@ def test_grad_scaler_overflow_backs_off_without_counting_and_stays_usable():
     loss = model(torch.randn(8, 4)).pow(2).mean()
     accelerator.scaler.scale(loss * 1e38).backward()  # finite loss, gradients overflow once scaled
     before = [p.detach().clone() for p in model.parameters()]
-    applied, _ = guarded_step(accelerator, model, optimizer, scheduler, loss, guard, step=1)
+    applied, _, _ = guarded_step(accelerator, model, optimizer, scheduler, loss, guard, step=1)
     assert not applied and guard.skipped == 1 and guard.consecutive == 0
     assert accelerator.scaler.get_scale() == 2.0**3  # backed off, as the scaler does on overflow
     assert _same(before, model)
@@ -140,7 +144,7 @@ def test_grad_scaler_overflow_backs_off_without_counting_and_stays_usable():
 
     loss = model(torch.randn(8, 4)).pow(2).mean()
     accelerator.scaler.scale(loss).backward()  # the scaler accepts the next unscale_ (its state was reset)
-    applied, _ = guarded_step(accelerator, model, optimizer, scheduler, loss, guard, step=2)
+    applied, _, _ = guarded_step(accelerator, model, optimizer, scheduler, loss, guard, step=2)
     assert applied and scheduler.last_epoch == 1
     assert not _same(before, model)
 

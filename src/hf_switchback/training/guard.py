@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -86,6 +87,12 @@ def _finite(value) -> torch.Tensor:
     return torch.isfinite(value.detach().float()).all().cpu()
 
 
+class StepOutcome(NamedTuple):
+    applied: bool  # the optimizer and scheduler stepped
+    grad_norm: float  # before clipping (NaN/inf on a skipped step)
+    metrics: dict  # what after_optimizer_step returned ({} when skipped or absent)
+
+
 def guarded_step(
     accelerator,
     model,
@@ -96,13 +103,13 @@ def guarded_step(
     step: int,
     clip_norm: float = 0.0,
     after_optimizer_step=None,
-) -> tuple[bool, float]:
+) -> StepOutcome:
     """Clip (or just measure) the gradient norm, then step optimizer + scheduler only if loss and norm are finite.
 
     Call after backward; `step` is the number of the step being taken (1-based, for messages).
     `after_optimizer_step()` runs between optimizer.step() and zero_grad() of an applied step (what reads the
-    step's gradients and new optimizer state, e.g. the spike monitor). Returns (applied, grad_norm); gradients
-    are zeroed either way.
+    step's gradients and new optimizer state, e.g. the spike monitor); its dict comes back as `metrics`.
+    Gradients are zeroed either way.
     """
     # With clipping off the norm is still needed: max_norm=inf measures without scaling (and unscales fp16).
     max_norm = clip_norm if clip_norm and clip_norm > 0 else math.inf
@@ -114,12 +121,11 @@ def guarded_step(
     scaler = getattr(accelerator, "scaler", None)
     if loss_ok and norm_ok:
         optimizer.step()
-        if after_optimizer_step is not None:
-            after_optimizer_step()
+        metrics = after_optimizer_step() if after_optimizer_step is not None else {}
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         guard.record(step, True)
-        return True, norm_value
+        return StepOutcome(True, norm_value, metrics or {})
     optimizer.zero_grad(set_to_none=True)
     overflow = False
     if scaler is not None and scaler.is_enabled():
@@ -128,7 +134,7 @@ def guarded_step(
         scaler.update(scale * scaler.get_backoff_factor())
     detail = f"loss finite: {loss_ok}, grad norm {norm_value}" + (" (fp16 overflow)" if overflow else "")
     guard.record(step, False, counts=not overflow, detail=detail)
-    return False, norm_value
+    return StepOutcome(False, norm_value, {})
 
 
 def non_finite_parameters(model: nn.Module, accelerator=None) -> list[str]:
