@@ -2,7 +2,7 @@
 the same losses as the uninterrupted one?
 
 Each repetition launches examples/train_clip.py on 2 CPU processes (accelerate_configs/cpu.yaml) with a tiny
-CLIP and a checkpoint after every step, SIGKILLs one rank (or the launcher with its whole process group) at a
+CLIP and a checkpoint after every step, SIGKILLs one rank (or the launcher and every rank at once) at a
 random time after step 1 (see `trial`), then relaunches with `--resume_from_checkpoint
 latest` until a launch exits 0. The run passes when train_log.jsonl holds the reference's loss at every step
 (relative 1e-6) and all_results.json the same train_loss. Linux only (reads /proc to find the ranks).
@@ -160,8 +160,11 @@ def trial(config: str, workdir: str, steps: int, wall: float, rng: random.Random
         ranks = sorted(rank_pids(out))
         target = rng.choice(["launcher", *range(len(ranks))])
         if target == "launcher" or not ranks:
-            victim = "all"
-            os.killpg(proc.pid, signal.SIGKILL)
+            victim = (
+                "all"  # torchrun puts each rank in its own process group: the launcher's and every rank's
+            )
+            for pid in [proc.pid, *ranks]:
+                os.kill(pid, signal.SIGKILL)
         else:
             victim = f"rank {target}"
             os.kill(ranks[target], signal.SIGKILL)
@@ -237,7 +240,7 @@ def main(argv=None) -> int:
     passed = sum(r["ok"] for r in results)
     print(
         f"summary: {passed}/{len(results)} resumed to the reference losses ({len(killed)} killed mid-run, "
-        f"{sum(r['killed'] == 'all' for r in killed)} of them with the whole process group)"
+        f"{sum(r['killed'] == 'all' for r in killed)} of them launcher and all ranks at once)"
     )
     if args.json:
         with open(args.json, "w") as f:
