@@ -10,6 +10,8 @@ What a skipped step does, so that a rerun of the same data position gives the sa
 - with a GradScaler (fp16 on GPU): `scaler.update(backed-off scale)`, the scaler's own reaction to an
   overflow (scale x backoff_factor, per-optimizer state reset, so the next `unscale_` is allowed).
 The decision is the same on every rank: the flag is reduced across ranks (a loss is per rank).
+Under DeepSpeed the engine applies the update inside `accelerator.backward` (and handles fp16 overflow itself),
+so there the guard cannot undo a step: it still counts non-finite steps and stops the run.
 
 fp16 with a GradScaler overflows now and then by design (the scale starts at 2^16 and backs off by half):
 such a skip, with a finite loss and a scale still >= 1, is the scaler's business and does not count towards
