@@ -121,8 +121,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--max_image_pixels",
         type=int,
         default=DEFAULT_MAX_IMAGE_PIXELS,
-        help="Skip images with more pixels, before decoding them (default: PIL's warning level; PIL itself "
-        "refuses twice that whatever this is).",
+        help="Skip images with more pixels, before decoding them (default: PIL's warning level; 0: no limit of "
+        "ours; PIL itself refuses twice its level whatever this is).",
     )
 
     g = parser.add_argument_group("optimization")
