@@ -35,6 +35,8 @@ Real models and data:
 
 Batch sizes: --batch_size is per device and per micro-batch; one optimizer step sees
 batch_size x accum_freq x num_processes image-text pairs, all of them negatives for each other.
+Flag names from transformers' run_clip.py that mean the same here work too (--per_device_train_batch_size,
+--learning_rate, --max_steps, --bf16, ...: `--help` shows each as its flag's second name).
 """
 
 from __future__ import annotations
@@ -66,6 +68,7 @@ from hf_switchback.training.checkpoints import (
     write_results,
 )
 from hf_switchback.training.cli import build_parser, check_args
+from hf_switchback.training.console import console, setup_logging
 from hf_switchback.training.evaluation import evaluate
 from hf_switchback.training.guard import (
     NonFiniteError,
@@ -111,9 +114,7 @@ def training_function(args):
         dynamo_plugin=dynamo_plugin(args),
         kwargs_handlers=[process_group_kwargs(args.ddp_timeout)],
     )
-    logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO)
-    if not accelerator.is_main_process:
-        logging.getLogger().setLevel(logging.WARNING)
+    setup_logging(accelerator.is_main_process)  # through tqdm.write: log lines never land on the progress bar
     if (
         accelerator.distributed_type == DistributedType.MULTI_CPU
         and os.environ.get("ACCELERATE_USE_FSDP") == "true"
@@ -125,6 +126,7 @@ def training_function(args):
     check_mixed_precision(accelerator)
     set_seed(args.seed)
     os.makedirs(args.output_dir, exist_ok=True)
+    accelerator.print(f"output directory: {os.path.abspath(args.output_dir)}")
     if args.overwrite_output_dir and not args.resume_from_checkpoint and accelerator.is_main_process:
         clear_previous_run(args.output_dir)  # its checkpoints must not become this run's `latest`
     accelerator.wait_for_everyone()
@@ -234,7 +236,7 @@ def training_function(args):
             device=accelerator.device,
         )
         accelerator.log({f"eval/{k}": v for k, v in metrics.items()}, step=step)
-        accelerator.print(f"step {step}: " + ", ".join(f"{k} {v:.3f}" for k, v in sorted(metrics.items())))
+        console(accelerator, f"step {step}: " + ", ".join(f"{k} {v:.3f}" for k, v in sorted(metrics.items())))
         append_log(accelerator, log_path, {"step": step, **metrics})
         return metrics
 
@@ -327,7 +329,7 @@ def training_function(args):
                 },
             )
             if args.log_losses:
-                accelerator.print(f"step {state['step']} loss {logs['train/loss']:.8f}")
+                console(accelerator, f"step {state['step']} loss {logs['train/loss']:.8f}")
         if args.eval_steps and state["step"] % args.eval_steps == 0 and state["step"] < args.max_train_steps:
             run_eval(state["step"])
         if args.checkpointing_steps and state["step"] % args.checkpointing_steps == 0:
@@ -360,6 +362,9 @@ def training_function(args):
         "train_skipped_samples": sum_over_ranks(accelerator, state["num_skipped"]),
         "nonfinite_skipped_steps": guard.skipped,
         "eval_samples": len(eval_set[0]),
+        # what ran: autocast dtype ("no", "bf16", "fp16") and the SwitchBack config (null: --switchback off)
+        "mixed_precision": accelerator.mixed_precision,
+        "switchback": sb_config.to_dict() if sb_config else None,
     }
     if monitor:
         results["spike_monitor_warnings"] = len(monitor.warnings)
@@ -377,8 +382,13 @@ def training_function(args):
         processor.save_pretrained(args.output_dir)
         write_results(args.output_dir, results)
         accelerator.print(json.dumps(results, indent=2))
+        saved = ["the model, processor, all_results.json, train_log.jsonl"]
         if monitor:
             monitor.save_plot(os.path.join(args.output_dir, "spike_monitor.png"))
+            saved.append("spike_monitor.png")
+        if args.checkpointing_steps:
+            saved.append("checkpoints/")
+        accelerator.print(f"saved {', '.join(saved)} in {os.path.abspath(args.output_dir)}")
         if args.push_to_hub:
             if args.layer_scale_init is not None:
                 fold_layer_scale(clip)  # training is over: upload a plain CLIPModel

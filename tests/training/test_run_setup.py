@@ -145,3 +145,16 @@ def test_deepspeed_gets_the_micro_batch_size_and_refuses_accumulation():
     assert ds_config == {"train_micro_batch_size_per_gpu": 32}
     with pytest.raises(ValueError, match="--accum_freq"):
         runtime.check_deepspeed(accelerator, build_parser().parse_args(["--accum_freq", "2"]))
+
+
+def test_push_model_leaves_the_token_out_of_the_card_and_the_config_out_of_the_metrics(monkeypatch):
+    from hf_switchback import hub
+
+    sent = {}
+    monkeypatch.setattr(hub, "push_to_hub", lambda model, processor, repo_id, **kw: sent.update(kw) or "url")
+    args = build_parser().parse_args(["--push_to_hub", "--hub_model_id", "u/m", "--hub_token", "hf_secret"])
+    config = SwitchBackConfig()
+    reporting.push_model(None, None, args, config, {"zero_shot_top1": 0.5, "switchback": config.to_dict()})
+    assert sent["metrics"] == {"zero_shot_top1": 0.5}
+    assert "hub_token" not in sent["training_args"] and sent["token"] == "hf_secret"
+    assert sent["switchback_config"] is config

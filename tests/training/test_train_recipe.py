@@ -5,13 +5,12 @@ Most runs call the script's training_function in this process (about a second ea
 that imports torch, transformers and bitsandbytes again); one 2-process launch covers the CLI and DDP names.
 """
 
-import importlib.util
 import os
 import shutil
 
 import pytest
 import torch
-from train_helpers import SCRIPT, launch, read_results, tiny_config
+from train_helpers import SCRIPT, launch, load_script, read_results, run_in_process, tiny_config
 
 from hf_switchback.training.cli import build_parser, check_args
 from hf_switchback.training.optimizers import OPTIMIZER_CHOICES
@@ -26,10 +25,7 @@ FC1 = "clip.text_model.encoder.layers.0.mlp.fc1.weight"
 
 @pytest.fixture(scope="module")
 def script():
-    spec = importlib.util.spec_from_file_location("train_clip_recipe", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("train_clip_recipe")
 
 
 @pytest.fixture(scope="module")
@@ -42,8 +38,6 @@ def config_file(tmp_path_factory):
 @pytest.fixture
 def run(script, config_file, tmp_path, monkeypatch):
     """run(*flags) -> (results, output dir, {"model": CLIPForContrastive, "optimizer": ...}) of a 3-step run."""
-    from accelerate.state import AcceleratorState
-
     built = {}
     wrapper, factory = script.CLIPForContrastive, script.create_optimizer
 
@@ -60,18 +54,12 @@ def run(script, config_file, tmp_path, monkeypatch):
 
     def _run(*flags, output_dir=None):
         out = str(output_dir or tmp_path / "run")
-        parser = build_parser()
-        args = parser.parse_args(
+        results = run_in_process(
+            script,
             ["--model_config", config_file, "--max_train_steps", "3", "--batch_size", "8", "--num_workers", "0",
              "--synthetic_train_samples", "64", "--eval_steps", "0", "--max_eval_samples", "16",
-             "--logging_steps", "1", "--output_dir", out, *flags]
+             "--logging_steps", "1", "--output_dir", out, *flags],
         )  # fmt: skip
-        check_args(parser, args)
-        AcceleratorState._reset_state(True)  # other tests' Accelerator(cpu=True) must not leak in
-        try:
-            results = script.training_function(args)
-        finally:
-            AcceleratorState._reset_state(True)
         return results, out, dict(built)
 
     return _run

@@ -23,9 +23,34 @@ from train_helpers import (
 from hf_switchback.training import cli, runtime
 
 
-def test_help_lists_every_flag_with_help():
+def help_entries(text: str) -> dict[str, str]:
+    """{first flag: its help, whitespace joined} from argparse's --help text."""
+    entries, current = {}, None
+    for line in text.splitlines():
+        if line.startswith("  -"):
+            current = line.split()[0].rstrip(",")
+            entries[current] = line
+        elif line.startswith("    ") and current:
+            entries[current] += " " + line
+        else:
+            current = None
+    return {flag: " ".join(help.split()) for flag, help in entries.items()}
+
+
+def test_help_lists_every_flag_with_help_and_its_default_once():
     proc = subprocess.run([sys.executable, SCRIPT, "--help"], env=clean_env(), capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
+    entries = help_entries(proc.stdout)
+    entries.pop("-h")
+    assert len(entries) > 60 and "--weight_scaling" in entries
+    for help in entries.values():
+        assert help.count("(default:") == 1, help
+        assert "(default: None)" not in help, help
+    # the SwitchBack flags show the library's real defaults, not argparse's None
+    assert entries["--weight_scaling"].endswith("(default: tensor)")
+    assert entries["--precision"].endswith("(default: int8)")
+    assert entries["--grad_precision"].endswith("(default: auto)")
+    assert entries["--memory_efficient"].endswith("(default: False)")
     parser = cli.build_parser()
     for action in parser._actions:
         for flag in action.option_strings:
@@ -66,6 +91,18 @@ def test_invalid_combinations_fail_at_start(argv, message, capsys):
         cli.check_args(parser, parser.parse_args(argv))
     assert exc.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_run_clip_flag_names_are_aliases_of_ours():
+    parser = cli.build_parser()
+    args = parser.parse_args(
+        ["--per_device_train_batch_size", "32", "--learning_rate", "1e-4", "--max_steps", "7", "--bf16",
+         "--adam_epsilon", "1e-8", "--save_total_limit", "5", "--tokenizer_name", "tok"]
+    )  # fmt: skip
+    assert (args.batch_size, args.lr, args.max_train_steps, args.mixed_precision) == (32, 1e-4, 7, "bf16")
+    assert (args.eps, args.checkpoints_total_limit, args.tokenizer_name_or_path) == (1e-8, 5, "tok")
+    assert parser.parse_args(["--fp16"]).mixed_precision == "fp16"
+    assert parser.parse_args([]).mixed_precision is None  # the accelerate config decides
 
 
 def test_compile_mode_reaches_accelerate_and_picks_the_gemm(monkeypatch):

@@ -1,5 +1,10 @@
 """The command line of examples/train_clip.py: `build_parser()` (flags grouped by topic, help on every flag) and
-`check_args(parser, args)` (bad combinations rejected before anything is loaded)."""
+`check_args(parser, args)` (bad combinations rejected before anything is loaded).
+
+`--help` shows every flag's default once: its argparse default, or, for a flag whose argparse default is None
+("not given"), what happens then (UNSET_DEFAULTS). The flag names of transformers' run_clip.py / Trainer that
+mean the same here are accepted as aliases (HF_ALIASES).
+"""
 
 from __future__ import annotations
 
@@ -9,22 +14,79 @@ import math
 import os
 import warnings
 
-from ..config import BACKENDS, GRAD_PRECISIONS, PRECISIONS, WEIGHT_SCALINGS
+from ..config import BACKENDS, GRAD_PRECISIONS, PRECISIONS, WEIGHT_SCALINGS, SwitchBackConfig
 from . import synthetic
 from .checkpoints import check_checkpoint, check_output_dir
-from .data import DEFAULT_MAX_IMAGE_PIXELS
+from .data import CAPTION_COLUMNS, DEFAULT_MAX_IMAGE_PIXELS, IMAGE_COLUMNS
 from .guard import DEFAULT_MAX_CONSECUTIVE
 from .model_setup import SWITCHBACK_FLAGS
 from .optimizers import OPTIMIZER_CHOICES
 from .runtime import COMPILE_MODES
 from .sources import has_real_data
 
+_LIBRARY = SwitchBackConfig()
+# What a flag whose argparse default is None means when it is not given (shown in --help as its default).
+UNSET_DEFAULTS = {
+    "model_name_or_path": "none, random init",
+    "model_config": "the embedded small CLIP",
+    "tokenizer_name_or_path": "a word tokenizer of the synthetic captions",
+    "weight_scaling": _LIBRARY.weight_scaling,
+    "memory_efficient": _LIBRARY.memory_efficient,
+    "precision": _LIBRARY.precision,
+    "grad_precision": _LIBRARY.grad_precision,
+    "fuse_mlp": _LIBRARY.fuse_mlp,
+    "target_modules": " ".join(_LIBRARY.target_modules),
+    "exclude_modules": " ".join(_LIBRARY.exclude_modules),
+    "backend": _LIBRARY.backend,
+    "min_tokens": "16384 for CUDA tensors under backend auto, 0 elsewhere",
+    "train_file": "none",
+    "train_data_dir": "none",
+    "train_shards": "none",
+    "dataset_name": "none",
+    "dataset_config_name": "the data set's default",
+    "image_column": f"the first of {', '.join(IMAGE_COLUMNS)}",
+    "caption_column": f"the first of {', '.join(CAPTION_COLUMNS)}",
+    "validation_file": "none",
+    "validation_shards": "none",
+    "validation_split": "the first training samples; synthetic: held-out shapes",
+    "zeroshot_label_column": "none, retrieval only; synthetic: the shape classes",
+    "zeroshot_classnames": "the ClassLabel names",
+    "max_train_steps": "--num_train_epochs over the data",
+    "warmup_steps": "5%% of the steps",
+    "layer_scale_init": "off",
+    "mixed_precision": "the accelerate config's",
+    "compile_mode": "default",
+    "resume_from_checkpoint": "none, start from scratch",
+    "hub_model_id": "none",
+    "hub_token": "HF_TOKEN, else the cached login",
+}
+
+
+class HelpFormatter(argparse.HelpFormatter):
+    """Appends "(default: X)" to every flag's help, once: the argparse default, or UNSET_DEFAULTS for None."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "%(default)" in text or action.default is argparse.SUPPRESS:
+            return text  # BooleanOptionalAction (Python < 3.13) has added it already; --help has none
+        if action.default is None and action.nargs == 0 and action.const is not None:
+            shown = "off"  # a store_const alias such as --bf16 (its dest's default belongs to the main flag)
+        elif action.default is None:
+            shown = UNSET_DEFAULTS.get(action.dest, "none")
+        else:
+            shown = "%(default)s"
+        return f"{text} (default: {shown})"
+
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        description="Contrastive CLIP training with SwitchBack 8-bit linears (run with `accelerate launch`).",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        description="Contrastive CLIP training with SwitchBack 8-bit linears (run with `accelerate launch`). "
+        "The second name of a flag is its name in transformers' run_clip.py / Trainer.",
+        formatter_class=HelpFormatter,
     )
+    # Aliases: run_clip.py's names where the meaning is the same. Not aliased: --gradient_accumulation_steps
+    # (Trainer's micro-batches see only their own negatives; --accum_freq keeps all of them), --freeze_vision_model
+    # / --freeze_text_model (they leave the projection trainable; --lock_image / --lock_text freeze it too).
     g = parser.add_argument_group("model")
     g.add_argument(
         "--model_name_or_path", help="Local dir or Hub id of a CLIPModel; its processor is used too."
@@ -32,10 +94,15 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--model_config", help="CLIPConfig json to train from scratch (random init).")
     g.add_argument(
         "--tokenizer_name_or_path",
-        help="Tokenizer when not using --model_name_or_path (default: synthetic words).",
+        "--tokenizer_name",
+        help="Tokenizer when not using --model_name_or_path.",
     )
     g.add_argument(
-        "--max_text_length", type=int, default=77, help="Token limit (capped by the model's positions)."
+        "--max_text_length",
+        "--max_seq_length",
+        type=int,
+        default=77,
+        help="Token limit (capped by the model's positions).",
     )
 
     g = parser.add_argument_group("SwitchBack (unset fields keep SwitchBackConfig's defaults)")
@@ -54,13 +121,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--precision",
         choices=PRECISIONS,
-        help="Forward format: int8 (default), or fp8 (Ada/Hopper GPUs; the smallest spread from scratch in the "
+        help="Forward format: int8, or fp8 (Ada/Hopper GPUs; the smallest spread from scratch in the "
         "parity runs, 3 pairs, BENCHMARKS.md 'Accuracy').",
     )
     g.add_argument(
         "--grad_precision",
         choices=GRAD_PRECISIONS,
-        help="Format of the grad-input GEMM. auto (default): fp8 on GPUs with fp8 tensor cores (sm89+), int8 "
+        help="Format of the grad-input GEMM. auto: fp8 on GPUs with fp8 tensor cores (sm89+), int8 "
         "elsewhere; fp8 gradients kept bf16 accuracy where int8 ones did not (BENCHMARKS.md, Accuracy).",
     )
     g.add_argument(
@@ -94,17 +161,15 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--streaming", action="store_true", help="Stream --dataset_name / files instead of loading."
     )
-    g.add_argument("--image_column", help="Image column (default: first of image, jpg, png, ...).")
-    g.add_argument("--caption_column", help="Caption column (default: first of caption, txt, text, ...).")
+    g.add_argument("--image_column", help="Image column.")
+    g.add_argument("--caption_column", help="Caption column.")
     g.add_argument("--validation_file", help="CSV/JSON for eval (retrieval).")
     g.add_argument("--validation_shards", help="Webdataset shards for eval (retrieval).")
     g.add_argument("--validation_split", help="Split of --dataset_name for eval (retrieval).")
     g.add_argument(
         "--zeroshot_label_column", help="Integer class column of the eval data, for zero-shot accuracy."
     )
-    g.add_argument(
-        "--zeroshot_classnames", help="Comma-separated class names (default: the ClassLabel names)."
-    )
+    g.add_argument("--zeroshot_classnames", help="Comma-separated class names.")
     g.add_argument("--zeroshot_templates", default="a photo of a {}.", help="'|'-separated prompt templates.")
     g.add_argument(
         "--max_eval_samples", type=int, default=256, help="Eval set size (synthetic: at most 576)."
@@ -112,7 +177,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--synthetic_train_samples", type=int, default=100_000, help="Size of the synthetic train set."
     )
-    g.add_argument("--num_workers", type=int, default=1, help="DataLoader worker processes per rank.")
+    g.add_argument(
+        "--num_workers",
+        "--dataloader_num_workers",
+        type=int,
+        default=1,
+        help="DataLoader worker processes per rank.",
+    )
     g.add_argument("--shuffle_buffer", type=int, default=1000, help="Streaming shuffle buffer (samples).")
     g.add_argument(
         "--crop_scale_min", type=float, default=0.9, help="Random resized crop: smallest area kept."
@@ -121,37 +192,47 @@ def build_parser() -> argparse.ArgumentParser:
         "--max_image_pixels",
         type=int,
         default=DEFAULT_MAX_IMAGE_PIXELS,
-        help="Skip images with more pixels, before decoding them (default: PIL's warning level; 0: no limit of "
-        "ours; PIL itself refuses twice its level whatever this is).",
+        help="Skip images with more pixels, before decoding them (PIL's warning level, Image.MAX_IMAGE_PIXELS; 0: "
+        "no limit of ours; PIL itself refuses twice its level whatever this is).",
     )
 
     g = parser.add_argument_group("optimization")
-    g.add_argument("--batch_size", type=int, default=128, help="Micro-batch per device.")
+    g.add_argument(
+        "--batch_size", "--per_device_train_batch_size", type=int, default=128, help="Micro-batch per device."
+    )
     g.add_argument(
         "--accum_freq", type=int, default=1, help="Micro-batches per step, OpenCLIP-style (full negatives)."
     )
-    g.add_argument("--max_train_steps", type=int, help="Optimizer steps (required for streamed data).")
+    g.add_argument(
+        "--max_train_steps", "--max_steps", type=int, help="Optimizer steps (required for streamed data)."
+    )
     g.add_argument(
         "--num_train_epochs", type=int, default=1, help="Epochs when --max_train_steps is not given."
     )
     g.add_argument("--optimizer", choices=OPTIMIZER_CHOICES, default="adamw", help="Optimizer.")
-    g.add_argument("--lr", type=float, default=2e-3, help="Peak learning rate.")
-    g.add_argument("--warmup_steps", type=int, help="Linear warmup steps (default: 5%% of training).")
+    g.add_argument("--lr", "--learning_rate", type=float, default=2e-3, help="Peak learning rate.")
+    g.add_argument("--warmup_steps", type=int, help="Linear warmup steps.")
     g.add_argument("--min_lr_ratio", type=float, default=0.0, help="Cosine floor as a fraction of --lr.")
     g.add_argument(
         "--weight_decay", type=float, default=0.1, help="Decoupled weight decay on weight matrices."
     )
-    g.add_argument("--beta1", type=float, default=0.9, help="Adam beta1.")
-    g.add_argument("--beta2", type=float, default=0.98, help="Adam beta2.")
-    g.add_argument("--eps", type=float, default=1e-6, help="Adam epsilon.")
+    g.add_argument("--beta1", "--adam_beta1", type=float, default=0.9, help="Adam beta1.")
+    g.add_argument("--beta2", "--adam_beta2", type=float, default=0.98, help="Adam beta2.")
+    g.add_argument("--eps", "--adam_epsilon", type=float, default=1e-6, help="Adam epsilon.")
     g.add_argument(
         "--layer_scale_init",
         type=float,
         help="Add a learnable per-channel layer-scale, initialized to this value, to the attention and MLP "
-        "branches of every encoder layer (0 = the paper's zero-init; default: off). Folded into out_proj/fc2 "
+        "branches of every encoder layer (0 = the paper's zero-init). Folded into out_proj/fc2 "
         "at save time, so the saved model is a plain CLIPModel.",
     )
-    g.add_argument("--grad_clip_norm", type=float, default=1.0, help="Clip the global grad norm (0: off).")
+    g.add_argument(
+        "--grad_clip_norm",
+        "--max_grad_norm",
+        type=float,
+        default=1.0,
+        help="Clip the global grad norm (0: off).",
+    )
     g.add_argument(
         "--max_nonfinite_steps",
         type=int,
@@ -177,9 +258,22 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--mixed_precision",
         choices=("no", "bf16", "fp16"),
-        help="Autocast dtype (default: accelerate config).",
+        help="Autocast dtype.",
     )
-    g.add_argument("--grad_checkpointing", action="store_true", help="Recompute encoder layers in backward.")
+    for dtype in ("bf16", "fp16"):
+        g.add_argument(
+            f"--{dtype}",
+            dest="mixed_precision",
+            action="store_const",
+            const=dtype,
+            help=f"Same as --mixed_precision {dtype} (Trainer's flag).",
+        )
+    g.add_argument(
+        "--grad_checkpointing",
+        "--gradient_checkpointing",
+        action="store_true",
+        help="Recompute encoder layers in backward.",
+    )
     g.add_argument(
         "--patch_dropout", type=float, default=0.0, help="Fraction of image patches dropped in training."
     )
@@ -187,7 +281,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--compile_mode",
         choices=COMPILE_MODES,
-        help="torch.compile mode with --torch_compile (default: 'default'). 'reduce-overhead' replays the "
+        help="torch.compile mode with --torch_compile. 'reduce-overhead' replays the "
         "step's kernels as CUDA graphs: for steps the CPU cannot launch fast enough (small batches, ViT-H, "
         "SwitchBack's extra quantize launches); on Hopper it also selects the TMA 8-bit GEMM, whose launch "
         "setup the graphs hide (BENCHMARKS.md, Whole training step). Needs --accum_freq 1.",
@@ -215,9 +309,19 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--eval_steps", type=int, default=100, help="Zero-shot + retrieval eval every N steps (0: end only)."
     )
-    g.add_argument("--checkpointing_steps", type=int, default=0, help="save_state every N steps (0: never).")
     g.add_argument(
-        "--checkpoints_total_limit", type=int, default=2, help="Keep only the newest N checkpoints."
+        "--checkpointing_steps",
+        "--save_steps",
+        type=int,
+        default=0,
+        help="save_state every N steps (0: never).",
+    )
+    g.add_argument(
+        "--checkpoints_total_limit",
+        "--save_total_limit",
+        type=int,
+        default=2,
+        help="Keep only the newest N checkpoints.",
     )
     g.add_argument(
         "--resume_from_checkpoint", help="'latest' (in output_dir/checkpoints) or a checkpoint path."
@@ -237,15 +341,20 @@ def build_parser() -> argparse.ArgumentParser:
         "--ddp_timeout",
         type=float,
         default=30,
-        help="Minutes a collective waits for a stuck rank before the run fails (HF Trainer's default too).",
+        help="Minutes a collective waits for a stuck rank before the run fails (30 as in HF Trainer).",
     )
     g.add_argument("--push_to_hub", action="store_true", help="Upload the final model with a model card.")
     g.add_argument("--hub_model_id", help="Repository id for --push_to_hub, e.g. user/clip-switchback.")
-    g.add_argument("--hub_private", action="store_true", help="Create the Hub repository as private.")
+    g.add_argument(
+        "--hub_private",
+        "--hub_private_repo",
+        action="store_true",
+        help="Create the Hub repository as private.",
+    )
     g.add_argument(
         "--hub_token",
-        help="Deprecated: a token on the command line shows in the process list and in launcher errors. "
-        "Set HF_TOKEN or run `hf auth login` (used by default).",
+        help="Deprecated: a token on the command line shows in the process list and in launcher errors; set "
+        "HF_TOKEN or run `hf auth login`.",
     )
     return parser
 

@@ -29,7 +29,9 @@ def push_model(model, processor, args, sb_config, metrics) -> None:
         args.hub_model_id,
         switchback_config=sb_config,
         training_args=public_args(args),
-        metrics=metrics,
+        metrics={
+            k: v for k, v in metrics.items() if k != "switchback"
+        },  # the card has its own config section
         private=args.hub_private,
         token=args.hub_token,
     )
