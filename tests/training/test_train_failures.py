@@ -30,6 +30,7 @@ def tiny(tmp_path):
             "--max_eval_samples", "16", "--synthetic_train_samples", "160"]  # fmt: skip
 
 
+@pytest.mark.slow
 def test_a_diverged_run_stops_with_an_error_and_keeps_the_previous_model(tmp_path, tiny):
     out = tmp_path / "run"
     good = run_script([*tiny, "--max_train_steps", "2", "--output_dir", str(out)])
@@ -81,6 +82,7 @@ accelerator.end_training()
 """
 
 
+@pytest.mark.slow
 def test_every_rank_resumes_from_the_checkpoint_the_main_process_picked_and_the_timeout_applies(tmp_path):
     for folder, steps in (("main", (2, 4)), ("lagging", (2,))):
         for step in steps:
@@ -105,6 +107,7 @@ def load_kill_resume():
     return module
 
 
+@pytest.mark.slow
 def test_kill_9_of_a_rank_mid_run_resumes_to_the_same_losses(tmp_path, capsys):
     """One repetition of benchmarks/kill_resume.py (the full check runs 20): 2 ranks, a checkpoint every step,
     one rank SIGKILLed at a random moment, resumed with 'latest': every logged loss equals the reference."""
