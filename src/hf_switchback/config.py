@@ -37,6 +37,13 @@ def _as_target(value: str | list[str] | tuple[str, ...] | None, field_name: str)
             raise ValueError(
                 f"SwitchBackConfig.{field_name}: {value!r} is not a valid regex ({err})"
             ) from None
+        problem = _backtracking_risk(value)
+        if problem:
+            raise ValueError(
+                f"SwitchBackConfig.{field_name}: regex {value!r} has {problem}, which can take exponential time "
+                "to match (a config.json is untrusted input); use a list of module names / dotted suffixes, "
+                "or a regex without repeats inside repeated groups"
+            )
         return value
     if isinstance(value, (list, tuple, set, frozenset)):
         names = tuple(value)
@@ -50,6 +57,51 @@ def _as_target(value: str | list[str] | tuple[str, ...] | None, field_name: str)
         f"SwitchBackConfig.{field_name} must be a str (regex, full match), a list of module names / dotted "
         f"suffixes, or None; got {type(value).__name__}"
     )
+
+
+def _backtracking_risk(pattern: str) -> str | None:
+    """What makes `pattern` prone to catastrophic backtracking, or None when it is simple.
+
+    Target regexes come from config.json too (`from_pretrained` reads quantization_config), and Python's
+    `re` has no time limit: `([a-z_.0-9]+)+Z` against a 60-character module name backtracks for minutes.
+    The exponential cases need a repeat (or an alternation, `(a|ab)*`) inside another unbounded repeat, or a
+    back-reference; those are refused. Optional groups (`(.*\\.)?fc1`) and repeats side by side are fine.
+    """
+    try:
+        from re import _constants as c  # Python >= 3.11
+        from re import _parser as parser
+    except ImportError:  # pragma: no cover - Python 3.10
+        import sre_constants as c
+        import sre_parse as parser
+
+    repeats = {c.MAX_REPEAT, c.MIN_REPEAT, getattr(c, "POSSESSIVE_REPEAT", c.MAX_REPEAT)}
+
+    def walk(items, in_repeat: bool) -> str | None:
+        for op, av in items:
+            if op in repeats:
+                _low, high, body = av
+                if in_repeat:
+                    return "a repeat inside a repeated group (nested quantifiers)"
+                found = walk(body, high > 1)
+            elif op is c.BRANCH:
+                if in_repeat:
+                    return "an alternation inside a repeated group"
+                found = next((r for r in (walk(alt, False) for alt in av[1]) if r), None)
+            elif op in (c.GROUPREF, c.GROUPREF_EXISTS):
+                return "a back-reference"
+            elif op is c.SUBPATTERN:
+                found = walk(av[-1], in_repeat)
+            elif op in (c.ASSERT, c.ASSERT_NOT):
+                found = walk(av[1], in_repeat)
+            elif op is getattr(c, "ATOMIC_GROUP", None):
+                found = walk(av, in_repeat)
+            else:
+                continue
+            if found:
+                return found
+        return None
+
+    return walk(parser.parse(pattern), False)
 
 
 @dataclass(frozen=True)
@@ -87,8 +139,9 @@ class SwitchBackConfig:
     # runs; parity at 0.5 pp not resolved), fp8 everywhere +1.9 +- 1.0 over 3.
     # "int8" forces the paper's all-int8 SwitchBack.
     grad_precision: str = "auto"
-    # Which linears to swap. str: regex full match on the dotted module name. list: exact names or dotted
-    # suffixes (PEFT semantics). None: the CLIP encoder defaults above.
+    # Which linears to swap. str: regex full match on the dotted module name, refused when it could backtrack
+    # exponentially (nested repeats, see _backtracking_risk). list: exact names or dotted suffixes (PEFT
+    # semantics). None: the CLIP encoder defaults above.
     target_modules: str | tuple[str, ...] | None = DEFAULT_TARGET_MODULES
     # Same matching rules; wins over target_modules.
     exclude_modules: str | tuple[str, ...] | None = DEFAULT_EXCLUDE_MODULES
