@@ -82,6 +82,11 @@ SWITCHBACK_VARIANTS = {
     "int8-attn": dict(target_modules=("q_proj", "k_proj", "v_proj", "out_proj")),
     "fp8": dict(precision="fp8"),
     "fp8-mlp": dict(precision="fp8", target_modules=("fc1", "fc2")),
+    # the memory switch: 8-bit saved inputs; -fused adds the fused MLP (act(h) recomputed, not saved)
+    "int8-memeff": dict(memory_efficient=True),
+    "int8-memeff-fused": dict(memory_efficient=True, fuse_mlp=True),
+    "fp8-memeff": dict(precision="fp8", memory_efficient=True),
+    "fp8-memeff-fused": dict(precision="fp8", memory_efficient=True, fuse_mlp=True),
 }
 BASES = ("bf16", *SWITCHBACK_VARIANTS, "torchao-float8-tensorwise")
 BASES += ("torchao-float8-rowwise", "torchao-float8-rowwise_with_gw_hp")
@@ -143,6 +148,30 @@ def build_model(
     return model
 
 
+def training_step(model, config, batch: int, device: str):
+    """(forward, finish) of one training step on random data: forward() -> loss (bf16 autocast, contrastive
+    loss); finish(loss) runs backward and a fused AdamW step, and returns the loss. Split in two so a caller can
+    look at the memory the forward leaves saved for backward (benchmarks/bench_memory.py)."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device == "cuda")
+    side = config.vision_config.image_size
+    text_tokens = min(TEXT_TOKENS, config.text_config.max_position_embeddings)
+    ids = torch.randint(4, config.text_config.vocab_size, (batch, text_tokens), device=device)
+    ids[:, -1] = config.text_config.eos_token_id  # the text tower pools at the first eos token
+    pixels = torch.randn(batch, 3, side, side, device=device)
+
+    def forward() -> torch.Tensor:
+        with torch.autocast(device, dtype=torch.bfloat16):
+            return model(input_ids=ids, pixel_values=pixels, return_loss=True).loss
+
+    def finish(loss: torch.Tensor) -> torch.Tensor:
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss
+
+    return forward, finish
+
+
 def synchronize(device: str) -> None:
     if device == "cuda":
         torch.cuda.synchronize()
@@ -158,20 +187,10 @@ def time_training(
     model = build_model(
         config, variant, grad_ckpt, args.compile, device, getattr(args, "compile_mode", "default")
     )
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device == "cuda")
-    side = config.vision_config.image_size
-    text_tokens = min(TEXT_TOKENS, config.text_config.max_position_embeddings)
-    ids = torch.randint(4, config.text_config.vocab_size, (batch, text_tokens), device=device)
-    ids[:, -1] = config.text_config.eos_token_id  # the text tower pools at the first eos token
-    pixels = torch.randn(batch, 3, side, side, device=device)
+    forward, finish = training_step(model, config, batch, device)
 
     def step() -> torch.Tensor:
-        with torch.autocast(device, dtype=torch.bfloat16):
-            loss = model(input_ids=ids, pixel_values=pixels, return_loss=True).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        return loss
+        return finish(forward())
 
     t0 = time.perf_counter()
     loss = step()
