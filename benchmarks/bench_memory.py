@@ -48,7 +48,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import bench_train  # noqa: E402  (benchmarks/ is not a package: the step and model building live there)
+import bench_train
 
 DEFAULT_VARIANTS = (
     "bf16+compile",
@@ -202,10 +202,100 @@ def fit(name: str, spec: str, first: dict, args: argparse.Namespace, cap: int) -
                 out.update(max_batch=batch, max_batch_samples_per_s=row["samples_per_s"])
             else:
                 bad = batch
-    out["fit_runs"] = [
-        {k: r.get(k) for k in ("batch", "status", "samples_per_s", "peak_gib")} for r in runs
-    ]
+    out["fit_runs"] = [{k: r.get(k) for k in ("batch", "status", "samples_per_s", "peak_gib")} for r in runs]
     return out
+
+
+def saved_by_graph(output: torch.Tensor, params: set[int]) -> list[dict]:
+    """Every tensor the autograd graph behind `output` holds for backward, once per storage.
+
+    Reads each node's saved tensors (`_saved_*` attributes of built-in nodes, `saved_tensors` of custom
+    functions and of torch.compile's CompiledFunction), so under compile it lists what the partitioner kept.
+    Storages of `params` (data_ptr) are left out: they are the layer's weights, not activations.
+    """
+    seen, found, stack, visited = set(), [], [output.grad_fn], set()
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in visited:
+            continue
+        visited.add(id(node))
+        stack.extend(fn for fn, _ in node.next_functions)
+        held = []
+        for attr in dir(node):
+            if attr.startswith("_saved_"):
+                with contextlib.suppress(Exception):  # some attributes are freed or not tensors
+                    held.append((attr, getattr(node, attr)))
+        with contextlib.suppress(Exception):
+            held += [("saved_tensors", t) for t in node.saved_tensors]
+        for attr, value in held:
+            for tensor in value if isinstance(value, (tuple, list)) else (value,):
+                if not isinstance(tensor, torch.Tensor) or tensor.numel() == 0:
+                    continue
+                storage = tensor.untyped_storage()
+                key = storage.data_ptr()
+                if key in seen or key in params:
+                    continue
+                seen.add(key)
+                found.append(
+                    dict(
+                        node=node.name(),
+                        attr=attr,
+                        dtype=str(tensor.dtype).removeprefix("torch."),
+                        shape=list(tensor.shape),
+                        bytes=storage.nbytes(),
+                    )
+                )
+    return found
+
+
+def layer_saved_tensors(name: str, spec: str, args: argparse.Namespace, batch: int = 2) -> dict:
+    """What one vision encoder layer saves for backward, per token (bf16 autocast, SDPA attention)."""
+    from transformers.models.clip.modeling_clip import CLIPEncoderLayer
+
+    from hf_switchback import SwitchBackConfig, apply_switchback
+
+    base, _, budget, compiled = parse_variant(spec)
+    device = args.device
+    config = bench_train.clip_config(name, tiny=args.tiny).vision_config
+    config._attn_implementation = "sdpa"
+    with torch.device(device):
+        layer = CLIPEncoderLayer(config).train()
+    if base in bench_train.SWITCHBACK_VARIANTS:
+        # min_tokens=0: the layer alone sees few tokens; the 8-bit path must run to be measured
+        apply_switchback(layer, SwitchBackConfig(**bench_train.SWITCHBACK_VARIANTS[base], min_tokens=0))
+    elif base != "bf16":
+        raise ValueError(f"--saved_tensors takes bf16 or SwitchBack variants, got {spec!r}")
+    seq = (config.image_size // config.patch_size) ** 2 + 1
+    tokens = batch * seq
+    x = torch.randn(batch, seq, config.hidden_size, device=device, requires_grad=True)
+    with recompute_budget(budget), torch.autocast(device, dtype=torch.bfloat16):
+        if compiled:
+            layer.compile(dynamic=False)
+        out = layer(x, None)
+        out = out[0] if isinstance(out, tuple) else out
+    params = {p.untyped_storage().data_ptr() for p in layer.parameters()}
+    found = [t for t in saved_by_graph(out, params) if t["shape"] and t["shape"][0] in (batch, tokens)]
+    for (
+        t
+    ) in found:  # tensors led by the batch or token dimension: activations; the rest is per-layer constant
+        t["bytes_per_token"] = t.pop("bytes") / tokens
+    total = sum(t["bytes_per_token"] for t in found)
+    del out, layer, x
+    bench_train.cleanup(device)
+    return dict(model=name, variant=spec, width=config.hidden_size, bytes_per_token=total, tensors=found)
+
+
+def print_saved(reports: list[dict]) -> None:
+    for r in reports:
+        d = r["width"]
+        print(
+            f"{r['model']} {r['variant']}: {r['bytes_per_token']:.0f} bytes/token/layer "
+            f"({r['bytes_per_token'] / d:.2f} x d)"
+        )
+        for t in sorted(r["tensors"], key=lambda t: -t["bytes_per_token"]):
+            print(
+                f"    {t['bytes_per_token']:8.0f}  {t['dtype']:14} {t['node']:40} {t['attr']:16} {t['shape']}"
+            )
 
 
 def print_table(rows: list[dict]) -> None:
@@ -238,7 +328,9 @@ def print_table(rows: list[dict]) -> None:
             f"{lead} {r['ms_per_step']:8.1f} {r['samples_per_s']:9.1f} {ratio:>10} {mem} "
             f"{est if est is not None else '-':>9} {r.get('max_batch', '-')!s:>6}"
         )
-    print("x bf16 rec: samples/s over the fastest bf16 row with recompute (+ckpt or +budget) at the same batch")
+    print(
+        "x bf16 rec: samples/s over the fastest bf16 row with recompute (+ckpt or +budget) at the same batch"
+    )
 
 
 def run(args: argparse.Namespace) -> list[dict]:
@@ -251,6 +343,12 @@ def run(args: argparse.Namespace) -> list[dict]:
             torch.cuda.set_per_process_memory_fraction(cap / total)
         env["mem_cap_gib"] = cap / GIB
     print(json.dumps(env), flush=True)
+    if args.saved_tensors:
+        reports = [layer_saved_tensors(name, spec, args) for name in args.models for spec in args.variants]
+        if args.json:
+            Path(args.json).write_text(json.dumps(dict(env=env, saved_tensors=reports), indent=1))
+        print_saved(reports)
+        return reports
     rows: list[dict] = []
     start = time.perf_counter()
     for name in args.models:
@@ -281,15 +379,26 @@ def main() -> None:
         "--models", nargs="+", choices=list(bench_train.MODELS), default=["vit-h-14"], help="CLIP sizes"
     )
     parser.add_argument("--variants", nargs="+", default=list(DEFAULT_VARIANTS), help="rows (see above)")
-    parser.add_argument("--batch", type=int, default=None, help="per-GPU batch of every row (default: per model)")
+    parser.add_argument(
+        "--batch", type=int, default=None, help="per-GPU batch of every row (default: per model)"
+    )
     parser.add_argument("--steps", type=int, default=4, help="timed steps per run")
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps after the first (compile) step")
     parser.add_argument("--mem_cap_gib", type=float, default=None, help="memory cap (default: the GPU's)")
     parser.add_argument("--fit", choices=("estimate", "verify", "search"), default="estimate")
     parser.add_argument("--fit_tries", type=int, default=3, help="runs per row that --fit may add")
-    parser.add_argument("--batch_multiple", type=int, default=8, help="batches --fit tries are multiples of this")
+    parser.add_argument(
+        "--batch_multiple", type=int, default=8, help="batches --fit tries are multiples of this"
+    )
     parser.add_argument("--time_budget_s", type=float, default=None, help="skip rows started past this time")
-    parser.add_argument("--json", default=None, help="also write the rows to this JSON file (after every row)")
+    parser.add_argument(
+        "--json", default=None, help="also write the rows to this JSON file (after every row)"
+    )
+    parser.add_argument(
+        "--saved_tensors",
+        action="store_true",
+        help="instead of training: list what one vision encoder layer saves for backward, bytes per token",
+    )
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="cpu: smoke test only")
     parser.add_argument("--tiny", action="store_true", help="shrink the models to CPU-test size (smoke test)")
     args = parser.parse_args()
