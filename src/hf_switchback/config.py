@@ -102,7 +102,8 @@ class SwitchBackConfig:
     # When fc1 and fc2 of a transformers CLIPMLP are both converted with this config, run the block
     # fc1 -> activation -> fc2 as one fused SwitchBack op (hf_switchback.mlp): the activation runs inside
     # the 8-bit quantize passes and its output is recomputed in backward instead of saved, so the block saves
-    # only fc1's input and output (half of bf16's activations; 44% less with memory_efficient). Supported
+    # only fc1's input and output (half of bf16's activations); with memory_efficient only fc1's 8-bit input,
+    # fc1's output being recomputed in backward by one more 8-bit GEMM (bit-identical). Supported
     # activations: gelu (erf), the tanh approximations and quick_gelu; other blocks keep the separate layers.
     # Off by default: in a whole ViT-B/16 training step on the H100 under torch.compile the separate layers were
     # 13% faster (125 vs 143 ms/step; eager: fused 6% faster); the fused block saves ~20% activation memory

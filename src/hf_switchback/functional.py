@@ -130,9 +130,12 @@ class _SwitchBackMLPFn(torch.autograd.Function):
     """fc1 -> act -> fc2 as one node. x (M, d); w1 (4d, d), b1; w2 (d, 4d), b2; out (M, d) in x's dtype.
 
     Forward: the activation runs inside fc2's input quantize (h read once, act(h) never written).
-    Saved: x (or its 8-bit form when memory_efficient) and h = fc1's output. Not act(h): backward recomputes
-    it inside the activation-backward pass, which reads h anyway, so it costs a write there instead of one
-    in forward (same bytes) and saves a (M, 4d) 16-bit tensor for the whole time between forward and backward.
+    Saved: x and h = fc1's output. Not act(h): backward recomputes it inside the activation-backward pass,
+    which reads h anyway, so it costs a write there instead of one in forward (same bytes) and saves a (M, 4d)
+    16-bit tensor for the whole time between forward and backward.
+    memory_efficient: only x's 8-bit form (+ row scales) is saved; backward recomputes h from it with fc1's
+    8-bit GEMM, the same operands as forward, so h is bit-identical (no numerics cost beyond dW1 from the 8-bit
+    x): one more (M, d) x (d, 4d) 8-bit GEMM per block in exchange for the block's largest saved tensor.
     Backward: act' runs inside the quantize + column sum of fc1's output gradient.
     """
 
@@ -147,7 +150,8 @@ class _SwitchBackMLPFn(torch.autograd.Function):
         w2_q, w2_scale = quantize_weight(kernels, w2, weight_scaling, fq)
         out = kernels.scaled_matmul(a_q, w2_q, a_scale, w2_scale, b2, x.dtype)
         if memory_efficient:
-            ctx.save_for_backward(x_q, x_scale, h, w1, w2)
+            del h  # recomputed in backward from x_q (see the class docstring)
+            ctx.save_for_backward(x_q, x_scale, w1, b1, w2)
         else:
             ctx.save_for_backward(x, h, w1, w2)
         ctx.config = (
@@ -165,15 +169,19 @@ class _SwitchBackMLPFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         activation, weight_scaling, memory_efficient, gq, backend, x_dtype, b1_dtype, b2_dtype = ctx.config
+        kernels = get_kernels(backend, grad_out.device)
         if memory_efficient:
-            x_q, x_scale, h, w1, w2 = ctx.saved_tensors
+            x_q, x_scale, w1, b1, w2 = ctx.saved_tensors
+            fq = x_q.dtype
+            w1_q, w1_scale = quantize_weight(kernels, w1, weight_scaling, fq)
+            h = kernels.scaled_matmul(x_q, w1_q, x_scale, w1_scale, b1, x_dtype)
+            del w1_q
         else:
             x, h, w1, w2 = ctx.saved_tensors
         need_x, need_w1, need_b1, need_w2, need_b2 = ctx.needs_input_grad[:5]
         need_b1 = need_b1 and b1_dtype is not None
         need_b2 = need_b2 and b2_dtype is not None
         need_fc1 = need_x or need_w1 or need_b1
-        kernels = get_kernels(backend, grad_out.device)
         g = grad_out.contiguous()
         grad_x = grad_w1 = grad_b1 = grad_w2 = grad_b2 = None
         wt_quantize = (
