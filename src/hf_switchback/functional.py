@@ -174,7 +174,7 @@ class _SwitchBackMLPFn(torch.autograd.Function):
             x_q, x_scale, w1, b1, w2 = ctx.saved_tensors
             fq = x_q.dtype
             w1_q, w1_scale = quantize_weight(kernels, w1, weight_scaling, fq)
-            h = kernels.scaled_matmul(x_q, w1_q, x_scale, w1_scale, b1, x_dtype)
+            h = kernels.scaled_matmul_recompute(x_q, w1_q, x_scale, w1_scale, b1, x_dtype)
             del w1_q
         else:
             x, h, w1, w2 = ctx.saved_tensors

@@ -3,10 +3,10 @@
 A kernel set is a module exposing the functions of `kernels/reference.py` with the same signatures
 (quantize_rowwise, quantize_rowwise_colsum, quantize_tensorwise, quantize_rowwise_transposed,
 quantize_tensorwise_transposed, dequantize_rowwise, scaled_matmul, and for the fused MLP
-act_quantize_rowwise, act_backward_quantize_colsum, scaled_matmul_act_backward). The Triton set lives in
-`kernels/ops.py` and is imported lazily, so nothing on the CPU path ever imports triton. While torch.compile
-traces, CUDA tensors get `kernels/compiled.py` instead: the reference quantize ops (for Inductor to fuse) with
-the Triton GEMM.
+act_quantize_rowwise, act_backward_quantize_colsum, scaled_matmul_act_backward, scaled_matmul_recompute).
+The Triton set lives in `kernels/ops.py` and is imported lazily, so nothing on the CPU path ever imports
+triton. While torch.compile traces, CUDA tensors get `kernels/compiled.py` instead: the reference quantize ops
+(for Inductor to fuse) with the Triton GEMM. fp8 GEMMs that cuBLAS runs faster go to `kernels/cublas.py`.
 """
 
 from __future__ import annotations

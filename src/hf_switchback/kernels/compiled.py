@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import torch
 
-from . import matmul, reference
+from . import cublas, matmul, reference
 from .ops import dequantize_rowwise
 from .quantize import colsum_in_one_pass
 from .reference import (
@@ -65,9 +65,26 @@ def scaled_matmul(
     bias: torch.Tensor | None,
     out_dtype: torch.dtype,
 ) -> torch.Tensor:
-    """The 8-bit GEMM of kernels/ops.py, launched from Inductor's generated code (see the module docstring)."""
+    """The 8-bit GEMM of kernels/ops.py, launched from Inductor's generated code (see the module docstring);
+    fp8 GEMMs that kernels/cublas.py takes stay `aten._scaled_mm` in the graph."""
+    if cublas.use_cublas(a_q, b_q, out_dtype):
+        return cublas.scaled_matmul(a_q, b_q, a_scale, b_scale, bias, out_dtype)
     if TRACE_GEMM and not matmul.USE_TMA:
         return torch.ops.hf_switchback.scaled_matmul_traced(a_q, b_q, a_scale, b_scale, bias, out_dtype)
+    return torch.ops.hf_switchback.scaled_matmul(a_q, b_q, a_scale, b_scale, bias, out_dtype)
+
+
+def scaled_matmul_recompute(
+    a_q: torch.Tensor,
+    b_q: torch.Tensor,
+    a_scale: torch.Tensor,
+    b_scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """scaled_matmul for backward's recompute of a forward GEMM, as the opaque custom op: a different op from
+    forward's, so the joint graph's common-subexpression pass cannot merge the two back into one node whose
+    output (the fused MLP's h) would then be saved for backward after all."""
     return torch.ops.hf_switchback.scaled_matmul(a_q, b_q, a_scale, b_scale, bias, out_dtype)
 
 
@@ -98,4 +115,5 @@ __all__ = [
     "quantize_tensorwise_transposed",
     "scaled_matmul",
     "scaled_matmul_act_backward",
+    "scaled_matmul_recompute",
 ]

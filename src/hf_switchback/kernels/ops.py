@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from . import cublas as _cublas
 from . import matmul as _matmul
 from . import quantize as _quantize
 from .reference import QMAX
@@ -131,6 +132,8 @@ def _scaled_matmul(
     bias: torch.Tensor | None,
     out_dtype: torch.dtype,
 ) -> torch.Tensor:
+    if _cublas.use_cublas(a_q, b_q, out_dtype):
+        return _cublas.scaled_matmul(a_q, b_q, a_scale, b_scale, bias, out_dtype)
     return _matmul.scaled_matmul(a_q, b_q, a_scale, b_scale, bias, out_dtype)
 
 
@@ -278,9 +281,15 @@ def scaled_matmul(
     out_dtype: torch.dtype,
 ) -> torch.Tensor:
     """(M, K) @ (N, K).T 8-bit GEMM, dequantized by a_scale (M,) x b_scale (N,) or (), + bias -> (M, N) out_dtype."""
+    if _cublas.use_cublas(a_q, b_q, out_dtype):  # fp8 where cuBLAS is the faster GEMM (kernels/cublas.py)
+        return _cublas.scaled_matmul(a_q, b_q, a_scale, b_scale, bias, out_dtype)
     if _direct():
         return _matmul.scaled_matmul(a_q, b_q, a_scale, b_scale, bias, out_dtype)
     return torch.ops.hf_switchback.scaled_matmul(a_q, b_q, a_scale, b_scale, bias, out_dtype)
+
+
+# Backward's recompute of a forward GEMM (the fused MLP's h under memory_efficient): in eager the same GEMM.
+scaled_matmul_recompute = scaled_matmul
 
 
 def scaled_matmul_act_backward(
@@ -313,4 +322,5 @@ __all__ = [
     "quantize_tensorwise_transposed",
     "scaled_matmul",
     "scaled_matmul_act_backward",
+    "scaled_matmul_recompute",
 ]
