@@ -33,6 +33,7 @@ from triton.testing import do_bench
 
 from hf_switchback import SwitchBackConfig, apply_switchback, functional
 from hf_switchback.functional import AUTO_MIN_TOKENS_CUDA, quantized_dtypes
+from hf_switchback.kernels import cublas as kcublas
 from hf_switchback.kernels import matmul as kmatmul
 from hf_switchback.kernels import ops
 from hf_switchback.kernels import quantize as kquantize
@@ -187,6 +188,7 @@ WITH_TMA = " [tma]"
 ACT_BWD = {" [act-bwd epilogue]": "epilogue", " [act-bwd tiles]": "tiles", " [act-bwd rows]": "rows"}
 DEFAULT_ACT_EPILOGUE = kmatmul.FUSE_ACT_EPILOGUE
 DEFAULT_TMA = kmatmul.USE_TMA
+DEFAULT_FP8_GEMM = kcublas.FP8_GEMM
 DEFAULT_ACT_BACKWARD = kquantize.ACT_BACKWARD_IMPL
 
 
@@ -341,17 +343,20 @@ def bench_gemms(d: int, tokens: int) -> None:
         for qdtype in (torch.int8, torch.float8_e4m3fn):
             a_q, a_s = ops.quantize_rowwise(a16, qdtype)
             w_q, w_s = ops.quantize_tensorwise(w16, qdtype)
-            for tma in (False, True):
-                kmatmul.USE_TMA = tma
+            # fp8: our Triton kernels (portable, TMA), then cuBLAS's row-wise _scaled_mm (kernels/cublas.py)
+            paths = [("portable", False, "triton"), ("tma", True, "triton")]
+            if qdtype != torch.int8:
+                paths.append(("cublas", False, "cublas"))
+            for tag, tma, fp8_gemm in paths:
+                kmatmul.USE_TMA, kcublas.FP8_GEMM = tma, fp8_gemm
                 ms = do_bench(
                     lambda a_q=a_q, w_q=w_q, a_s=a_s, w_s=w_s, bias=bias: ops.scaled_matmul(
                         a_q, w_q, a_s, w_s, bias, torch.bfloat16
                     ),
                     rep=100,
                 )
-                tag = "tma" if tma else "portable"
                 cells.append(f"{str(qdtype).split('.')[-1]} {tag} {ms:.3f} ms ({base / ms:.2f}x)")
-        kmatmul.USE_TMA = DEFAULT_TMA
+        kmatmul.USE_TMA, kcublas.FP8_GEMM = DEFAULT_TMA, DEFAULT_FP8_GEMM
         print(f"| gemm {name} d={d} M={tokens} | " + " | ".join(cells) + " |", flush=True)
 
 

@@ -296,3 +296,53 @@ def test_stochastic_int8_rounding_is_unbiased_where_nearest_flushes():
     # mean of 4096 x 7 Bernoulli(0.3) draws: standard error 0.0036, bound at ~5.5 sigma
     assert abs(small.mean().item() - 0.3) < 0.02
     assert torch.equal(q[:, 0], torch.full((4096,), 127, dtype=torch.int8))
+
+
+def test_bench_memory_cpu_smoke_and_variant_grammar(tmp_path):
+    """Eager rows of bench_memory.py on a tiny model (compile rows cost minutes on the CI CPUs)."""
+    bench = load_script("bench_memory")
+    assert bench.parse_variant("bf16+budget0.5+compile") == ("bf16", False, 0.5, True)
+    assert bench.parse_variant("int8-memeff-fused+ckpt") == ("int8-memeff-fused", True, None, False)
+    for bad in ("bf16+budget0.5", "bf16+budget2+compile", "int4", "bf16+fast"):
+        with pytest.raises(ValueError):
+            bench.parse_variant(bad)
+    out = tmp_path / "mem.json"
+    flags = ["--device", "cpu", "--tiny", "--models", "vit-b-16", "--steps", "1", "--warmup", "0"]
+    stdout = run_script(
+        [
+            "benchmarks/bench_memory.py",
+            *flags,
+            "--variants",
+            "bf16",
+            "bf16+ckpt",
+            "int8-memeff",
+            "--json",
+            str(out),
+        ]
+    )
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["variant"] for r in rows] == ["bf16", "bf16+ckpt", "int8-memeff"]
+    for row in rows:
+        assert "error" not in row, row
+        assert row["samples_per_s"] > 0 and math.isfinite(row["loss"]) and row["batch"] == 8
+    # the checkpointed row is compared with itself (the only bf16 row that recomputes)
+    assert any(
+        line.startswith("vit-b-16") and "bf16+ckpt" in line and "1.00x" in line
+        for line in stdout.splitlines()
+    )
+
+
+def test_bench_memory_max_batch_estimate_and_saved_tensors():
+    bench = load_script("bench_memory")
+    row = dict(fixed_gib=10.0, peak_mib_per_sample=512.0)
+    assert bench.estimate_max_batch(row, 30 * 2**30) == 40  # (30 - 10) GiB / 0.5 GiB per sample
+    args = bench.argparse.Namespace(device="cpu", tiny=True)
+    bf16 = bench.layer_saved_tensors("vit-b-16", "bf16", args)
+    memeff = bench.layer_saved_tensors("vit-b-16", "int8-memeff-fused", args)
+    d = bf16["width"]
+    # bf16 saves its MLP's h and act(h) in 16 bits (2 x 4d x 2 bytes per token) among the rest
+    assert bf16["bytes_per_token"] > 16 * d
+    # the memory switch saves each linear's input in int8 and recomputes the MLP's h: no (tokens, 4d) tensor
+    assert all(t["shape"][-1] != 4 * d for t in memeff["tensors"])
+    assert any(t["dtype"] == "int8" for t in memeff["tensors"])
+    assert memeff["bytes_per_token"] < 0.75 * bf16["bytes_per_token"]
