@@ -1,6 +1,6 @@
 """The benchmark scripts run end to end on the CPU (tiny models), so a broken script fails CI, not a GPU run."""
 
-import importlib.util
+import argparse
 import json
 import math
 import statistics
@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import helpers
 import pytest
 import torch
 
@@ -15,10 +16,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def load_script(name: str):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return helpers.load_script(f"benchmarks/{name}.py")
 
 
 def run_script(args: list[str], timeout: int = 120) -> str:
@@ -296,3 +294,39 @@ def test_stochastic_int8_rounding_is_unbiased_where_nearest_flushes():
     # mean of 4096 x 7 Bernoulli(0.3) draws: standard error 0.0036, bound at ~5.5 sigma
     assert abs(small.mean().item() - 0.3) < 0.02
     assert torch.equal(q[:, 0], torch.full((4096,), 127, dtype=torch.int8))
+
+
+def test_bench_linear_ab_rows_carry_their_kernel_options():
+    """Each A/B row is the same layers with one KernelOptions field changed, carried by the row's model (no
+    process-wide switch to set and restore); every other row runs the defaults."""
+    from hf_switchback import KernelOptions
+
+    bench = load_script("bench_linear")
+    rows = bench.variants(False, 65536, bias_grad_ab=True, tma_ab=True, bwd_ab=True, mlp_ab=True)
+    want_by_tag = {
+        bench.UNFUSED: KernelOptions(fused_bias_grad=False),
+        bench.WITH_TMA: KernelOptions(use_tma=True),
+        " [act-bwd tiles]": KernelOptions(act_backward_impl="tiles"),
+        " [act-bwd rows]": KernelOptions(act_backward_impl="rows"),
+    }
+    seen = set()
+    for name, make, _ in rows:
+        if not name.startswith("switchback"):
+            continue
+        model = make(bench.build_case("block", 32))
+        tag = next((t for t in want_by_tag if name.endswith(t)), None)
+        seen.add(tag)
+        assert bench.first_config(model).kernel_options == want_by_tag.get(tag, KernelOptions()), name
+    assert seen == {None, *want_by_tag}
+
+
+def test_bench_train_ab_flags_become_kernel_options():
+    from hf_switchback import KernelOptions
+
+    bench = load_script("bench_train")
+    flags = ["custom_op_eager", "triton_quantize_under_compile", "opaque_gemm_under_compile"]
+    args = argparse.Namespace(**dict.fromkeys(flags, True), inductor_grad_quantize=False, tma=True)
+    assert bench.kernel_options(args) == KernelOptions(
+        direct_eager=False, fuse_quantize_under_compile=False, trace_gemm=False, use_tma=True
+    )
+    assert bench.kernel_options(argparse.Namespace()) == KernelOptions()

@@ -11,6 +11,8 @@ import re
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+from .kernels.options import KernelOptions
+
 WEIGHT_SCALINGS = ("tensor", "row")
 PRECISIONS = ("int8", "fp8")
 BACKENDS = ("auto", "triton", "torch")
@@ -108,6 +110,11 @@ class SwitchBackConfig:
     # 13% faster (125 vs 143 ms/step; eager: fused 6% faster); the fused block saves ~20% activation memory
     # (21.1 -> 16.8 GiB peak at batch 256). Turn it on when memory is the limit (BENCHMARKS.md, 2026-11-22).
     fuse_mlp: bool = False
+    # How the GPU kernels run (kernels/options.py): implementation choices with the same numerics, so a
+    # run-time choice rather than part of the model. Not written to config.json (to_dict leaves it out) and not
+    # compared (two configs that differ only here are the same quantization). Each layer carries its own, so
+    # two models in one process may differ. Defaults: the measured winners, see KernelOptions.
+    kernel_options: KernelOptions = dataclasses.field(default_factory=KernelOptions, compare=False)
 
     def __post_init__(self) -> None:
         _check_choice("weight_scaling", self.weight_scaling, WEIGHT_SCALINGS)
@@ -126,6 +133,11 @@ class SwitchBackConfig:
             )
         if not isinstance(self.fuse_mlp, bool):
             raise TypeError(f"SwitchBackConfig.fuse_mlp must be a bool, got {type(self.fuse_mlp).__name__}")
+        if not isinstance(self.kernel_options, KernelOptions):
+            raise TypeError(
+                "SwitchBackConfig.kernel_options must be a hf_switchback.KernelOptions, got "
+                f"{type(self.kernel_options).__name__}"
+            )
         bad_int = not isinstance(self.min_tokens, int) or isinstance(self.min_tokens, bool)
         if self.min_tokens is not None and (bad_int or self.min_tokens < 0):
             raise ValueError(
@@ -148,9 +160,14 @@ class SwitchBackConfig:
         return dataclasses.replace(self, **changes)
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-ready dict (tuples become lists), plus quant_method="switchback" for config.json."""
+        """JSON-ready dict (tuples become lists), plus quant_method="switchback" for config.json.
+
+        kernel_options is left out: it is how this process runs the kernels, not what the checkpoint is.
+        """
         out: dict[str, Any] = {"quant_method": QUANT_METHOD}
         for f in dataclasses.fields(self):
+            if f.name in _RUNTIME_FIELDS:
+                continue
             value = getattr(self, f.name)
             out[f.name] = list(value) if isinstance(value, tuple) else value
         return out
@@ -159,7 +176,8 @@ class SwitchBackConfig:
     def from_dict(cls, data: dict[str, Any]) -> SwitchBackConfig:
         """Inverse of to_dict. Unknown keys are an error (a typo must not silently select a default).
 
-        quant_method is optional, and must be "switchback" when present (the config.json form).
+        quant_method is optional, and must be "switchback" when present (the config.json form). kernel_options
+        (never in to_dict's output) may be given as a KernelOptions or a dict of its fields.
         """
         data = dict(data)
         method = data.pop("quant_method", QUANT_METHOD)
@@ -173,7 +191,13 @@ class SwitchBackConfig:
             raise ValueError(
                 f"SwitchBackConfig.from_dict: unknown keys {unknown}; known keys are {sorted(known)}"
             )
+        if isinstance(data.get("kernel_options"), dict):
+            data["kernel_options"] = KernelOptions(**data["kernel_options"])
         return cls(**data)
+
+
+# Fields to_dict leaves out of config.json: choices of this process, not of the checkpoint.
+_RUNTIME_FIELDS = ("kernel_options",)
 
 
 def _check_choice(name: str, value: Any, allowed: tuple[str, ...]) -> None:
@@ -181,4 +205,10 @@ def _check_choice(name: str, value: Any, allowed: tuple[str, ...]) -> None:
         raise ValueError(f"SwitchBackConfig.{name} must be one of {allowed}, got {value!r}")
 
 
-__all__ = ["DEFAULT_EXCLUDE_MODULES", "DEFAULT_TARGET_MODULES", "QUANT_METHOD", "SwitchBackConfig"]
+__all__ = [
+    "DEFAULT_EXCLUDE_MODULES",
+    "DEFAULT_TARGET_MODULES",
+    "QUANT_METHOD",
+    "KernelOptions",
+    "SwitchBackConfig",
+]
