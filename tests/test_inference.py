@@ -14,8 +14,8 @@ from hf_switchback import (
     switchback_inference,
     switchback_modules,
 )
-from hf_switchback.weight_cache import WEIGHT_Q, WEIGHT_SCALE
 from hf_switchback.kernels import reference
+from hf_switchback.weight_cache import WEIGHT_Q, WEIGHT_SCALE
 
 CONFIGS = [
     SwitchBackConfig(backend="torch"),
