@@ -20,18 +20,38 @@ from train_helpers import (
     write_tiny_model_config,
 )
 
-
-def load_script():
-    spec = importlib.util.spec_from_file_location("train_clip", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from hf_switchback.training import cli, runtime
 
 
-def test_help_lists_every_flag_with_help():
+def help_entries(text: str) -> dict[str, str]:
+    """{first flag: its help, whitespace joined} from argparse's --help text."""
+    entries, current = {}, None
+    for line in text.splitlines():
+        if line.startswith("  -"):
+            current = line.split()[0].rstrip(",")
+            entries[current] = line
+        elif line.startswith("    ") and current:
+            entries[current] += " " + line
+        else:
+            current = None
+    return {flag: " ".join(help.split()) for flag, help in entries.items()}
+
+
+def test_help_lists_every_flag_with_help_and_its_default_once():
     proc = subprocess.run([sys.executable, SCRIPT, "--help"], env=clean_env(), capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
-    parser = load_script().build_parser()
+    entries = help_entries(proc.stdout)
+    entries.pop("-h")
+    assert len(entries) > 60 and "--weight_scaling" in entries
+    for help in entries.values():
+        assert help.count("(default:") == 1, help
+        assert "(default: None)" not in help, help
+    # the SwitchBack flags show the library's real defaults, not argparse's None
+    assert entries["--weight_scaling"].endswith("(default: tensor)")
+    assert entries["--precision"].endswith("(default: int8)")
+    assert entries["--grad_precision"].endswith("(default: auto)")
+    assert entries["--memory_efficient"].endswith("(default: False)")
+    parser = cli.build_parser()
     for action in parser._actions:
         for flag in action.option_strings:
             assert flag in proc.stdout, flag
@@ -66,12 +86,23 @@ def test_help_lists_every_flag_with_help():
     ],
 )
 def test_invalid_combinations_fail_at_start(argv, message, capsys):
-    module = load_script()
-    parser = module.build_parser()
+    parser = cli.build_parser()
     with pytest.raises(SystemExit) as exc:
-        module.check_args(parser, parser.parse_args(argv))
+        cli.check_args(parser, parser.parse_args(argv))
     assert exc.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_run_clip_flag_names_are_aliases_of_ours():
+    parser = cli.build_parser()
+    args = parser.parse_args(
+        ["--per_device_train_batch_size", "32", "--learning_rate", "1e-4", "--max_steps", "7", "--bf16",
+         "--adam_epsilon", "1e-8", "--save_total_limit", "5", "--tokenizer_name", "tok"]
+    )  # fmt: skip
+    assert (args.batch_size, args.lr, args.max_train_steps, args.mixed_precision) == (32, 1e-4, 7, "bf16")
+    assert (args.eps, args.checkpoints_total_limit, args.tokenizer_name_or_path) == (1e-8, 5, "tok")
+    assert parser.parse_args(["--fp16"]).mixed_precision == "fp16"
+    assert parser.parse_args([]).mixed_precision is None  # the accelerate config decides
 
 
 def test_compile_mode_reaches_accelerate_and_picks_the_gemm(monkeypatch):
@@ -79,20 +110,19 @@ def test_compile_mode_reaches_accelerate_and_picks_the_gemm(monkeypatch):
     there: the portable GEMM stays elsewhere, and without SwitchBack nothing is touched)."""
     from hf_switchback.kernels import matmul
 
-    module = load_script()
-    parser = module.build_parser()
-    assert module.dynamo_plugin(parser.parse_args([])) is None
-    plugin = module.dynamo_plugin(parser.parse_args(["--torch_compile"]))
+    parser = cli.build_parser()
+    assert runtime.dynamo_plugin(parser.parse_args([])) is None
+    plugin = runtime.dynamo_plugin(parser.parse_args(["--torch_compile"]))
     assert plugin.backend.value.lower() == "inductor" and plugin.mode == "default"
     monkeypatch.setattr(matmul, "USE_TMA", False)
     graphs = ["--torch_compile", "--compile_mode", "reduce-overhead"]
-    monkeypatch.setattr(module, "tma_gemm_available", lambda: False)
-    assert module.dynamo_plugin(parser.parse_args(graphs)).mode == "reduce-overhead"
+    monkeypatch.setattr(runtime, "tma_gemm_available", lambda: False)
+    assert runtime.dynamo_plugin(parser.parse_args(graphs)).mode == "reduce-overhead"
     assert matmul.USE_TMA is False
-    monkeypatch.setattr(module, "tma_gemm_available", lambda: True)
-    module.dynamo_plugin(parser.parse_args([*graphs, "--switchback", "off"]))
+    monkeypatch.setattr(runtime, "tma_gemm_available", lambda: True)
+    runtime.dynamo_plugin(parser.parse_args([*graphs, "--switchback", "off"]))
     assert matmul.USE_TMA is False
-    module.dynamo_plugin(parser.parse_args(graphs))
+    runtime.dynamo_plugin(parser.parse_args(graphs))
     assert matmul.USE_TMA is True
 
 
@@ -206,10 +236,9 @@ def test_speed_and_memory_flags_together(tmp_path):
 
 @pytest.mark.skipif(importlib.util.find_spec("wandb") is not None, reason="wandb is installed here")
 def test_missing_tracker_fails_at_start(capsys):
-    module = load_script()
-    parser = module.build_parser()
+    parser = cli.build_parser()
     with pytest.raises(SystemExit):
-        module.check_args(parser, parser.parse_args(["--report_to", "wandb"]))
+        cli.check_args(parser, parser.parse_args(["--report_to", "wandb"]))
     assert "pip install wandb" in capsys.readouterr().err
 
 

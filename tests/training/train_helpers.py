@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import socket
@@ -70,8 +71,9 @@ def write_tiny_model_config(path: str) -> str:
 
 
 def clean_env() -> dict:
-    """Subprocess env: offline, single-threaded BLAS/OMP (2 processes on 2 cores), this venv first on PATH."""
-    keep = ("PATH", "HOME", "LANG", "LC_ALL", "TMPDIR", "SYSTEMROOT", "USER")
+    """Subprocess env: offline, single-threaded BLAS/OMP (2 processes on 2 cores), this venv first on PATH (and
+    PYTHONPATH kept, so a checkout run with PYTHONPATH=src launches its own package)."""
+    keep = ("PATH", "PYTHONPATH", "HOME", "LANG", "LC_ALL", "TMPDIR", "SYSTEMROOT", "USER")
     env = {k: os.environ[k] for k in keep if k in os.environ}
     env.update(
         HF_HUB_OFFLINE="1",
@@ -143,3 +145,26 @@ def logged_losses(output: str) -> dict[int, float]:
 def read_results(output_dir: str) -> dict:
     with open(os.path.join(output_dir, "all_results.json")) as f:
         return json.load(f)
+
+
+def load_script(name: str = "train_clip"):
+    """examples/train_clip.py as a module (its training_function runs in this process: ~1 s against ~12 s for
+    a launch that imports torch, transformers and bitsandbytes again)."""
+    spec = importlib.util.spec_from_file_location(name, SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def run_in_process(script, argv: list[str]) -> dict:
+    """Parse and check `argv` with the script's parser, run training_function, return its results."""
+    from accelerate.state import AcceleratorState
+
+    parser = script.build_parser()
+    args = parser.parse_args(argv)
+    script.check_args(parser, args)
+    AcceleratorState._reset_state(True)  # other tests' Accelerator(cpu=True) must not leak in
+    try:
+        return script.training_function(args)
+    finally:
+        AcceleratorState._reset_state(True)
