@@ -20,7 +20,7 @@ from train_helpers import (
     write_tiny_model_config,
 )
 
-from hf_switchback.training import cli, runtime
+from hf_switchback.training import cli, model_setup, runtime
 
 
 def help_entries(text: str) -> dict[str, str]:
@@ -106,24 +106,23 @@ def test_run_clip_flag_names_are_aliases_of_ours():
 
 
 def test_compile_mode_reaches_accelerate_and_picks_the_gemm(monkeypatch):
-    """--compile_mode becomes accelerate's dynamo mode; CUDA graphs on Hopper switch on the TMA GEMM (and only
-    there: the portable GEMM stays elsewhere, and without SwitchBack nothing is touched)."""
-    from hf_switchback.kernels import matmul
+    """--compile_mode becomes accelerate's dynamo mode; CUDA graphs on Hopper put the TMA GEMM into the run's
+    KernelOptions (and only there: the portable GEMM stays elsewhere)."""
+    from hf_switchback import KernelOptions
 
     parser = cli.build_parser()
     assert runtime.dynamo_plugin(parser.parse_args([])) is None
     plugin = runtime.dynamo_plugin(parser.parse_args(["--torch_compile"]))
     assert plugin.backend.value.lower() == "inductor" and plugin.mode == "default"
-    monkeypatch.setattr(matmul, "USE_TMA", False)
-    graphs = ["--torch_compile", "--compile_mode", "reduce-overhead"]
+    graphs = parser.parse_args(["--torch_compile", "--compile_mode", "reduce-overhead"])
     monkeypatch.setattr(runtime, "tma_gemm_available", lambda: False)
-    assert runtime.dynamo_plugin(parser.parse_args(graphs)).mode == "reduce-overhead"
-    assert matmul.USE_TMA is False
+    assert runtime.dynamo_plugin(graphs).mode == "reduce-overhead"
+    assert model_setup.switchback_config(graphs).kernel_options == KernelOptions(use_tma=False)
     monkeypatch.setattr(runtime, "tma_gemm_available", lambda: True)
-    runtime.dynamo_plugin(parser.parse_args([*graphs, "--switchback", "off"]))
-    assert matmul.USE_TMA is False
-    runtime.dynamo_plugin(parser.parse_args(graphs))
-    assert matmul.USE_TMA is True
+    assert (
+        model_setup.switchback_config(parser.parse_args(["--torch_compile"])).kernel_options.use_tma is False
+    )
+    assert model_setup.switchback_config(graphs).kernel_options == KernelOptions(use_tma=True)
 
 
 def test_invalid_combination_exits_before_loading_anything():
