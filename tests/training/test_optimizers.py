@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from hf_switchback.training.optimizers import (
+from hf_switchback.training.optim import (
     OPENCLIP_VIT_DEFAULTS,
     OPTIMIZER_CHOICES,
     create_optimizer,

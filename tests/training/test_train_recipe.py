@@ -13,7 +13,7 @@ import torch
 from train_helpers import SCRIPT, launch, load_script, read_results, run_in_process, tiny_config
 
 from hf_switchback.training.cli import build_parser, check_args
-from hf_switchback.training.optimizers import OPTIMIZER_CHOICES
+from hf_switchback.training.optim import OPTIMIZER_CHOICES
 from hf_switchback.training.runtime import check_deepspeed
 
 # hidden 64: fc1/fc2 weights (8192 elements) and the token embedding (4096) reach bitsandbytes' min_8bit_size

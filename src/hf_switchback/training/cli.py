@@ -17,7 +17,7 @@ from ..config import BACKENDS, GRAD_PRECISIONS, PRECISIONS, WEIGHT_SCALINGS, Swi
 from . import synthetic
 from .data import CAPTION_COLUMNS, IMAGE_COLUMNS
 from .model_setup import SWITCHBACK_FLAGS
-from .optimizers import OPTIMIZER_CHOICES
+from .optim import OPTIMIZER_CHOICES
 from .runtime import COMPILE_MODES
 from .sources import has_real_data
 
