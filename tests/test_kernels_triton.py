@@ -219,7 +219,7 @@ def test_act_backward_quantize_colsum(shape, dtype, qdtype, activation, want_act
 
 @pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
 def test_act_backward_impl_picks_rows_up_to_4096_wide():
-    """ "auto" resolves per width (measured crossover, BENCHMARKS.md "MLP block"); a bad setting is refused."""
+    """ "auto" resolves per width (measured crossover, BENCHMARKS.md, GEMM kernels); a bad setting is refused."""
     from hf_switchback.kernels import quantize
 
     assert KernelOptions().act_backward_impl == "auto"

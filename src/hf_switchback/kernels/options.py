@@ -6,8 +6,8 @@ left out of config.json. Two models in one process may use different options. Th
 (CPU, backend="torch") has one implementation of everything; there only `fused_bias_grad` changes which
 reference functions run.
 
-Defaults are the measured winners (BENCHMARKS.md, topics "GEMM kernels", "MLP block" and "Whole training
-step"); the non-default values stay for A/B benchmarks (benchmarks/bench_linear.py, bench_train.py) and for
+Defaults are the measured winners (BENCHMARKS.md, topics GEMM kernels, MLP block and Whole training step);
+the non-default values stay for A/B benchmarks (benchmarks/bench_linear.py, bench_train.py) and for
 setups where they win (use_tma under CUDA graphs). This module is a leaf: it imports nothing from the package,
 and never triton.
 """
@@ -36,33 +36,34 @@ class KernelOptions:
     """Which kernel implementation each step of a SwitchBack layer uses on CUDA (see the module docstring)."""
 
     # Backward computes the bias gradient inside the output-gradient quantize pass (quantize_rowwise_colsum)
-    # instead of a separate column sum: one read of the gradient instead of two (BENCHMARKS.md "GEMM kernels",
+    # instead of a separate column sum: one read of the gradient instead of two (BENCHMARKS.md, MLP block:
     # fused bias gradient). False: the two passes.
     fused_bias_grad: bool = True
     # Under torch.compile on CUDA, the quantize passes are plain torch ops that Inductor fuses into the op that
-    # produced their input (kernels/compiled.py): faster compiled steps (BENCHMARKS.md "Whole training step").
+    # produced their input (kernels/compiled.py): faster compiled steps (BENCHMARKS.md, Whole training step).
     # False keeps our Triton quantize kernels under compile too.
     fuse_quantize_under_compile: bool = True
     # Under torch.compile, the 8-bit GEMM is a triton_op that Inductor launches from its generated code (no
-    # Python dispatch per GEMM; BENCHMARKS.md "Whole training step"). False: the opaque custom op. (Ignored with
+    # Python dispatch per GEMM; BENCHMARKS.md, Whole training step). False: the opaque custom op. (Ignored with
     # use_tma, whose host-side setup is not traceable.)
     trace_gemm: bool = True
     # Under torch.compile, the output-gradient quantize + bias column sum stays our one-pass Triton kernel;
-    # Inductor's version re-read the producer's inputs and was slower (BENCHMARKS.md "Whole training step").
+    # Inductor's version re-read the producer's inputs and was slower (BENCHMARKS.md, Whole training step).
     # False leaves it to Inductor like the other quantizes.
     triton_grad_quantize: bool = True
     # In eager mode, call the Triton launchers directly instead of through the torch.library custom ops, whose
-    # dispatcher only adds CPU time to every call (~10 per layer and step). False: through the custom ops.
+    # dispatcher only adds CPU time to every call (~10 per layer and step; ViT-B/16 eager 187.7 vs 216-278 ms,
+    # BENCHMARKS.md, Whole training step). False: through the custom ops.
     direct_eager: bool = True
     # The fused MLP's activation backward + quantize on CUDA: "rows" (one pass, whole rows per program),
     # "tiles" (two 2-D tiled passes, full occupancy) or "auto" (rows up to 4096 wide, tiles above: the
-    # measured crossover on the H100, BENCHMARKS.md "MLP block"). All three give bitwise the same q and scale.
+    # measured crossover on the H100, BENCHMARKS.md, GEMM kernels). All three give bitwise the same q and scale.
     act_backward_impl: str = "auto"
     # The persistent TMA 8-bit GEMM on Hopper (sm90) for M >= 1024 and aligned operands; elsewhere, or if it
     # cannot be built here (then a warning, once per device), the portable kernel. Off by default: alone it
     # is faster (1.50-1.63x over cuBLAS bf16 vs 1.37-1.53x), but its host-side setup made launch-bound
     # training steps slower; under CUDA graphs (torch.compile mode="reduce-overhead") that setup is not
-    # replayed and it wins (BENCHMARKS.md "GEMM kernels"). The default comes from HF_SWITCHBACK_TMA (0 / 1).
+    # replayed and it wins (BENCHMARKS.md, GEMM kernels and Whole training step). The default comes from HF_SWITCHBACK_TMA (0 / 1).
     use_tma: bool = dataclasses.field(default_factory=_tma_default)
 
     def __post_init__(self) -> None:

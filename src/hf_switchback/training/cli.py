@@ -119,13 +119,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--precision",
         choices=PRECISIONS,
         help="Forward format: int8, or fp8 (Ada/Hopper GPUs; the smallest spread from scratch in the "
-        "parity runs, 3 pairs, README 'Accuracy').",
+        "parity runs, 3 pairs, BENCHMARKS.md 'Accuracy').",
     )
     g.add_argument(
         "--grad_precision",
         choices=GRAD_PRECISIONS,
         help="Format of the grad-input GEMM. auto: fp8 on GPUs with fp8 tensor cores (sm89+), int8 "
-        "elsewhere; fp8 gradients kept bf16 accuracy where int8 ones did not (BENCHMARKS.md).",
+        "elsewhere; fp8 gradients kept bf16 accuracy where int8 ones did not (BENCHMARKS.md, Accuracy).",
     )
     g.add_argument(
         "--fuse_mlp",
@@ -267,7 +267,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="torch.compile mode with --torch_compile. 'reduce-overhead' replays the "
         "step's kernels as CUDA graphs: for steps the CPU cannot launch fast enough (small batches, ViT-H, "
         "SwitchBack's extra quantize launches); on Hopper it also selects the TMA 8-bit GEMM, whose launch "
-        "setup the graphs hide (BENCHMARKS.md). Needs --accum_freq 1.",
+        "setup the graphs hide (BENCHMARKS.md, Whole training step). Needs --accum_freq 1.",
     )
     g.add_argument("--lock_image", action="store_true", help="Freeze the vision tower and its projection.")
     g.add_argument("--lock_text", action="store_true", help="Freeze the text tower and its projection.")

@@ -28,7 +28,7 @@ def kernel_options(args) -> KernelOptions:
     if graphs and tma_gemm_available():
         # Alone the TMA GEMM is 10-15% faster than the portable one, but its host-side setup made launch-bound
         # steps slower; replayed as a CUDA graph that setup is gone (ViT-B/16: 102.6 vs 106.9 ms/step,
-        # BENCHMARKS.md "GEMM kernels").
+        # BENCHMARKS.md, Whole training step).
         logger.info("CUDA graphs: using the Hopper TMA 8-bit GEMM (KernelOptions(use_tma=True))")
         return KernelOptions(use_tma=True)
     return KernelOptions()
