@@ -27,29 +27,32 @@ def snr_db(exact: torch.Tensor, approx: torch.Tensor) -> float:
     return math.inf if noise == 0 else 10 * math.log10(exact.double().pow(2).sum().item() / noise)
 
 
-def tiny_clip_config(layers: int = 2, hidden: int = 32, image_size: int = 16, patch_size: int = 8):
-    """A CLIPConfig small enough for CPU tests: both towers, `layers` encoder layers each."""
+def tiny_clip_config(
+    layers: int = 2,
+    hidden: int = 32,
+    image_size: int = 16,
+    patch_size: int = 8,
+    bos: int = 0,
+    eos: int = 1,
+    pad: int = 1,
+    vocab: int = 64,
+):
+    """A CLIPConfig small enough for CPU tests: both towers, `layers` encoder layers each; bos / eos / pad are
+    the text tower's special token ids (a tokenizer's, when the test has one)."""
     from transformers import CLIPConfig
 
+    tower = dict(
+        hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers, num_attention_heads=2
+    )
     text = dict(
-        hidden_size=hidden,
-        intermediate_size=2 * hidden,
-        num_hidden_layers=layers,
-        num_attention_heads=2,
-        vocab_size=64,
+        tower,
+        vocab_size=vocab,
         max_position_embeddings=16,
-        bos_token_id=0,
-        eos_token_id=1,
-        pad_token_id=1,
+        bos_token_id=bos,
+        eos_token_id=eos,
+        pad_token_id=pad,
     )
-    vision = dict(
-        hidden_size=hidden,
-        intermediate_size=2 * hidden,
-        num_hidden_layers=layers,
-        num_attention_heads=2,
-        image_size=image_size,
-        patch_size=patch_size,
-    )
+    vision = dict(tower, image_size=image_size, patch_size=patch_size)
     return CLIPConfig(text_config=text, vision_config=vision, projection_dim=16)
 
 

@@ -3,6 +3,7 @@
 import importlib.util
 import io
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -37,6 +38,12 @@ def help_entries(text: str) -> dict[str, str]:
     return {flag: " ".join(help.split()) for flag, help in entries.items()}
 
 
+def assert_accuracy_over(results: dict, key: str, n: int) -> None:
+    """results[key] is a fraction of `n` samples: a real accuracy over the eval set, not just any number."""
+    hits = results[key] * n
+    assert abs(hits - round(hits)) < 1e-6 and 0 <= round(hits) <= n, (key, results[key], n)
+
+
 def test_help_lists_every_flag_with_help_and_its_default_once():
     proc = subprocess.run([sys.executable, SCRIPT, "--help"], env=clean_env(), capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
@@ -58,8 +65,6 @@ def test_help_lists_every_flag_with_help_and_its_default_once():
         assert action.help and action.help.strip(), f"{action.option_strings} has no help"
     for group in ("model", "SwitchBack", "data", "optimization", "speed and memory", "checkpoints"):
         assert group in proc.stdout
-    for flag in ("--accum_freq", "--resume_from_checkpoint", "--patch_dropout", "--report_to", "--optimizer"):
-        assert flag in proc.stdout
 
 
 @pytest.mark.parametrize(
@@ -144,7 +149,9 @@ def test_default_run_learns_far_above_chance(tmp_path):
     results = read_results(out)
     assert results["zero_shot_top1"] > 0.2, results
     assert results["image_to_text_R@1"] > 0.05 and results["text_to_image_R@1"] > 0.05, results
-    assert results["train_samples_per_second"] > 0 and results["train_loss"] > 0
+    # the run's mean contrastive loss sits below chance level, ln(batch)
+    assert 0 < results["train_loss"] < math.log(results["global_batch_size"]), results
+    assert results["train_samples_per_second"] > 0
     # the final model is a plain CLIP checkpoint in safetensors, with its processor
     assert (out / "model.safetensors").exists()
     from transformers import CLIPModel, CLIPProcessor
@@ -218,7 +225,8 @@ def test_speed_and_memory_flags_together(tmp_path):
          "tensorboard", "--eval_steps", "2", "--max_eval_samples", "32", "--output_dir", str(out)],
     )  # fmt: skip
     results = read_results(out)
-    assert results["train_steps"] == 3 and 0 <= results["zero_shot_top1"] <= 1
+    assert results["train_steps"] == 3
+    assert_accuracy_over(results, "zero_shot_top1", results["eval_samples"])
     assert any("events.out.tfevents" in name for _, _, files in os.walk(out) for name in files)
     torch.manual_seed(0)  # the script's --seed 0: the same initial weights
     initial = CLIPModel(CLIPConfig.from_json_file(config)).state_dict()
@@ -265,4 +273,5 @@ def test_csv_training_with_zero_shot_on_a_labelled_validation_file(tmp_path):
     )  # fmt: skip
     results = read_results(out)
     assert results["eval_samples"] == 16 and results["train_steps"] == 2
-    assert results["zero_shot_top1"] is not None and 0.0 <= results["zero_shot_top1"] <= 1.0
+    assert_accuracy_over(results, "zero_shot_top1", 16)  # the 16 labelled rows of val.csv
+    assert results["zero_shot_top5"] >= results["zero_shot_top1"]
