@@ -484,11 +484,24 @@ def act_backward_impl(k: int, impl: str = "auto") -> str:
     return impl
 
 
-def quantize_rowwise_known_absmax(x: torch.Tensor, absmax: torch.Tensor, qdtype: torch.dtype):
-    """quantize_rowwise(x) given its exact row absmax (M,) float32: a fully parallel 2-D tiled pass."""
+def _absmax_partials(x: torch.Tensor) -> torch.Tensor:
+    """(M, K) -> (cdiv(M, TILE_M), K) float32 column absmax per row tile."""
     m, k = x.shape
-    q = torch.empty((m, k), dtype=qdtype, device=x.device)
-    scale = torch.empty((m,), dtype=torch.float32, device=x.device)
+    grid = (triton.cdiv(m, _TILE_M), triton.cdiv(k, _TILE_K))
+    part = torch.empty((grid[0], k), dtype=torch.float32, device=x.device)
+    _col_absmax_kernel[grid](x, part, m, k, x.stride(0), x.stride(1), BLOCK_M=_TILE_M, BLOCK_K=_TILE_K)
+    return part
+
+
+def _quantize_2d(x, absmax, per: str, transpose: bool, qdtype: torch.dtype):
+    """Quantize x (M, K) with a known absmax per "row" (M,), per "column" (K,) or for the "tensor" ();
+    transpose writes q as (K, M)."""
+    m, k = x.shape
+    q = torch.empty((k, m) if transpose else (m, k), dtype=qdtype, device=x.device)
+    scale = torch.empty(
+        {"row": (m,), "column": (k,), "tensor": ()}[per], dtype=torch.float32, device=x.device
+    )
+    q_strides = (q.stride(1), q.stride(0)) if transpose else (q.stride(0), q.stride(1))
     grid = (triton.cdiv(m, _TILE_M), triton.cdiv(k, _TILE_K))
     _quantize_2d_kernel[grid](
         x,
@@ -499,15 +512,19 @@ def quantize_rowwise_known_absmax(x: torch.Tensor, absmax: torch.Tensor, qdtype:
         k,
         x.stride(0),
         x.stride(1),
-        q.stride(0),
-        q.stride(1),
-        PER_COLUMN=False,
-        PER_ROW=True,
+        *q_strides,
+        PER_COLUMN=per == "column",
+        PER_ROW=per == "row",
         BLOCK_M=_TILE_M,
         BLOCK_K=_TILE_K,
         **_qargs(qdtype),
     )
     return q, scale
+
+
+def quantize_rowwise_known_absmax(x: torch.Tensor, absmax: torch.Tensor, qdtype: torch.dtype):
+    """quantize_rowwise(x) given its exact row absmax (M,) float32: a fully parallel 2-D tiled pass."""
+    return _quantize_2d(x, absmax, "row", transpose=False, qdtype=qdtype)
 
 
 def _act_backward_tiles(grad, h, qdtype, activation, want_act):
@@ -597,39 +614,6 @@ def act_backward_quantize_colsum(
     return gh, act, q, scale, part.sum(dim=0)
 
 
-def _absmax_partials(x: torch.Tensor) -> torch.Tensor:
-    """(M, K) -> (cdiv(M, TILE_M), K) float32 column absmax per row tile."""
-    m, k = x.shape
-    grid = (triton.cdiv(m, _TILE_M), triton.cdiv(k, _TILE_K))
-    part = torch.empty((grid[0], k), dtype=torch.float32, device=x.device)
-    _col_absmax_kernel[grid](x, part, m, k, x.stride(0), x.stride(1), BLOCK_M=_TILE_M, BLOCK_K=_TILE_K)
-    return part
-
-
-def _quantize_2d(x, absmax, per_column: bool, transpose: bool, qdtype: torch.dtype):
-    m, k = x.shape
-    q = torch.empty((k, m) if transpose else (m, k), dtype=qdtype, device=x.device)
-    scale = torch.empty((k,) if per_column else (), dtype=torch.float32, device=x.device)
-    q_strides = (q.stride(1), q.stride(0)) if transpose else (q.stride(0), q.stride(1))
-    grid = (triton.cdiv(m, _TILE_M), triton.cdiv(k, _TILE_K))
-    _quantize_2d_kernel[grid](
-        x,
-        q,
-        absmax,
-        scale,
-        m,
-        k,
-        x.stride(0),
-        x.stride(1),
-        *q_strides,
-        PER_COLUMN=per_column,
-        BLOCK_M=_TILE_M,
-        BLOCK_K=_TILE_K,
-        **_qargs(qdtype),
-    )
-    return q, scale
-
-
 def _tensorwise(x: torch.Tensor, qdtype: torch.dtype, transpose: bool):
     _check_qdtype(qdtype)
     m, k = x.shape
@@ -637,7 +621,7 @@ def _tensorwise(x: torch.Tensor, qdtype: torch.dtype, transpose: bool):
         shape = (k, m) if transpose else (m, k)
         return torch.zeros(shape, dtype=qdtype, device=x.device), torch.zeros((), device=x.device)
     absmax = _absmax_partials(x).amax()
-    return _quantize_2d(x, absmax, per_column=False, transpose=transpose, qdtype=qdtype)
+    return _quantize_2d(x, absmax, "tensor", transpose=transpose, qdtype=qdtype)
 
 
 def quantize_tensorwise(
@@ -659,7 +643,7 @@ def quantize_rowwise_transposed(w: torch.Tensor, qdtype: torch.dtype = torch.int
     if w.numel() == 0:
         return torch.zeros((k, n), dtype=qdtype, device=w.device), torch.zeros((k,), device=w.device)
     absmax = _absmax_partials(w).amax(dim=0)
-    return _quantize_2d(w, absmax, per_column=True, transpose=True, qdtype=qdtype)
+    return _quantize_2d(w, absmax, "column", transpose=True, qdtype=qdtype)
 
 
 def dequantize_rowwise(
