@@ -18,7 +18,7 @@ Variants:
                          stays bf16 and only the vision tower is 8-bit.
   int8-int8grad          grad_precision="int8": int8 gradients too (the paper's SwitchBack). Plain int8 uses
                          the default grad_precision="auto", which on GPUs with fp8 tensor cores quantizes the
-                         output gradients to fp8 (BENCHMARKS.md, parity: int8 gradients lost accuracy).
+                         output gradients to fp8 (BENCHMARKS.md, Accuracy: int8 gradients lost it).
   int8-fused             fuse_mlp=True: each CLIP MLP as one fused SwitchBack op (less activation memory).
   int8-triton            backend="triton": every swapped linear quantizes, whatever its token count. Shows what
                          the floor is worth; at ViT-B/16 batch 256 both towers are above it, so it equals int8.
@@ -108,13 +108,33 @@ def clip_config(name: str, tiny: bool = False):
     return config
 
 
+def kernel_options(args: argparse.Namespace):
+    """The KernelOptions of the A/B flags (each flag flips one field from its default)."""
+    from hf_switchback import KernelOptions
+
+    flag = lambda name: getattr(args, name, False)  # noqa: E731
+    return KernelOptions(
+        direct_eager=not flag("custom_op_eager"),
+        fuse_quantize_under_compile=not flag("triton_quantize_under_compile"),
+        trace_gemm=not flag("opaque_gemm_under_compile"),
+        triton_grad_quantize=not flag("inductor_grad_quantize"),
+        **({"use_tma": True} if flag("tma") else {}),
+    )
+
+
 def build_model(
-    config, variant: str, grad_ckpt: bool, compile_mode: str, device: str, inductor_mode: str = "default"
+    config,
+    variant: str,
+    grad_ckpt: bool,
+    compile_mode: str,
+    device: str,
+    inductor_mode: str = "default",
+    kernel_options=None,
 ):
     """The CLIPModel of one table row, converted and (for +compile) compiled, in training mode."""
     from transformers import CLIPModel
 
-    from hf_switchback import SwitchBackConfig, apply_switchback
+    from hf_switchback import KernelOptions, SwitchBackConfig, apply_switchback
 
     with torch.device(device):  # init on the GPU: ViT-H/14's random init on the CPU takes tens of seconds
         model = CLIPModel(config)
@@ -123,7 +143,8 @@ def build_model(
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     base = variant.removesuffix("+compile")
     if base in SWITCHBACK_VARIANTS:
-        apply_switchback(model, SwitchBackConfig(**SWITCHBACK_VARIANTS[base]))
+        options = kernel_options or KernelOptions()
+        apply_switchback(model, SwitchBackConfig(**SWITCHBACK_VARIANTS[base], kernel_options=options))
     elif base.startswith("torchao-float8-"):
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
@@ -185,7 +206,13 @@ def time_training(
     config = clip_config(name, tiny=args.tiny)
     batch = args.batch or (TINY_BATCH if args.tiny else MODELS[name]["batch"])
     model = build_model(
-        config, variant, grad_ckpt, args.compile, device, getattr(args, "compile_mode", "default")
+        config,
+        variant,
+        grad_ckpt,
+        args.compile,
+        device,
+        getattr(args, "compile_mode", "default"),
+        kernel_options(args),
     )
     forward, finish = training_step(model, config, batch, device)
 
@@ -457,20 +484,6 @@ def main() -> None:
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("bench_train.py needs a CUDA GPU (or --device cpu --tiny for a smoke test)")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    if args.tma:
-        from hf_switchback.kernels import matmul
-
-        matmul.USE_TMA = True
-    if args.opaque_gemm_under_compile or args.inductor_grad_quantize:
-        from hf_switchback.kernels import compiled
-
-        compiled.TRACE_GEMM = not args.opaque_gemm_under_compile
-        compiled.TRITON_GRAD_QUANTIZE = not args.inductor_grad_quantize
-    if args.custom_op_eager or args.triton_quantize_under_compile:
-        from hf_switchback.kernels import backends, ops
-
-        ops.DIRECT_EAGER = not args.custom_op_eager
-        backends.FUSE_QUANTIZE_UNDER_COMPILE = not args.triton_quantize_under_compile
     run(args)
 
 

@@ -11,6 +11,7 @@ import torch
 
 from hf_switchback.kernels import cublas
 from hf_switchback.kernels import reference as ref
+from hf_switchback.kernels.options import KernelOptions
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 HAS_FP8_GPU = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
@@ -99,9 +100,16 @@ def test_shapes_fit_and_policy():
         cublas.scaled_matmul(a_q[:, :40], b_q[:, :40], torch.ones(8), torch.ones(32), None, torch.bfloat16)
 
 
+def test_fp8_gemm_option():
+    assert KernelOptions().fp8_gemm == "auto"
+    with pytest.raises(ValueError, match="fp8_gemm"):
+        KernelOptions(fp8_gemm="cutlass")
+
+
+@pytest.mark.gpu
 @pytest.mark.skipif(not HAS_FP8_GPU, reason="needs a CUDA GPU with fp8 tensor cores (sm89+)")
 @pytest.mark.parametrize("weight_scaling", ["row", "tensor"])
-def test_gpu_matches_reference_and_ops_dispatch(weight_scaling, monkeypatch):
+def test_gpu_matches_reference_and_ops_dispatch(weight_scaling):
     from hf_switchback.kernels import ops
 
     m, n, k = 4099, 1280, 1280
@@ -110,9 +118,14 @@ def test_gpu_matches_reference_and_ops_dispatch(weight_scaling, monkeypatch):
     want = exact(a_q, b_q, a_scale, b_scale, bias)
     got = cublas.scaled_matmul(a_q, b_q, a_scale, b_scale, bias, torch.bfloat16)
     assert rel_err(got, want) < 8e-3
-    monkeypatch.setattr(cublas, "FP8_GEMM", "triton")
-    triton_out = ops.scaled_matmul(a_q, b_q, a_scale, b_scale, bias, torch.bfloat16)
-    monkeypatch.setattr(cublas, "FP8_GEMM", "cublas")
-    cublas_out = ops.scaled_matmul(a_q, b_q, a_scale, b_scale, bias, torch.bfloat16)
+    triton = KernelOptions(fp8_gemm="triton")
+    triton_out = ops.scaled_matmul(a_q, b_q, a_scale, b_scale, bias, torch.bfloat16, options=triton)
+    forced = KernelOptions(fp8_gemm="cublas")
+    cublas_out = ops.scaled_matmul(a_q, b_q, a_scale, b_scale, bias, torch.bfloat16, options=forced)
     assert rel_err(triton_out, want) < 8e-3 and rel_err(cublas_out, want) < 8e-3
     assert torch.equal(cublas_out, got)
+    # the opaque custom op (the fused MLP's recompute under compile) dispatches the same way
+    op_out = torch.ops.hf_switchback.scaled_matmul(
+        a_q, b_q, a_scale, b_scale, bias, torch.bfloat16, False, "cublas"
+    )
+    assert torch.equal(op_out, got)

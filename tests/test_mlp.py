@@ -9,11 +9,10 @@ an int8 copy), which is checked against the float64 oracle instead.
 """
 
 import copy
-import math
 
 import pytest
 import torch
-from conftest import tiny_clip_config
+from helpers import snr_db, tiny_clip_config
 from torch import nn
 from transformers import CLIPModel, CLIPVisionConfig
 from transformers.models.clip.modeling_clip import CLIPMLP
@@ -25,11 +24,6 @@ from hf_switchback.mlp import activation_kind, is_fused_mlp
 
 HIDDEN_ACTS = {"quick_gelu": "quick_gelu", "gelu": "gelu", "gelu_pytorch_tanh": "gelu_tanh"}
 TORCH = SwitchBackConfig(backend="torch", fuse_mlp=True)
-
-
-def snr_db(exact: torch.Tensor, approx: torch.Tensor) -> float:
-    noise = (exact.double() - approx.double()).pow(2).sum().item()
-    return math.inf if noise == 0 else 10 * math.log10(exact.double().pow(2).sum().item() / noise)
 
 
 def make_mlp(hidden_act: str, d: int = 48, inner: int = 200) -> CLIPMLP:

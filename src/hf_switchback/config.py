@@ -11,6 +11,8 @@ import re
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+from .kernels.options import KernelOptions
+
 WEIGHT_SCALINGS = ("tensor", "row")
 PRECISIONS = ("int8", "fp8")
 BACKENDS = ("auto", "triton", "torch")
@@ -81,7 +83,7 @@ class SwitchBackConfig:
     # Format of the grad-input GEMM operands (the output gradient and the transposed weight). "auto": fp8
     # (`fp8_grad_format`) on GPUs with fp8 tensor cores (compute capability >= 8.9: Ada, Hopper, Blackwell) and
     # whenever precision="fp8"; int8 elsewhere (Ampere, CPU). Why not int8 everywhere: row-wise int8 rounds every
-    # entry below absmax/254 of a gradient row to zero, fp8 keeps them. On the H100 parity run (BENCHMARKS.md)
+    # entry below absmax/254 of a gradient row to zero, fp8 keeps them. On the H100 parity runs (BENCHMARKS.md, Accuracy)
     # int8 gradients fell 15-32 pp behind bf16 in zero-shot in both runs; int8 forward + fp8 gradients came out
     # -0.5 +- 6.2 pp (SE) over 6 paired runs, -29.5..+14.6 (late plateau escapes in 2 of 8 int8 and 1 of 8 bf16
     # runs; parity at 0.5 pp not resolved), fp8 everywhere +1.9 +- 1.0 over 3.
@@ -97,7 +99,7 @@ class SwitchBackConfig:
     backend: str = "auto"
     # Batches with fewer rows (tokens) than this run the plain 16-bit matmul: at small sizes the quantize
     # passes and launches cost more than the 8-bit GEMM saves. None = automatic: 16384 for CUDA tensors
-    # under backend="auto" (measured on H100, BENCHMARKS.md), 0 elsewhere. 0 = always quantize.
+    # under backend="auto" (measured on H100, BENCHMARKS.md, MLP block), 0 elsewhere. 0 = always quantize.
     min_tokens: int | None = None
     # When fc1 and fc2 of a transformers CLIPMLP are both converted with this config, run the block
     # fc1 -> activation -> fc2 as one fused SwitchBack op (hf_switchback.mlp): the activation runs inside
@@ -107,8 +109,13 @@ class SwitchBackConfig:
     # activations: gelu (erf), the tanh approximations and quick_gelu; other blocks keep the separate layers.
     # Off by default: in a whole ViT-B/16 training step on the H100 under torch.compile the separate layers were
     # 13% faster (125 vs 143 ms/step; eager: fused 6% faster); the fused block saves ~20% activation memory
-    # (21.1 -> 16.8 GiB peak at batch 256). Turn it on when memory is the limit (BENCHMARKS.md, 2026-11-22).
+    # (21.1 -> 16.8 GiB peak at batch 256). Turn it on when memory is the limit (BENCHMARKS.md, Whole training step).
     fuse_mlp: bool = False
+    # How the GPU kernels run (kernels/options.py): implementation choices with the same numerics, so a
+    # run-time choice rather than part of the model. Not written to config.json (to_dict leaves it out) and not
+    # compared (two configs that differ only here are the same quantization). Each layer carries its own, so
+    # two models in one process may differ. Defaults: the measured winners, see KernelOptions.
+    kernel_options: KernelOptions = dataclasses.field(default_factory=KernelOptions, compare=False)
 
     def __post_init__(self) -> None:
         _check_choice("weight_scaling", self.weight_scaling, WEIGHT_SCALINGS)
@@ -127,6 +134,11 @@ class SwitchBackConfig:
             )
         if not isinstance(self.fuse_mlp, bool):
             raise TypeError(f"SwitchBackConfig.fuse_mlp must be a bool, got {type(self.fuse_mlp).__name__}")
+        if not isinstance(self.kernel_options, KernelOptions):
+            raise TypeError(
+                "SwitchBackConfig.kernel_options must be a hf_switchback.KernelOptions, got "
+                f"{type(self.kernel_options).__name__}"
+            )
         bad_int = not isinstance(self.min_tokens, int) or isinstance(self.min_tokens, bool)
         if self.min_tokens is not None and (bad_int or self.min_tokens < 0):
             raise ValueError(
@@ -149,9 +161,14 @@ class SwitchBackConfig:
         return dataclasses.replace(self, **changes)
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-ready dict (tuples become lists), plus quant_method="switchback" for config.json."""
+        """JSON-ready dict (tuples become lists), plus quant_method="switchback" for config.json.
+
+        kernel_options is left out: it is how this process runs the kernels, not what the checkpoint is.
+        """
         out: dict[str, Any] = {"quant_method": QUANT_METHOD}
         for f in dataclasses.fields(self):
+            if f.name in _RUNTIME_FIELDS:
+                continue
             value = getattr(self, f.name)
             out[f.name] = list(value) if isinstance(value, tuple) else value
         return out
@@ -160,7 +177,8 @@ class SwitchBackConfig:
     def from_dict(cls, data: dict[str, Any]) -> SwitchBackConfig:
         """Inverse of to_dict. Unknown keys are an error (a typo must not silently select a default).
 
-        quant_method is optional, and must be "switchback" when present (the config.json form).
+        quant_method is optional, and must be "switchback" when present (the config.json form). kernel_options
+        (never in to_dict's output) may be given as a KernelOptions or a dict of its fields.
         """
         data = dict(data)
         method = data.pop("quant_method", QUANT_METHOD)
@@ -174,7 +192,13 @@ class SwitchBackConfig:
             raise ValueError(
                 f"SwitchBackConfig.from_dict: unknown keys {unknown}; known keys are {sorted(known)}"
             )
+        if isinstance(data.get("kernel_options"), dict):
+            data["kernel_options"] = KernelOptions(**data["kernel_options"])
         return cls(**data)
+
+
+# Fields to_dict leaves out of config.json: choices of this process, not of the checkpoint.
+_RUNTIME_FIELDS = ("kernel_options",)
 
 
 def _check_choice(name: str, value: Any, allowed: tuple[str, ...]) -> None:
@@ -182,4 +206,10 @@ def _check_choice(name: str, value: Any, allowed: tuple[str, ...]) -> None:
         raise ValueError(f"SwitchBackConfig.{name} must be one of {allowed}, got {value!r}")
 
 
-__all__ = ["DEFAULT_EXCLUDE_MODULES", "DEFAULT_TARGET_MODULES", "QUANT_METHOD", "SwitchBackConfig"]
+__all__ = [
+    "DEFAULT_EXCLUDE_MODULES",
+    "DEFAULT_TARGET_MODULES",
+    "QUANT_METHOD",
+    "KernelOptions",
+    "SwitchBackConfig",
+]

@@ -14,18 +14,16 @@ import torch
 import torch.nn.functional as F
 
 from .config import SwitchBackConfig
-from .kernels.backends import get_kernels
+from .kernels.backends import KernelSet, get_kernels
+from .kernels.options import KernelOptions
 from .kernels.reference import ACTIVATIONS, apply_activation
 
 FP8_FORMATS = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 # min_tokens=None (automatic) with backend="auto" on CUDA: below this many rows (tokens) the 16-bit matmul is
 # used. At small M the 8-bit GEMMs cannot amortize the quantize passes and launches (measured on H100,
-# BENCHMARKS.md "Layer kernels"). An explicit config.min_tokens replaces it on any backend.
+# BENCHMARKS.md, MLP block). An explicit config.min_tokens replaces it on any backend.
 AUTO_MIN_TOKENS_CUDA = 16384
-# Backward computes the bias gradient inside the output-gradient quantize pass (kernels'
-# quantize_rowwise_colsum) instead of a separate column sum. False restores the two passes (benchmarks only).
-FUSED_BIAS_GRAD = True
 
 
 def has_fp8_tensor_cores(device_index: int) -> bool:
@@ -57,22 +55,30 @@ def quantized_dtypes(
     return forward, grad
 
 
-def quantize_weight(kernels, weight: torch.Tensor, weight_scaling: str, qdtype: torch.dtype):
+def quantize_weight(
+    kernels: KernelSet,
+    weight: torch.Tensor,
+    weight_scaling: str,
+    qdtype: torch.dtype,
+    options: KernelOptions | None = None,
+):
     """The forward weight operand: (N, K) -> (q (N, K), scale () for "tensor" or (N,) for "row")."""
     if weight_scaling == "tensor":
-        return kernels.quantize_tensorwise(weight, qdtype)
-    return kernels.quantize_rowwise(weight, qdtype)
+        return kernels.quantize_tensorwise(weight, qdtype, options=options)
+    return kernels.quantize_rowwise(weight, qdtype, options=options)
 
 
 class _SwitchBackLinearFn(torch.autograd.Function):
     """2-D core. x (M, K) and out (M, N) share a float dtype; weight (N, K) and bias (N,) any float dtype."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, weight_scaling, memory_efficient, fwd_qdtype, grad_qdtype, backend):
-        kernels = get_kernels(backend, x.device)
-        x_q, x_scale = kernels.quantize_rowwise(x, fwd_qdtype)
-        w_q, w_scale = quantize_weight(kernels, weight, weight_scaling, fwd_qdtype)
-        out = kernels.scaled_matmul(x_q, w_q, x_scale, w_scale, bias, x.dtype)
+    def forward(
+        ctx, x, weight, bias, weight_scaling, memory_efficient, fwd_qdtype, grad_qdtype, backend, options
+    ):
+        kernels = get_kernels(backend, x.device, options)
+        x_q, x_scale = kernels.quantize_rowwise(x, fwd_qdtype, options=options)
+        w_q, w_scale = quantize_weight(kernels, weight, weight_scaling, fwd_qdtype, options)
+        out = kernels.scaled_matmul(x_q, w_q, x_scale, w_scale, bias, x.dtype, options=options)
 
         # Backward re-quantizes W transposed rather than keeping a second weight copy alive per layer.
         if memory_efficient:
@@ -84,6 +90,7 @@ class _SwitchBackLinearFn(torch.autograd.Function):
             memory_efficient,
             grad_qdtype,
             backend,
+            options,
             x.dtype,
             None if bias is None else bias.dtype,
         )
@@ -91,31 +98,33 @@ class _SwitchBackLinearFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        weight_scaling, memory_efficient, grad_qdtype, backend, x_dtype, bias_dtype = ctx.config
+        weight_scaling, memory_efficient, grad_qdtype, backend, options, x_dtype, bias_dtype = ctx.config
         if memory_efficient:
             x_q, x_scale, weight = ctx.saved_tensors
         else:
             x, weight = ctx.saved_tensors
-        kernels = get_kernels(backend, grad_out.device)
+        kernels = get_kernels(backend, grad_out.device, options)
         grad_out = grad_out.contiguous()
         grad_x = grad_w = grad_b = g_colsum = None
         needs_grad_b = bias_dtype is not None and ctx.needs_input_grad[2]
 
         if ctx.needs_input_grad[0]:
-            if needs_grad_b and FUSED_BIAS_GRAD:
+            if needs_grad_b and options.fused_bias_grad:
                 # One pass over grad_out yields its 8-bit form and the bias gradient (column sum).
-                g_q, g_scale, g_colsum = kernels.quantize_rowwise_colsum(grad_out, grad_qdtype)
+                g_q, g_scale, g_colsum = kernels.quantize_rowwise_colsum(
+                    grad_out, grad_qdtype, options=options
+                )
             else:
-                g_q, g_scale = kernels.quantize_rowwise(grad_out, grad_qdtype)
+                g_q, g_scale = kernels.quantize_rowwise(grad_out, grad_qdtype, options=options)
             if weight_scaling == "tensor":
-                wt_q, wt_scale = kernels.quantize_tensorwise_transposed(weight, grad_qdtype)
+                wt_q, wt_scale = kernels.quantize_tensorwise_transposed(weight, grad_qdtype, options=options)
             else:
-                wt_q, wt_scale = kernels.quantize_rowwise_transposed(weight, grad_qdtype)
-            grad_x = kernels.scaled_matmul(g_q, wt_q, g_scale, wt_scale, None, x_dtype)
+                wt_q, wt_scale = kernels.quantize_rowwise_transposed(weight, grad_qdtype, options=options)
+            grad_x = kernels.scaled_matmul(g_q, wt_q, g_scale, wt_scale, None, x_dtype, options=options)
 
         if ctx.needs_input_grad[1]:
             if memory_efficient:
-                x = kernels.dequantize_rowwise(x_q, x_scale, x_dtype)
+                x = kernels.dequantize_rowwise(x_q, x_scale, x_dtype, options=options)
             grad_w = (grad_out.t() @ x.to(grad_out.dtype)).to(weight.dtype)
 
         if needs_grad_b:
@@ -123,7 +132,7 @@ class _SwitchBackLinearFn(torch.autograd.Function):
                 g_colsum = grad_out.sum(dim=0, dtype=torch.float32)
             grad_b = g_colsum.to(bias_dtype)
 
-        return grad_x, grad_w, grad_b, None, None, None, None, None
+        return grad_x, grad_w, grad_b, None, None, None, None, None, None
 
 
 class _SwitchBackMLPFn(torch.autograd.Function):
@@ -140,15 +149,17 @@ class _SwitchBackMLPFn(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, w1, b1, w2, b2, activation, weight_scaling, memory_efficient, fq, gq, backend):
-        kernels = get_kernels(backend, x.device)
-        x_q, x_scale = kernels.quantize_rowwise(x, fq)
-        w1_q, w1_scale = quantize_weight(kernels, w1, weight_scaling, fq)
-        h = kernels.scaled_matmul(x_q, w1_q, x_scale, w1_scale, b1, x.dtype)
+    def forward(
+        ctx, x, w1, b1, w2, b2, activation, weight_scaling, memory_efficient, fq, gq, backend, options
+    ):
+        kernels = get_kernels(backend, x.device, options)
+        x_q, x_scale = kernels.quantize_rowwise(x, fq, options=options)
+        w1_q, w1_scale = quantize_weight(kernels, w1, weight_scaling, fq, options)
+        h = kernels.scaled_matmul(x_q, w1_q, x_scale, w1_scale, b1, x.dtype, options=options)
         del w1_q
-        a_q, a_scale = kernels.act_quantize_rowwise(h, fq, activation)
-        w2_q, w2_scale = quantize_weight(kernels, w2, weight_scaling, fq)
-        out = kernels.scaled_matmul(a_q, w2_q, a_scale, w2_scale, b2, x.dtype)
+        a_q, a_scale = kernels.act_quantize_rowwise(h, fq, activation, options=options)
+        w2_q, w2_scale = quantize_weight(kernels, w2, weight_scaling, fq, options)
+        out = kernels.scaled_matmul(a_q, w2_q, a_scale, w2_scale, b2, x.dtype, options=options)
         if memory_efficient:
             del h  # recomputed in backward from x_q (see the class docstring)
             ctx.save_for_backward(x_q, x_scale, w1, b1, w2)
@@ -160,6 +171,7 @@ class _SwitchBackMLPFn(torch.autograd.Function):
             memory_efficient,
             gq,
             backend,
+            options,
             x.dtype,
             None if b1 is None else b1.dtype,
             None if b2 is None else b2.dtype,
@@ -168,13 +180,14 @@ class _SwitchBackMLPFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        activation, weight_scaling, memory_efficient, gq, backend, x_dtype, b1_dtype, b2_dtype = ctx.config
-        kernels = get_kernels(backend, grad_out.device)
+        activation, weight_scaling, memory_efficient, gq, backend, options, x_dtype, b1_dtype, b2_dtype = (
+            ctx.config
+        )
+        kernels = get_kernels(backend, grad_out.device, options)
         if memory_efficient:
             x_q, x_scale, w1, b1, w2 = ctx.saved_tensors
-            fq = x_q.dtype
-            w1_q, w1_scale = quantize_weight(kernels, w1, weight_scaling, fq)
-            h = kernels.scaled_matmul_recompute(x_q, w1_q, x_scale, w1_scale, b1, x_dtype)
+            w1_q, w1_scale = quantize_weight(kernels, w1, weight_scaling, x_q.dtype, options)
+            h = kernels.scaled_matmul_recompute(x_q, w1_q, x_scale, w1_scale, b1, x_dtype, options=options)
             del w1_q
         else:
             x, h, w1, w2 = ctx.saved_tensors
@@ -192,11 +205,11 @@ class _SwitchBackMLPFn(torch.autograd.Function):
 
         a = None
         if need_fc1:
-            g_q, g_scale, g_colsum = kernels.quantize_rowwise_colsum(g, gq)
-            w2t_q, w2t_scale = wt_quantize(w2, gq)
-            # grad_h = (G W2) * act'(h), the GEMM and the activation backward in one kernel call.
+            g_q, g_scale, g_colsum = kernels.quantize_rowwise_colsum(g, gq, options=options)
+            w2t_q, w2t_scale = wt_quantize(w2, gq, options=options)
+            # grad_h = (G W2) * act'(h), the GEMM then the activation backward + quantize in one call.
             grad_h, a, gh_q, gh_scale, gh_colsum = kernels.scaled_matmul_act_backward(
-                g_q, w2t_q, g_scale, w2t_scale, h, gq, activation, need_w2
+                g_q, w2t_q, g_scale, w2t_scale, h, gq, activation, need_w2, options=options
             )
             del g_q, w2t_q
             if need_b2:
@@ -210,15 +223,15 @@ class _SwitchBackMLPFn(torch.autograd.Function):
         del a
 
         if need_x:
-            w1t_q, w1t_scale = wt_quantize(w1, gq)
-            grad_x = kernels.scaled_matmul(gh_q, w1t_q, gh_scale, w1t_scale, None, x_dtype)
+            w1t_q, w1t_scale = wt_quantize(w1, gq, options=options)
+            grad_x = kernels.scaled_matmul(gh_q, w1t_q, gh_scale, w1t_scale, None, x_dtype, options=options)
         if need_w1:
             if memory_efficient:
-                x = kernels.dequantize_rowwise(x_q, x_scale, x_dtype)
+                x = kernels.dequantize_rowwise(x_q, x_scale, x_dtype, options=options)
             grad_w1 = (grad_h.t() @ x.to(grad_h.dtype)).to(w1.dtype)
         if need_b1:
             grad_b1 = gh_colsum.to(b1_dtype)
-        return grad_x, grad_w1, grad_b1, grad_w2, grad_b2, None, None, None, None, None, None
+        return grad_x, grad_w1, grad_b1, grad_w2, grad_b2, None, None, None, None, None, None, None
 
 
 def check_input(x: torch.Tensor, weight: torch.Tensor) -> None:
@@ -292,6 +305,7 @@ def switchback_linear(
             fwd_qdtype,
             grad_qdtype,
             config.backend,
+            config.kernel_options,
         )
     return out.reshape(*leading, weight.shape[0])
 
@@ -342,6 +356,7 @@ def switchback_mlp(
             fwd_qdtype,
             grad_qdtype,
             config.backend,
+            config.kernel_options,
         )
     return out.reshape(*leading, n_out)
 

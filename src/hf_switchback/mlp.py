@@ -18,8 +18,8 @@ import torch
 from torch import nn
 
 from .functional import switchback_mlp
-from .inference import has_weight_cache
 from .modules import SwitchBackLinear
+from .weight_cache import has_weight_cache
 
 # Instance attribute set on fused blocks: (activation name for the kernels, type of activation_fn at fuse time).
 _ACTIVATION_ATTR = "_switchback_activation"

@@ -19,37 +19,20 @@ rounding of the bias more than the Triton kernel, the rounding nn.Linear's bias 
 
 Which GEMMs come here (`use_cublas`): fp8 operands cuBLAS takes (e4m3 x e4m3, e4m3 x e5m2, not e5m2 x e5m2),
 bfloat16 output (row-wise scaling supports no other), K and N multiples of 16 (cuBLAS's fp8 alignment), and
-the policy `FP8_GEMM` allows it: "auto" = Hopper (sm90, where it was measured to win); "cublas" = wherever
-torch._scaled_mm runs (sm89+ GPUs, and CPU for the tests); "triton" = never. The environment variable
-HF_SWITCHBACK_FP8_GEMM sets the default.
+the policy `KernelOptions.fp8_gemm` allows it: "auto" = Hopper (sm90, where it was measured to win); "cublas"
+= wherever torch._scaled_mm runs (sm89+ GPUs, and CPU for the tests); "triton" = never.
 """
 
 from __future__ import annotations
 
-import os
-
 import torch
 
-FP8_GEMM_CHOICES = ("auto", "cublas", "triton")
 _PAIRS = {
     (torch.float8_e4m3fn, torch.float8_e4m3fn),
     (torch.float8_e4m3fn, torch.float8_e5m2),
     (torch.float8_e5m2, torch.float8_e4m3fn),
 }
 ALIGN = 16  # cuBLAS fp8: leading dimensions multiples of 16 elements (16 bytes)
-
-
-def _policy_from_env() -> str:
-    value = os.environ.get("HF_SWITCHBACK_FP8_GEMM", "auto")
-    if value not in FP8_GEMM_CHOICES:
-        raise ValueError(
-            f"environment variable HF_SWITCHBACK_FP8_GEMM must be one of {FP8_GEMM_CHOICES}, got {value!r}"
-        )
-    return value
-
-
-# Module-level policy (benchmarks and A/B runs set it; see the module docstring).
-FP8_GEMM = _policy_from_env()
 
 
 def _capability(device: torch.device) -> tuple[int, int]:
@@ -68,11 +51,8 @@ def shapes_fit(a_q: torch.Tensor, b_q: torch.Tensor, out_dtype: torch.dtype) -> 
     return k % ALIGN == 0 and n % ALIGN == 0 and a_q.shape[0] > 0
 
 
-def use_cublas(
-    a_q: torch.Tensor, b_q: torch.Tensor, out_dtype: torch.dtype, policy: str | None = None
-) -> bool:
-    """Whether this GEMM goes to cuBLAS under `policy` (default: FP8_GEMM)."""
-    policy = FP8_GEMM if policy is None else policy
+def use_cublas(a_q: torch.Tensor, b_q: torch.Tensor, out_dtype: torch.dtype, policy: str) -> bool:
+    """Whether this GEMM goes to cuBLAS under `policy` (KernelOptions.fp8_gemm: auto, cublas, triton)."""
     if policy == "triton" or not shapes_fit(a_q, b_q, out_dtype):
         return False
     if a_q.device.type != "cuda":
@@ -118,4 +98,4 @@ def scaled_matmul(
     )
 
 
-__all__ = ["FP8_GEMM", "FP8_GEMM_CHOICES", "scaled_matmul", "scales", "shapes_fit", "use_cublas"]
+__all__ = ["scaled_matmul", "scales", "shapes_fit", "use_cublas"]
