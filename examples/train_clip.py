@@ -35,6 +35,8 @@ Real models and data:
 
 Batch sizes: --batch_size is per device and per micro-batch; one optimizer step sees
 batch_size x accum_freq x num_processes image-text pairs, all of them negatives for each other.
+Flag names from transformers' run_clip.py that mean the same here work too (--per_device_train_batch_size,
+--learning_rate, --max_steps, --bf16, ...: `--help` shows each as its flag's second name).
 """
 
 from __future__ import annotations
