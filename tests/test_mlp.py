@@ -178,7 +178,13 @@ def test_apply_and_remove_on_clip_model_keep_keys_and_load_into_plain_model():
 
 
 def test_fuse_mlp_config_field():
-    assert SwitchBackConfig().fuse_mlp is False
+    assert SwitchBackConfig().fuse_mlp is None and not SwitchBackConfig().fuses_mlp
+    # the memory switch fuses by default (the fused block saves the least); an explicit False wins
+    assert SwitchBackConfig(memory_efficient=True).fuses_mlp
+    assert not SwitchBackConfig(memory_efficient=True, fuse_mlp=False).fuses_mlp
+    assert SwitchBackConfig.from_dict(SwitchBackConfig(memory_efficient=True).to_dict()).fuses_mlp
+    model = apply_switchback(make_mlp("quick_gelu"), SwitchBackConfig(backend="torch", memory_efficient=True))
+    assert is_fused_mlp(model)
     cfg = SwitchBackConfig(fuse_mlp=False, memory_efficient=True)
     assert SwitchBackConfig.from_dict(cfg.to_dict()) == cfg
     with pytest.raises(TypeError, match="fuse_mlp"):

@@ -71,8 +71,13 @@ class SwitchBackConfig:
     # "row": one scale per output channel in forward and per input channel for the transposed weight in
     # grad-input (SwitchBackLinearVectorwise): tighter scales, more robust to outlier channels.
     weight_scaling: str = "tensor"
-    # Save the 8-bit input (+ its row scales) for backward instead of the 16-bit input: about half the
-    # activation memory of every swapped linear, at the cost of an 8-bit-accurate grad-weight.
+    # The memory switch. Save each swapped linear's input in 8 bits (+ its row scales) for backward instead of
+    # 16 bits, and (through fuse_mlp's default) run each CLIP MLP fused, recomputing its fc1 output in
+    # backward. Numerics: grad-weight is computed from the dequantized 8-bit input (8-bit-accurate dW);
+    # forward and grad-input are unchanged. On the H100 under torch.compile a ViT-H/14 vision layer saves
+    # 17.1 x d bytes per token instead of bf16's 34.1 x d, and ViT-H/14 at batch 192 fits without
+    # recompute (56.5 GiB), where bf16 + compile needs checkpointing or an activation budget
+    # (BENCHMARKS.md, Memory).
     memory_efficient: bool = False
     # Forward format. "int8": symmetric absmax int8 (the paper). "fp8": e4m3. Gradients: see grad_precision.
     precision: str = "int8"
@@ -107,10 +112,11 @@ class SwitchBackConfig:
     # only fc1's input and output (half of bf16's activations); with memory_efficient only fc1's 8-bit input,
     # fc1's output being recomputed in backward by one more 8-bit GEMM (bit-identical). Supported
     # activations: gelu (erf), the tanh approximations and quick_gelu; other blocks keep the separate layers.
-    # Off by default: in a whole ViT-B/16 training step on the H100 under torch.compile the separate layers were
-    # 13% faster (125 vs 143 ms/step; eager: fused 6% faster); the fused block saves ~20% activation memory
-    # (21.1 -> 16.8 GiB peak at batch 256). Turn it on when memory is the limit (BENCHMARKS.md, Whole training step).
-    fuse_mlp: bool = False
+    # None (default): on with memory_efficient, off otherwise. Off by default without it: in a whole ViT-B/16
+    # training step on the H100 under torch.compile the separate layers were 13% faster (125 vs 143 ms/step;
+    # eager: fused 6% faster); the fused block saves ~20% activation memory (21.1 -> 16.8 GiB peak at batch
+    # 256) (BENCHMARKS.md, Whole training step). True / False force it either way.
+    fuse_mlp: bool | None = None
     # How the GPU kernels run (kernels/options.py): implementation choices with the same numerics, so a
     # run-time choice rather than part of the model. Not written to config.json (to_dict leaves it out) and not
     # compared (two configs that differ only here are the same quantization). Each layer carries its own, so
@@ -132,8 +138,11 @@ class SwitchBackConfig:
             raise TypeError(
                 f"SwitchBackConfig.memory_efficient must be a bool, got {type(self.memory_efficient).__name__}"
             )
-        if not isinstance(self.fuse_mlp, bool):
-            raise TypeError(f"SwitchBackConfig.fuse_mlp must be a bool, got {type(self.fuse_mlp).__name__}")
+        if self.fuse_mlp is not None and not isinstance(self.fuse_mlp, bool):
+            raise TypeError(
+                f"SwitchBackConfig.fuse_mlp must be None (follow memory_efficient) or a bool, got "
+                f"{type(self.fuse_mlp).__name__}"
+            )
         if not isinstance(self.kernel_options, KernelOptions):
             raise TypeError(
                 "SwitchBackConfig.kernel_options must be a hf_switchback.KernelOptions, got "
@@ -148,6 +157,11 @@ class SwitchBackConfig:
         object.__setattr__(self, "exclude_modules", _as_target(self.exclude_modules, "exclude_modules"))
         if self.target_modules is None:
             object.__setattr__(self, "target_modules", DEFAULT_TARGET_MODULES)
+
+    @property
+    def fuses_mlp(self) -> bool:
+        """fuse_mlp with None resolved: whether CLIP MLPs converted with this config run fused."""
+        return self.memory_efficient if self.fuse_mlp is None else self.fuse_mlp
 
     @property
     def variant(self) -> str:
