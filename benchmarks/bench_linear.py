@@ -186,8 +186,8 @@ ACT_BWD = {
 
 
 def fuse_tag(cfg: SwitchBackConfig) -> str:
-    """Name suffix of a variant whose fuse_mlp is not the default (False)."""
-    return " [fuse_mlp=True]" if cfg.fuse_mlp else ""
+    """Name suffix of a variant whose CLIP MLP runs fused (fuse_mlp, by default on with memory_efficient)."""
+    return " [fuse_mlp=True]" if cfg.fuses_mlp else ""
 
 
 # hidden_act -> the fused kernels' activation name

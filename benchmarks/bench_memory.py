@@ -13,9 +13,10 @@ and rewritten to --json at once.
     PYTHONPATH=src python benchmarks/bench_memory.py --device cpu --tiny --variants bf16 int8-memeff  # smoke
 
 Variants: a base, then modifiers joined by '+':
-  bf16, int8, fp8, int8-memeff, int8-memeff-fused, fp8-memeff, fp8-memeff-fused, torchao-float8-<recipe>, ...
-                  (every base of bench_train.py; -memeff = SwitchBackConfig(memory_efficient=True), -fused adds
-                  fuse_mlp=True)
+  bf16, int8, fp8, int8-memeff, fp8-memeff, int8-memeff-unfused, torchao-float8-<recipe>, ...
+                  (every base of bench_train.py; -memeff = SwitchBackConfig(memory_efficient=True), the memory
+                  switch, which fuses each CLIP MLP too; -memeff-fused says so explicitly, -memeff-unfused keeps
+                  separate MLP layers)
   +ckpt           full gradient checkpointing of every encoder layer (HF gradient_checkpointing_enable)
   +budgetF        torch._functorch.config.activation_memory_budget = F (0..1) while the row compiles: Inductor's
                   partitioner recomputes cheap ops so that at most F of the activations are saved (needs

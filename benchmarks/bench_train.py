@@ -22,7 +22,9 @@ Variants:
   int8-fused             fuse_mlp=True: each CLIP MLP as one fused SwitchBack op (less activation memory).
   int8-triton            backend="triton": every swapped linear quantizes, whatever its token count. Shows what
                          the floor is worth; at ViT-B/16 batch 256 both towers are above it, so it equals int8.
-  int8-row-memeff        row-wise weight scales and the 8-bit saved input (SwitchBack's memory-saving mode).
+  int8-row-memeff        row-wise weight scales and the memory switch (memory_efficient=True: 8-bit saved
+                         inputs, each MLP fused). int8-memeff / fp8-memeff: the switch alone (-unfused: separate
+                         MLP layers); benchmarks/bench_memory.py measures what it buys.
   int8-mlp / fp8-mlp     only the MLP linears (fc1, fc2) 8-bit; attention projections stay bf16.
   int8-attn              only the attention projections (q/k/v/out_proj) 8-bit: with int8-mlp, shows which
                          linears pay for their quantize passes.
@@ -82,11 +84,14 @@ SWITCHBACK_VARIANTS = {
     "int8-attn": dict(target_modules=("q_proj", "k_proj", "v_proj", "out_proj")),
     "fp8": dict(precision="fp8"),
     "fp8-mlp": dict(precision="fp8", target_modules=("fc1", "fc2")),
-    # the memory switch: 8-bit saved inputs; -fused adds the fused MLP (act(h) recomputed, not saved)
+    # the memory switch as users get it: 8-bit saved inputs, each MLP fused (fuse_mlp follows memory_efficient);
+    # -fused names it explicitly (the same config), -unfused keeps separate MLP layers (the A/B)
     "int8-memeff": dict(memory_efficient=True),
     "int8-memeff-fused": dict(memory_efficient=True, fuse_mlp=True),
+    "int8-memeff-unfused": dict(memory_efficient=True, fuse_mlp=False),
     "fp8-memeff": dict(precision="fp8", memory_efficient=True),
     "fp8-memeff-fused": dict(precision="fp8", memory_efficient=True, fuse_mlp=True),
+    "fp8-memeff-unfused": dict(precision="fp8", memory_efficient=True, fuse_mlp=False),
 }
 BASES = ("bf16", *SWITCHBACK_VARIANTS, "torchao-float8-tensorwise")
 BASES += ("torchao-float8-rowwise", "torchao-float8-rowwise_with_gw_hp")
