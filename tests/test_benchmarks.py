@@ -369,3 +369,28 @@ def test_bench_train_ab_flags_become_kernel_options():
         direct_eager=False, fuse_quantize_under_compile=False, trace_gemm=False, use_tma=True
     )
     assert bench.kernel_options(argparse.Namespace()) == KernelOptions()
+
+
+def test_bench_memory_fit_search_and_verify_find_the_largest_batch(monkeypatch):
+    """--fit search bisects, --fit verify steps down from the estimate, both with out-of-memory rows caught;
+    a fake run (fits up to batch 300) stands in for the GPU."""
+    bench = load_script("bench_memory")
+    tried = []
+
+    def fake_attempt(name, spec, batch, args):
+        tried.append(batch)
+        if batch > 300:
+            return dict(model=name, variant=spec, batch=batch, status="oom", error="out of memory")
+        return dict(model=name, variant=spec, batch=batch, ms_per_step=1.0, samples_per_s=float(batch))
+
+    monkeypatch.setattr(bench, "attempt", fake_attempt)
+    first = dict(batch=192, samples_per_s=192.0, ms_per_step=1.0, fixed_gib=15.0, peak_mib_per_sample=200.0)
+    cap = int((15.0 + 340 * 200.0 / 1024) * 2**30)  # the estimate says 340: too optimistic, 300 fits
+    args = bench.argparse.Namespace(fit="search", fit_tries=8, batch_multiple=8)
+    found = bench.fit("vit-h-14", "int8-memeff+compile", first, args, cap)
+    assert found["max_batch_est"] == 340 and found["max_batch"] == 296  # the largest multiple of 8 <= 300
+    assert any(r["status"] == "oom" for r in found["fit_runs"])
+    tried.clear()
+    args.fit = "verify"
+    found = bench.fit("vit-h-14", "int8-memeff+compile", first, args, cap)
+    assert tried[0] == 336 and found["max_batch"] == 296 and len(tried) <= 3  # 336 OOM, 312 OOM, 296 fits
