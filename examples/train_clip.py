@@ -81,8 +81,12 @@ from hf_switchback.training.layer_scale import add_layer_scale, fold_layer_scale
 from hf_switchback.training.losses import ClipLoss
 from hf_switchback.training.metrics import logit_scale_value, mean_over_ranks, peak_memory, sum_over_ranks
 from hf_switchback.training.model_setup import load_model_and_processor, lock_towers, switchback_config
-from hf_switchback.training.optim import cosine_with_warmup, param_groups
-from hf_switchback.training.optimizers import create_optimizer, unstable_parameters
+from hf_switchback.training.optim import (
+    cosine_with_warmup,
+    create_optimizer,
+    param_groups,
+    unstable_parameters,
+)
 from hf_switchback.training.patch_dropout import add_patch_dropout
 from hf_switchback.training.reporting import push_model, tracker_config
 from hf_switchback.training.runtime import check_deepspeed, dynamo_plugin, process_group_kwargs

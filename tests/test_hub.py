@@ -5,7 +5,7 @@ import shutil
 
 import pytest
 import torch
-from conftest import tiny_clip_config
+from helpers import tiny_clip_config
 from huggingface_hub import HfApi, ModelCard
 from huggingface_hub.hf_api import RepoUrl
 from safetensors.torch import load_file

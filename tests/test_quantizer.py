@@ -12,7 +12,7 @@ import textwrap
 
 import pytest
 import torch
-from conftest import tiny_clip_config
+from helpers import tiny_clip_config
 from safetensors.torch import load_file
 from torch import nn
 from transformers import CLIPModel

@@ -11,6 +11,8 @@ import re
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+from .kernels.options import KernelOptions
+
 WEIGHT_SCALINGS = ("tensor", "row")
 PRECISIONS = ("int8", "fp8")
 BACKENDS = ("auto", "triton", "torch")
@@ -121,8 +123,13 @@ class SwitchBackConfig:
     # "row": one scale per output channel in forward and per input channel for the transposed weight in
     # grad-input (SwitchBackLinearVectorwise): tighter scales, more robust to outlier channels.
     weight_scaling: str = "tensor"
-    # Save the 8-bit input (+ its row scales) for backward instead of the 16-bit input: about half the
-    # activation memory of every swapped linear, at the cost of an 8-bit-accurate grad-weight.
+    # The memory switch. Save each swapped linear's input in 8 bits (+ its row scales) for backward instead of
+    # 16 bits, and (through fuse_mlp's default) run each CLIP MLP fused, recomputing its fc1 output in
+    # backward. Numerics: grad-weight is computed from the dequantized 8-bit input (8-bit-accurate dW);
+    # forward and grad-input are unchanged. On the H100 under torch.compile a ViT-H/14 vision layer saves
+    # 17.1 x d bytes per token instead of bf16's 34.1 x d, and ViT-H/14 at batch 192 fits without
+    # recompute (56.5 GiB), where bf16 + compile needs checkpointing or an activation budget
+    # (BENCHMARKS.md, Memory).
     memory_efficient: bool = False
     # Forward format. "int8": symmetric absmax int8 (the paper). "fp8": e4m3. Gradients: see grad_precision.
     precision: str = "int8"
@@ -155,12 +162,19 @@ class SwitchBackConfig:
     # When fc1 and fc2 of a transformers CLIPMLP are both converted with this config, run the block
     # fc1 -> activation -> fc2 as one fused SwitchBack op (hf_switchback.mlp): the activation runs inside
     # the 8-bit quantize passes and its output is recomputed in backward instead of saved, so the block saves
-    # only fc1's input and output (half of bf16's activations; 44% less with memory_efficient). Supported
+    # only fc1's input and output (half of bf16's activations); with memory_efficient only fc1's 8-bit input,
+    # fc1's output being recomputed in backward by one more 8-bit GEMM (bit-identical). Supported
     # activations: gelu (erf), the tanh approximations and quick_gelu; other blocks keep the separate layers.
-    # Off by default: in a whole ViT-B/16 training step on the H100 under torch.compile the separate layers were
-    # 13% faster (125 vs 143 ms/step; eager: fused 6% faster); the fused block saves ~20% activation memory
-    # (21.1 -> 16.8 GiB peak at batch 256). Turn it on when memory is the limit (BENCHMARKS.md, Whole training step).
-    fuse_mlp: bool = False
+    # None (default): on with memory_efficient, off otherwise. Off by default without it: in a whole ViT-B/16
+    # training step on the H100 under torch.compile the separate layers were 13% faster (125 vs 143 ms/step;
+    # eager: fused 6% faster); the fused block saves ~20% activation memory (21.1 -> 16.8 GiB peak at batch
+    # 256) (BENCHMARKS.md, Whole training step). True / False force it either way.
+    fuse_mlp: bool | None = None
+    # How the GPU kernels run (kernels/options.py): implementation choices with the same numerics, so a
+    # run-time choice rather than part of the model. Not written to config.json (to_dict leaves it out) and not
+    # compared (two configs that differ only here are the same quantization). Each layer carries its own, so
+    # two models in one process may differ. Defaults: the measured winners, see KernelOptions.
+    kernel_options: KernelOptions = dataclasses.field(default_factory=KernelOptions, compare=False)
 
     def __post_init__(self) -> None:
         _check_choice("weight_scaling", self.weight_scaling, WEIGHT_SCALINGS)
@@ -177,8 +191,16 @@ class SwitchBackConfig:
             raise TypeError(
                 f"SwitchBackConfig.memory_efficient must be a bool, got {type(self.memory_efficient).__name__}"
             )
-        if not isinstance(self.fuse_mlp, bool):
-            raise TypeError(f"SwitchBackConfig.fuse_mlp must be a bool, got {type(self.fuse_mlp).__name__}")
+        if self.fuse_mlp is not None and not isinstance(self.fuse_mlp, bool):
+            raise TypeError(
+                f"SwitchBackConfig.fuse_mlp must be None (follow memory_efficient) or a bool, got "
+                f"{type(self.fuse_mlp).__name__}"
+            )
+        if not isinstance(self.kernel_options, KernelOptions):
+            raise TypeError(
+                "SwitchBackConfig.kernel_options must be a hf_switchback.KernelOptions, got "
+                f"{type(self.kernel_options).__name__}"
+            )
         bad_int = not isinstance(self.min_tokens, int) or isinstance(self.min_tokens, bool)
         if self.min_tokens is not None and (bad_int or self.min_tokens < 0):
             raise ValueError(
@@ -188,6 +210,11 @@ class SwitchBackConfig:
         object.__setattr__(self, "exclude_modules", _as_target(self.exclude_modules, "exclude_modules"))
         if self.target_modules is None:
             object.__setattr__(self, "target_modules", DEFAULT_TARGET_MODULES)
+
+    @property
+    def fuses_mlp(self) -> bool:
+        """fuse_mlp with None resolved: whether CLIP MLPs converted with this config run fused."""
+        return self.memory_efficient if self.fuse_mlp is None else self.fuse_mlp
 
     @property
     def variant(self) -> str:
@@ -201,9 +228,14 @@ class SwitchBackConfig:
         return dataclasses.replace(self, **changes)
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-ready dict (tuples become lists), plus quant_method="switchback" for config.json."""
+        """JSON-ready dict (tuples become lists), plus quant_method="switchback" for config.json.
+
+        kernel_options is left out: it is how this process runs the kernels, not what the checkpoint is.
+        """
         out: dict[str, Any] = {"quant_method": QUANT_METHOD}
         for f in dataclasses.fields(self):
+            if f.name in _RUNTIME_FIELDS:
+                continue
             value = getattr(self, f.name)
             out[f.name] = list(value) if isinstance(value, tuple) else value
         return out
@@ -212,7 +244,8 @@ class SwitchBackConfig:
     def from_dict(cls, data: dict[str, Any]) -> SwitchBackConfig:
         """Inverse of to_dict. Unknown keys are an error (a typo must not silently select a default).
 
-        quant_method is optional, and must be "switchback" when present (the config.json form).
+        quant_method is optional, and must be "switchback" when present (the config.json form). kernel_options
+        (never in to_dict's output) may be given as a KernelOptions or a dict of its fields.
         """
         data = dict(data)
         method = data.pop("quant_method", QUANT_METHOD)
@@ -226,7 +259,13 @@ class SwitchBackConfig:
             raise ValueError(
                 f"SwitchBackConfig.from_dict: unknown keys {unknown}; known keys are {sorted(known)}"
             )
+        if isinstance(data.get("kernel_options"), dict):
+            data["kernel_options"] = KernelOptions(**data["kernel_options"])
         return cls(**data)
+
+
+# Fields to_dict leaves out of config.json: choices of this process, not of the checkpoint.
+_RUNTIME_FIELDS = ("kernel_options",)
 
 
 def _check_choice(name: str, value: Any, allowed: tuple[str, ...]) -> None:
@@ -234,4 +273,10 @@ def _check_choice(name: str, value: Any, allowed: tuple[str, ...]) -> None:
         raise ValueError(f"SwitchBackConfig.{name} must be one of {allowed}, got {value!r}")
 
 
-__all__ = ["DEFAULT_EXCLUDE_MODULES", "DEFAULT_TARGET_MODULES", "QUANT_METHOD", "SwitchBackConfig"]
+__all__ = [
+    "DEFAULT_EXCLUDE_MODULES",
+    "DEFAULT_TARGET_MODULES",
+    "QUANT_METHOD",
+    "KernelOptions",
+    "SwitchBackConfig",
+]

@@ -1,6 +1,6 @@
-"""What a train_clip.py run asks of Accelerate besides the defaults: the torch.compile plugin (and the GEMM it
-selects under CUDA graphs), the collective timeout, and the checks a DeepSpeed launch needs before anything is
-loaded."""
+"""What a train_clip.py run asks of Accelerate besides the defaults: the torch.compile plugin (and the kernel
+options it calls for under CUDA graphs), the collective timeout, and the checks a DeepSpeed launch needs before
+anything is loaded."""
 
 from __future__ import annotations
 
@@ -10,24 +10,30 @@ from datetime import timedelta
 import torch
 from accelerate.utils import InitProcessGroupKwargs, TorchDynamoPlugin
 
+from ..kernels.options import KernelOptions
+
 logger = logging.getLogger(__name__)
 
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune-no-cudagraphs")
 
 
 def dynamo_plugin(args) -> TorchDynamoPlugin | None:
-    """accelerate's torch.compile settings; with CUDA graphs on Hopper, the TMA 8-bit GEMM too."""
+    """accelerate's torch.compile settings (None without --torch_compile)."""
     if not args.torch_compile:
         return None
-    mode = args.compile_mode or "default"
-    if mode == "reduce-overhead" and args.switchback == "on" and tma_gemm_available():
-        # Alone the TMA GEMM is 10-15% faster than the portable one, but its host-side setup made launch-bound
-        # steps slower; replayed as a CUDA graph that setup is gone (ViT-B/16: 102.6 vs 106.9 ms/step).
-        from ..kernels import matmul
+    return TorchDynamoPlugin(backend="inductor", mode=args.compile_mode or "default")
 
-        matmul.USE_TMA = True
-        logger.info("CUDA graphs: using the Hopper TMA 8-bit GEMM (hf_switchback.kernels.matmul.USE_TMA)")
-    return TorchDynamoPlugin(backend="inductor", mode=mode)
+
+def kernel_options(args) -> KernelOptions:
+    """The run's SwitchBack KernelOptions: the defaults, and with CUDA graphs on Hopper the TMA 8-bit GEMM."""
+    graphs = args.torch_compile and args.compile_mode == "reduce-overhead"
+    if graphs and tma_gemm_available():
+        # Alone the TMA GEMM is 10-15% faster than the portable one, but its host-side setup made launch-bound
+        # steps slower; replayed as a CUDA graph that setup is gone (ViT-B/16: 102.6 vs 106.9 ms/step,
+        # BENCHMARKS.md, Whole training step).
+        logger.info("CUDA graphs: using the Hopper TMA 8-bit GEMM (KernelOptions(use_tma=True))")
+        return KernelOptions(use_tma=True)
+    return KernelOptions()
 
 
 def process_group_kwargs(timeout_minutes: float) -> InitProcessGroupKwargs:
