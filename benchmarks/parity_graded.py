@@ -66,9 +66,7 @@ MAX_TEXT = 12
 # One run (in its own process)
 # ------------------------------------------------------------------------------------------------------------
 def build_model(arch: str, vocab_size: int):
-    from transformers import CLIPConfig
-
-    from transformers import CLIPModel
+    from transformers import CLIPConfig, CLIPModel
 
     a = ARCHS[arch]
     tower = dict(hidden_size=a["hidden"], intermediate_size=a["mlp"], num_attention_heads=a["heads"])
@@ -603,6 +601,13 @@ def main() -> None:
     )
     parser.add_argument("--parallel", type=int, default=1, help="runs sharing the device at once")
     parser.add_argument("--time_budget_s", type=float, default=500)
+    parser.add_argument("--warm", action="store_true", help="fill Triton's kernel cache first (a GPU run)")
+    parser.add_argument(
+        "--pretrain_share",
+        type=float,
+        default=0.4,
+        help="at most this share of the time budget for pretraining",
+    )
     parser.add_argument("--runs_dir", help="run files and the pretrained checkpoint (default: a temp dir)")
     parser.add_argument("--smoke", action="store_true", help="CPU test size: tiny model, few steps")
     parser.add_argument("--merge", nargs="+", help="re-summarize these parity.json files, no runs")
@@ -627,16 +632,27 @@ def main() -> None:
     env = environment(args)
     start = time.perf_counter()
     init_from, runs = args.init_from, []
+    # A few steps of each Triton variant beside the pretraining (or first): they fill Triton's on-disk kernel
+    # cache, so the parallel runs after them do not all compile (and autotune) the same kernels at once.
+    warm = [
+        dict(
+            spec, steps=3, eval_samples=1000, name=f"warm_{spec['variant']}", init_from=None, protocol="warm"
+        )
+        for spec in make_specs(args, args.protocol, None)[: len(args.variants)]
+        if args.warm and spec["variant"] in ("int8", "fp8", "int8-int8grad")
+    ]
+    first = []
     if args.protocol == "finetune" and not init_from:
         init_from = str(runs_dir / "pretrained")
         pre = make_specs(args, "finetune", None)[0]
-        pre.update(
-            protocol="pretrain", task="pretrain", variant="bf16", seed=0, name="pretrain", save_to=init_from
-        )
-        pre.update(
-            steps=args.pretrain_steps, lr=args.pretrain_lr, warmup=max(args.warmup, args.pretrain_steps // 20)
-        )
-        runs += run_specs([pre], runs_dir, 1, args.time_budget_s)
+        pre.update(protocol="pretrain", task="pretrain", variant="bf16", seed=0, name="pretrain")
+        warmup = max(args.warmup, args.pretrain_steps // 20)
+        pre.update(save_to=init_from, steps=args.pretrain_steps, lr=args.pretrain_lr, warmup=warmup)
+        first.append(pre)
+    if first or warm:
+        done = run_specs(first + warm, runs_dir, len(first + warm), args.pretrain_share * args.time_budget_s)
+        runs += [r for r in done if r["spec"]["protocol"] != "warm"]
+    if first:
         env["pretrain"] = {
             k: runs[0].get(k) for k in ("results", "zero_shot_before_finetune", "train_s", "status")
         }

@@ -115,11 +115,14 @@ def gradient_stats(g: torch.Tensor, w: torch.Tensor, names: tuple[str, ...]) -> 
     exact = gf @ wf
     nonzero = gf != 0
     stats: dict[str, float] = {}
-    rms = gf.pow(2).mean(dim=1).sqrt().clamp_min(1e-30)
-    stats["row_absmax_over_rms_median"] = (gf.abs().amax(dim=1) / rms).median().item()
+    live = gf[
+        gf.abs().amax(dim=1) > 0
+    ]  # all-zero rows (e.g. padded text positions) have no scale to speak of
+    rms = live.pow(2).mean(dim=1).sqrt()
+    stats["row_absmax_over_rms_median"] = (live.abs().amax(dim=1) / rms).median().item() if len(live) else 0.0
     top = outlier_columns(gf, max(1, gf.shape[1] // 100))
-    in_top = torch.isin(gf.abs().argmax(dim=1), top)
-    stats["row_max_in_top1pct_cols"] = in_top.float().mean().item()
+    in_top = torch.isin(live.abs().argmax(dim=1), top)
+    stats["row_max_in_top1pct_cols"] = in_top.float().mean().item() if len(live) else 0.0
     total_sq = gf.pow(2).sum().clamp_min(1e-30)
     wq = fake_quant_tensor(wf)
     for name in names:
