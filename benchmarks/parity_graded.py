@@ -60,6 +60,7 @@ ARCHS = {
 PROTOCOL_TASK = {"pretrain": "pretrain", "finetune": "finetune", "scratch": "all"}
 DROP_FRACTIONS = (0.5, 0.8, 0.9)
 MAX_TEXT = 12
+WAVE_RESERVE_S = 25
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -294,12 +295,14 @@ def launch(spec: dict, path: Path, timeout_s: float) -> dict:
 
 
 def run_specs(specs: list[dict], runs_dir: Path, parallel: int, budget_s: float, on_wave=None) -> list[dict]:
-    """Run specs `parallel` at a time within budget_s seconds (an equal share of what is left per wave)."""
+    """Run specs `parallel` at a time within budget_s seconds; returns their records in order."""
     runs, start = [], time.perf_counter()
     for first in range(0, len(specs), parallel):
         wave = specs[first : first + parallel]
         left = budget_s - (time.perf_counter() - start)
-        share = left / math.ceil((len(specs) - first) / parallel)
+        # the wave may use all but WAVE_RESERVE_S per later wave: a slow first wave still finishes (whole
+        # pairs), later ones are cut instead
+        share = left - WAVE_RESERVE_S * (math.ceil((len(specs) - first) / parallel) - 1)
         with ThreadPoolExecutor(max_workers=len(wave)) as pool:
             futures = [pool.submit(launch, s, runs_dir / f"{s['name']}.json", share) for s in wave]
             done = [f.result() for f in futures]

@@ -28,7 +28,10 @@ class _SimSwitchBackFunction(torch.autograd.Function):
         ctx.module = module
         ctx.save_for_backward(x, weight)
         x2 = x.reshape(-1, x.shape[-1])
-        out = fake_quant_rows(x2) @ fake_quant_tensor(weight).t()
+        # float32 GEMM of the dequantized operands (exact for int8 x int8 up to float32 summation), not autocast's
+        # bf16, which would round the operands a second time
+        with torch.autocast(x.device.type, enabled=False):
+            out = fake_quant_rows(x2) @ fake_quant_tensor(weight).t()
         if bias is not None:
             out = out + bias.float()
         return out.to(x.dtype).view(*x.shape[:-1], weight.shape[0])
