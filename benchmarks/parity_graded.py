@@ -61,6 +61,9 @@ PROTOCOL_TASK = {"pretrain": "pretrain", "finetune": "finetune", "scratch": "all
 DROP_FRACTIONS = (0.5, 0.8, 0.9)
 MAX_TEXT = 12
 WAVE_RESERVE_S = 25
+SPEED_SAFETY = 0.8  # steps="auto": plan for 80% of the speed measured over the warm-up steps
+BARRIER_S = 60.0  # the longest a run waits for its wave's step count
+EVAL_RESERVE_S = 20.0  # steps="auto": time kept for the final eval (and saving) after training
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -163,6 +166,54 @@ def evaluate(model, tokenizer, task, spec: dict, device, autocast) -> dict:
     return {k: v / spec["eval_samples"] for k, v in hits.items()}
 
 
+def decide_steps(spec: dict, done: int, elapsed_s: float, device) -> int:
+    """The step count of a spec with steps="auto": what fits before spec["deadline"] (epoch seconds).
+
+    Alone (no spec["steps_file"]) from this run's own speed. In a wave, every run posts its speed to
+    <steps_file>.<name>.rate and waits for the orchestrator's one count for all (paired runs must share it).
+    """
+    if device.type == "cuda":
+        import torch
+
+        torch.cuda.synchronize()
+    rate = done / max(elapsed_s, 1e-6)
+    if not spec.get("steps_file"):
+        left = spec["deadline"] - time.time()
+        return max(done + 1, min(spec["max_steps"], int(done + SPEED_SAFETY * rate * left)))
+    write_atomic(Path(f"{spec['steps_file']}.{spec['name']}.rate"), rate)
+    waited = time.time()
+    while time.time() - waited < BARRIER_S:
+        if Path(spec["steps_file"]).exists():
+            return int(json.loads(Path(spec["steps_file"]).read_text()))
+        time.sleep(0.1)
+    raise RuntimeError(f"no step count in {spec['steps_file']} after {BARRIER_S} s")
+
+
+def write_atomic(path: Path, value) -> None:
+    """Write JSON so that a reader polling for the file never sees it half written."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(value))
+    tmp.rename(path)
+
+
+def wave_steps(wave: list[dict], poll_s: float = 0.1) -> None:
+    """Orchestrator side of decide_steps: once every run of the wave posted its speed (or BARRIER_S passed),
+    write the step count that the slowest one finishes before the deadline."""
+    spec = wave[0]
+    rate_files = [Path(f"{s['steps_file']}.{s['name']}.rate") for s in wave]
+    t0 = time.time()
+    while time.time() - t0 < BARRIER_S and not all(f.exists() for f in rate_files):
+        time.sleep(poll_s)
+    rates = [json.loads(f.read_text()) for f in rate_files if f.exists()]
+    if not rates:
+        return
+    left = spec["deadline"] - time.time()
+    steps = max(
+        spec["warmup"] + 1, min(spec["max_steps"], int(spec["warmup"] + SPEED_SAFETY * min(rates) * left))
+    )
+    write_atomic(Path(spec["steps_file"]), steps)
+
+
 def train_one(spec: dict) -> dict:
     """Train one run as `spec` says; returns its record (losses, evals, timings, gradient statistics)."""
     import torch
@@ -197,12 +248,20 @@ def train_one(spec: dict) -> dict:
     groups = [dict(params=decay, weight_decay=0.1), dict(params=rest, weight_decay=0.0)]
     opt = torch.optim.AdamW(groups, lr=spec["lr"], betas=(0.9, 0.98), eps=1e-6)
     image_size = ARCHS[spec["arch"]]["image"]
-    record = dict(spec=spec, train=[], evals=[], grad_stats=[], device=str(device))
+    record = dict(spec=spec, train=[], evals=[], grad_stats=[], device=str(device), steps=spec["steps"])
     model.train()
     t_train = time.perf_counter()
-    for step in range(spec["steps"]):
+    steps = spec["max_steps"] if spec["steps"] == "auto" else spec["steps"]
+    step = 0
+    while step < steps:
+        if spec["steps"] == "auto" and step == spec["warmup"]:
+            # the learning rate so far did not depend on the step count: decide it now, from the speed so far
+            steps = decide_steps(spec, step, time.perf_counter() - t_train, device)
+            record["steps"] = steps
+        if step and step % 25 == 0 and spec.get("progress_to"):  # a killed run still leaves its curve
+            Path(spec["progress_to"]).write_text(json.dumps(dict(record, status="partial")))
         for group in opt.param_groups:
-            group["lr"] = lr_at(step, spec["steps"], spec["warmup"], spec["lr"])
+            group["lr"] = lr_at(step, steps, spec["warmup"], spec["lr"])
         batch = gs.sample(task, spec["batch_size"], image_size, gs.step_generator(device, spec["seed"], step))
         stats_step = bool(sims) and spec.get("stats_every") and step % spec["stats_every"] == 0
         for sim in sims:
@@ -226,7 +285,7 @@ def train_one(spec: dict) -> dict:
         opt.step()
         with torch.no_grad():
             model.logit_scale.clamp_(0, math.log(100))
-        if step % spec["log_every"] == 0 or step == spec["steps"] - 1:
+        if step % spec["log_every"] == 0 or step == steps - 1:
             record["train"].append(dict(step=step, loss=loss.item()))
             if not math.isfinite(record["train"][-1]["loss"]):
                 record["status"] = "diverged"
@@ -243,13 +302,14 @@ def train_one(spec: dict) -> dict:
             record["evals"].append(
                 dict(step=step, **evaluate(model, tokenizer, task, spec, device, autocast))
             )
+        step += 1
     if device.type == "cuda":
         torch.cuda.synchronize()
     record["train_s"] = time.perf_counter() - t_train
     record["status"] = record.get("status", "ok")
     if record["status"] == "ok":
         record["results"] = evaluate(model, tokenizer, task, spec, device, autocast)
-        record["evals"].append(dict(step=spec["steps"], **record["results"]))
+        record["evals"].append(dict(step=steps, **record["results"]))
     if spec.get("save_to"):
         from hf_switchback import remove_switchback
 
@@ -268,30 +328,27 @@ def train_one(spec: dict) -> dict:
 # ------------------------------------------------------------------------------------------------------------
 def launch(spec: dict, path: Path, timeout_s: float) -> dict:
     """Run `spec` in a child process (fresh CUDA context, own memory); its record, or a failure record."""
+    out = path.with_suffix(".out.json")
+    spec = dict(spec, progress_to=str(out))
     path.write_text(json.dumps(spec))
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT / "src"), env.get("PYTHONPATH")) if p)
     env.setdefault("OMP_NUM_THREADS", "1")
-    out = path.with_suffix(".out.json")
     cmd = [sys.executable, str(Path(__file__).resolve()), "--one_run", str(path), "--out_dir", str(out)]
     t0 = time.perf_counter()
     try:
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=max(5.0, timeout_s))
         failed = proc.returncode != 0
         tail = (proc.stdout + proc.stderr).splitlines()[-30:]
+        status = "failed"
     except subprocess.TimeoutExpired:
-        failed, tail = True, ["timeout"]
-    if not failed and out.exists():
-        return json.loads(out.read_text())
-    return dict(
-        spec=spec,
-        status="failed",
-        train=[],
-        evals=[],
-        grad_stats=[],
-        output_tail=tail,
-        wall_s=time.perf_counter() - t0,
-    )
+        failed, tail, status = True, ["timeout"], "timeout"
+    record = json.loads(out.read_text()) if out.exists() else {}
+    if not failed and record.get("status") != "partial":
+        return record
+    # a killed or failed run: its curve so far (written every 25 steps), no final eval
+    empty = dict(train=[], evals=[], grad_stats=[])
+    return dict(empty, **record, spec=spec, status=status, output_tail=tail, wall_s=time.perf_counter() - t0)
 
 
 def run_specs(specs: list[dict], runs_dir: Path, parallel: int, budget_s: float, on_wave=None) -> list[dict]:
@@ -303,9 +360,14 @@ def run_specs(specs: list[dict], runs_dir: Path, parallel: int, budget_s: float,
         # the wave may use all but WAVE_RESERVE_S per later wave: a slow first wave still finishes (whole
         # pairs), later ones are cut instead
         share = left - WAVE_RESERVE_S * (math.ceil((len(specs) - first) / parallel) - 1)
-        with ThreadPoolExecutor(max_workers=len(wave)) as pool:
+        wave = plan_auto_steps(wave, runs_dir / f"wave{first}.steps", time.time() + share - EVAL_RESERVE_S)
+        auto = [s for s in wave if s.get("steps_file")]
+        with ThreadPoolExecutor(max_workers=len(wave) + 1) as pool:
             futures = [pool.submit(launch, s, runs_dir / f"{s['name']}.json", share) for s in wave]
+            barrier = pool.submit(wave_steps, auto) if auto else None
             done = [f.result() for f in futures]
+            if barrier is not None:
+                barrier.result()  # raise what went wrong there
         for r in done:
             brief = {k: r.get(k) for k in ("status", "results", "wall_s", "train_s")}
             print(json.dumps(dict(name=r["spec"]["name"], **brief)), flush=True)
@@ -313,6 +375,20 @@ def run_specs(specs: list[dict], runs_dir: Path, parallel: int, budget_s: float,
         if on_wave:
             on_wave(runs)
     return runs
+
+
+def plan_auto_steps(wave: list[dict], steps_file: Path, deadline: float) -> list[dict]:
+    """Give the wave's steps="auto" runs their deadline, and when there are several, one shared steps file."""
+    auto = [s for s in wave if s["steps"] == "auto"]
+    shared = len(auto) > 1
+    if shared:
+        steps_file.unlink(missing_ok=True)
+    return [
+        dict(s, deadline=deadline, steps_file=str(steps_file) if shared else None)
+        if s["steps"] == "auto"
+        else s
+        for s in wave
+    ]
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -323,21 +399,12 @@ def final_loss(run: dict) -> float | None:
     return parity.mean_se([x["loss"] for x in window])[0]
 
 
-def pair_key(spec: dict) -> tuple:
-    """What fixes a run's weights at start, batches and schedule: runs pair with bf16 only when all are equal."""
-    keys = (
-        "protocol",
-        "task",
-        "seed",
-        "steps",
-        "batch_size",
-        "lr",
-        "warmup",
-        "arch",
-        "init_id",
-        "eval_samples",
-    )
-    return tuple(spec.get(k) for k in keys)
+def pair_key(run: dict) -> tuple:
+    """What fixes a run's weights at start, batches and schedule: runs pair with bf16 only when all are equal
+    (the step count is the one the run trained with, also when its spec said "auto")."""
+    spec = run["spec"]
+    keys = ("protocol", "task", "seed", "batch_size", "lr", "warmup", "arch", "init_id", "eval_samples")
+    return (*(spec.get(k) for k in keys), run.get("steps", spec.get("steps")))
 
 
 def interval(diffs: list[float]) -> dict:
@@ -377,7 +444,7 @@ def summarize(runs: list[dict]) -> dict:
     bf16 = {}
     for r in runs:
         if r["spec"]["variant"] == "bf16" and r.get("status") == "ok":
-            bf16[pair_key(r["spec"])] = r
+            bf16[pair_key(r)] = r
     rows = []
     for r in runs:
         s = r["spec"]
@@ -391,7 +458,8 @@ def summarize(runs: list[dict]) -> dict:
         row["final_loss"] = final_loss(r)
         row.update({k: (r.get("results") or {}).get(k) for k, _, _ in METRICS})
         row["wall_s"], row["train_s"] = r.get("wall_s"), r.get("train_s")
-        base = bf16.get(pair_key(s))
+        row["steps"] = r["train"][-1]["step"] + 1 if r["train"] else 0
+        base = bf16.get(pair_key(r))
         if base is not None and base is not r and r.get("status") == "ok":
             for key, _, scale in METRICS:
                 row[f"d_{key}"] = scale * (r["results"][key] - base["results"][key])
@@ -470,12 +538,13 @@ def markdown(summary: dict, env: dict) -> str:
         )
     lines += [
         "",
-        "| protocol | variant | seed | status | final loss (last 20%) | zero-shot | Δ pp | R@1 | Δ pp | train s |",
-        "|---|---|---:|---|---:|---:|---:|---:|---:|---:|",
+        "| protocol | variant | seed | status | steps | final loss (last 20%) | zero-shot | Δ pp | R@1 | Δ pp | train s |",
+        "|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in summary["rows"]:
         lines.append(
-            f"| {r['protocol']} | {r['variant']} | {r['seed']} | {r['status']} | {_f(r['final_loss'], '.4f')} "
+            f"| {r['protocol']} | {r['variant']} | {r['seed']} | {r['status']} | {r['steps']} "
+            f"| {_f(r['final_loss'], '.4f')} "
             f"| {_f(r['zero_shot_top1'] and 100 * r['zero_shot_top1'])} | {_f(r.get('d_zero_shot_top1'), '+.2f')} "
             f"| {_f(r['caption_r1'] and 100 * r['caption_r1'])} | {_f(r.get('d_caption_r1'), '+.2f')} "
             f"| {_f(r['train_s'], '.0f')} |"
@@ -561,9 +630,23 @@ def environment(args) -> dict:
     return env
 
 
+def steps_arg(value: str):
+    if value == "auto":
+        return value
+    if not value.isdigit() or int(value) < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive step count or 'auto', got {value!r}")
+    return int(value)
+
+
 def make_specs(args, protocol: str, init_from: str | None) -> list[dict]:
     base = dict(protocol=protocol, task=PROTOCOL_TASK[protocol], steps=args.steps, batch_size=args.batch_size)
-    base.update(lr=args.lr, warmup=args.warmup, arch=args.arch, eval_samples=args.eval_samples)
+    base.update(
+        max_steps=args.max_steps,
+        lr=args.lr,
+        warmup=args.warmup,
+        arch=args.arch,
+        eval_samples=args.eval_samples,
+    )
     base.update(log_every=args.log_every, init_from=init_from, init_id=init_from and Path(init_from).name)
     base.update(
         stats_every=args.stats_every, stat_quantizers=args.stat_quantizers, eval_every=args.eval_every
@@ -587,11 +670,18 @@ def main() -> None:
     parser.add_argument("--variants", nargs="+", type=check_variant, default=["bf16", "int8", "fp8"])
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2, 3, 4])
     parser.add_argument("--arch", choices=list(ARCHS), default="small")
-    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument(
+        "--steps",
+        type=steps_arg,
+        default=300,
+        help="optimizer steps per run, or 'auto': as many as fit in the time budget (decided after --warmup "
+        "steps from the measured speed, the same for every run of a wave, so pairs stay paired)",
+    )
+    parser.add_argument("--max_steps", type=int, default=3000, help="upper bound for --steps auto")
     parser.add_argument("--batch_size", type=int, default=256)
     parser.add_argument("--lr", type=float, default=3e-4)
     parser.add_argument("--warmup", type=int, default=30)
-    parser.add_argument("--pretrain_steps", type=int, default=1500)
+    parser.add_argument("--pretrain_steps", type=steps_arg, default=1500)
     parser.add_argument("--pretrain_lr", type=float, default=1e-3)
     parser.add_argument("--eval_samples", type=int, default=10_000)
     parser.add_argument("--eval_every", type=int, default=0, help="extra evals every N steps (0: final only)")
@@ -649,7 +739,8 @@ def main() -> None:
         init_from = str(runs_dir / "pretrained")
         pre = make_specs(args, "finetune", None)[0]
         pre.update(protocol="pretrain", task="pretrain", variant="bf16", seed=0, name="pretrain")
-        warmup = max(args.warmup, args.pretrain_steps // 20)
+        auto = args.pretrain_steps == "auto"
+        warmup = 2 * args.warmup if auto else max(args.warmup, args.pretrain_steps // 20)
         pre.update(save_to=init_from, steps=args.pretrain_steps, lr=args.pretrain_lr, warmup=warmup)
         first.append(pre)
     if first or warm:

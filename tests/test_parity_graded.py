@@ -3,6 +3,7 @@
 import importlib.util
 import math
 import statistics
+import time
 from pathlib import Path
 
 import pytest
@@ -85,12 +86,8 @@ def test_row_and_block_quantizers_match_a_loop_reference():
     block = gq.fake_quant_grad(g, "block16")
     for i in range(5):
         values = g[i].tolist()
-        torch.testing.assert_close(
-            row[i], torch.tensor(_ref_quant_row(values, 40)), rtol=1e-5, atol=0
-        )
-        torch.testing.assert_close(
-            block[i], torch.tensor(_ref_quant_row(values, 16)), rtol=1e-5, atol=0
-        )
+        torch.testing.assert_close(row[i], torch.tensor(_ref_quant_row(values, 40)), rtol=1e-5, atol=0)
+        torch.testing.assert_close(block[i], torch.tensor(_ref_quant_row(values, 16)), rtol=1e-5, atol=0)
 
 
 def test_blocks_keep_small_entries_that_rows_flush():
@@ -221,3 +218,38 @@ def test_drop_spread_dates_a_late_escape():
         r["spec"]["batch_size"] = 148  # ln(148) ~ 5.0
     spread = [s for s in pg.summarize(runs)["drop_spread"] if s["fraction"] == 0.5]
     assert spread[0]["min"] < 10 and spread[0]["max"] >= 30
+
+
+def test_auto_steps_give_every_run_of_a_wave_the_same_count(tmp_path):
+    import threading
+
+    deadline = time.time() + 30
+    wave = [_spec(steps="auto", max_steps=10_000, name=f"r{i}") for i in range(3)]
+    wave = pg.plan_auto_steps(wave, tmp_path / "wave.steps", deadline)
+    counts = {}
+
+    def child(spec, elapsed):
+        counts[spec["name"]] = pg.decide_steps(spec, 10, elapsed, torch.device("cpu"))
+
+    threads = [
+        threading.Thread(target=child, args=(s, e)) for s, e in zip(wave, (1.0, 2.0, 0.5), strict=True)
+    ]
+    for t in threads:
+        t.start()
+    pg.wave_steps(wave, poll_s=0.01)
+    for t in threads:
+        t.join()
+    (count,) = set(counts.values())
+    # the slowest run (10 steps in 2 s) sets it: 10 + 0.8 * 5 steps/s * ~30 s
+    assert 10 + 0.8 * 5 * 20 <= count <= 10 + 0.8 * 5 * 30
+    alone = pg.plan_auto_steps([_spec(steps="auto", max_steps=50)], tmp_path / "x", deadline)[0]
+    assert alone["steps_file"] is None and pg.decide_steps(alone, 10, 0.1, torch.device("cpu")) == 50
+
+
+def test_pairs_use_the_step_count_the_runs_trained_with():
+    a, b = _run("bf16", 0, 0.5, 0.5, [2.0] * 10), _run("int8", 0, 0.5, 0.5, [2.0] * 10)
+    a["spec"]["steps"] = b["spec"]["steps"] = "auto"
+    a["steps"], b["steps"] = 100, 120
+    assert "d_zero_shot_top1" not in pg.summarize([a, b])["rows"][1]
+    b["steps"] = 100
+    assert pg.summarize([a, b])["rows"][1]["d_zero_shot_top1"] == 0.0
