@@ -53,6 +53,8 @@ METRICS = (("zero_shot_top1", "zero-shot top-1", 100.0), ("caption_r1", "imageâ†
 # model sizes (both towers alike): hidden, layers (vision, text), heads, MLP width, image side, patch
 ARCHS = {
     "tiny": dict(hidden=32, layers=(1, 1), heads=2, mlp=64, image=16, patch=4),
+    # CPU experiments: 16 px images, 16 patches, two layers of width 64 per tower
+    "cpu": dict(hidden=64, layers=(2, 2), heads=2, mlp=256, image=16, patch=4),
     "mini": dict(hidden=128, layers=(3, 2), heads=4, mlp=512, image=32, patch=4),
     # ~ViT-Ti/S-sized towers at 32 px: 6 + 4 layers of width 256 (4.7M + 3.2M encoder parameters)
     "small": dict(hidden=256, layers=(6, 4), heads=4, mlp=1024, image=32, patch=4),
@@ -259,7 +261,7 @@ def train_one(spec: dict) -> dict:
             steps = decide_steps(spec, step, time.perf_counter() - t_train, device)
             record["steps"] = steps
         if step and step % 25 == 0 and spec.get("progress_to"):  # a killed run still leaves its curve
-            Path(spec["progress_to"]).write_text(json.dumps(dict(record, status="partial")))
+            write_atomic(Path(spec["progress_to"]), dict(record, status="partial"))
         for group in opt.param_groups:
             group["lr"] = lr_at(step, steps, spec["warmup"], spec["lr"])
         batch = gs.sample(task, spec["batch_size"], image_size, gs.step_generator(device, spec["seed"], step))
@@ -326,46 +328,69 @@ def train_one(spec: dict) -> dict:
 # ------------------------------------------------------------------------------------------------------------
 # Many runs (subprocesses, several at a time)
 # ------------------------------------------------------------------------------------------------------------
-def launch(spec: dict, path: Path, timeout_s: float) -> dict:
-    """Run `spec` in a child process (fresh CUDA context, own memory); its record, or a failure record."""
-    out = path.with_suffix(".out.json")
-    spec = dict(spec, progress_to=str(out))
-    path.write_text(json.dumps(spec))
+def launch(specs: list[dict], path: Path, timeout_s: float) -> list[dict]:
+    """Run `specs` one after another in one child process (one CUDA context and one Triton autotune for all
+    of them); their records, a failure record for each that did not finish."""
+    specs = [dict(s, progress_to=str(path.with_name(f"{s['name']}.out.json"))) for s in specs]
+    for s in specs:
+        Path(s["progress_to"]).unlink(missing_ok=True)
+    path.write_text(json.dumps(specs))
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT / "src"), env.get("PYTHONPATH")) if p)
     env.setdefault("OMP_NUM_THREADS", "1")
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--one_run", str(path), "--out_dir", str(out)]
+    cmd = [
+        sys.executable,
+        str(Path(__file__).resolve()),
+        "--one_run",
+        str(path),
+        "--out_dir",
+        str(path.parent),
+    ]
     t0 = time.perf_counter()
     try:
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=max(5.0, timeout_s))
-        failed = proc.returncode != 0
         tail = (proc.stdout + proc.stderr).splitlines()[-30:]
         status = "failed"
     except subprocess.TimeoutExpired:
-        failed, tail, status = True, ["timeout"], "timeout"
-    record = json.loads(out.read_text()) if out.exists() else {}
-    if not failed and record.get("status") != "partial":
-        return record
-    # a killed or failed run: its curve so far (written every 25 steps), no final eval
-    empty = dict(train=[], evals=[], grad_stats=[])
-    return dict(empty, **record, spec=spec, status=status, output_tail=tail, wall_s=time.perf_counter() - t0)
+        tail, status = ["timeout"], "timeout"
+    records = []
+    for spec in specs:
+        out = Path(spec["progress_to"])
+        record = json.loads(out.read_text()) if out.exists() else {}
+        if record and record.get("status") != "partial":
+            records.append(record)
+            continue
+        # a killed or failed run: its curve so far (written every 25 steps), no final eval
+        empty = dict(train=[], evals=[], grad_stats=[])
+        records.append(
+            dict(empty, **record, spec=spec, status=status, output_tail=tail, wall_s=time.perf_counter() - t0)
+        )
+    return records
 
 
-def run_specs(specs: list[dict], runs_dir: Path, parallel: int, budget_s: float, on_wave=None) -> list[dict]:
-    """Run specs `parallel` at a time within budget_s seconds; returns their records in order."""
+def run_specs(
+    specs: list[dict], runs_dir: Path, parallel: int, budget_s: float, on_wave=None, per_process: int = 1
+) -> list[dict]:
+    """Run specs within budget_s seconds: `per_process` consecutive specs one after another in one child
+    process, `parallel` such processes at a time. Returns their records in order."""
+    groups = [specs[i : i + per_process] for i in range(0, len(specs), per_process)]
     runs, start = [], time.perf_counter()
-    for first in range(0, len(specs), parallel):
-        wave = specs[first : first + parallel]
+    for first in range(0, len(groups), parallel):
+        wave = groups[first : first + parallel]
         left = budget_s - (time.perf_counter() - start)
         # the wave may use all but WAVE_RESERVE_S per later wave: a slow first wave still finishes (whole
         # pairs), later ones are cut instead
-        share = left - WAVE_RESERVE_S * (math.ceil((len(specs) - first) / parallel) - 1)
-        wave = plan_auto_steps(wave, runs_dir / f"wave{first}.steps", time.time() + share - EVAL_RESERVE_S)
-        auto = [s for s in wave if s.get("steps_file")]
+        share = left - WAVE_RESERVE_S * (math.ceil((len(groups) - first) / parallel) - 1)
+        if per_process == 1:
+            flat = plan_auto_steps(
+                [g[0] for g in wave], runs_dir / f"wave{first}.steps", time.time() + share - EVAL_RESERVE_S
+            )
+            wave = [[s] for s in flat]
+        auto = [g[0] for g in wave if g[0].get("steps_file")]
         with ThreadPoolExecutor(max_workers=len(wave) + 1) as pool:
-            futures = [pool.submit(launch, s, runs_dir / f"{s['name']}.json", share) for s in wave]
+            futures = [pool.submit(launch, g, runs_dir / f"{g[0]['name']}.json", share) for g in wave]
             barrier = pool.submit(wave_steps, auto) if auto else None
-            done = [f.result() for f in futures]
+            done = [r for f in futures for r in f.result()]
             if barrier is not None:
                 barrier.result()  # raise what went wrong there
         for r in done:
@@ -692,7 +717,14 @@ def main() -> None:
     parser.add_argument(
         "--stat_quantizers", nargs="+", default=["row", "block32", "block128", "row-sr", "row-outlier8"]
     )
-    parser.add_argument("--parallel", type=int, default=1, help="runs sharing the device at once")
+    parser.add_argument("--parallel", type=int, default=1, help="processes sharing the device at once")
+    parser.add_argument(
+        "--runs_per_process",
+        type=int,
+        default=1,
+        help="consecutive runs (a seed's variants, in --variants order) one after another in one process: one "
+        "CUDA context, one Triton compile and autotune, instead of one per run (fixed --steps only)",
+    )
     parser.add_argument("--time_budget_s", type=float, default=500)
     parser.add_argument("--warm", action="store_true", help="fill Triton's kernel cache first (a GPU run)")
     parser.add_argument(
@@ -707,10 +739,16 @@ def main() -> None:
     parser.add_argument("--one_run", help=argparse.SUPPRESS)
     args = parser.parse_args()
     out_dir = Path(args.out_dir)
+    if args.runs_per_process < 1 or args.parallel < 1:
+        parser.error("--parallel and --runs_per_process must be >= 1")
+    if args.runs_per_process > 1 and args.steps == "auto":
+        parser.error(
+            "--steps auto needs --runs_per_process 1 (runs of a wave agree on a count at the same time)"
+        )
 
-    if args.one_run:  # child process: one run, its record to --out_dir (a file here)
-        record = train_one(json.loads(Path(args.one_run).read_text()))
-        out_dir.write_text(json.dumps(record))
+    if args.one_run:  # child process: its runs one after another, each record to the spec's progress_to
+        for spec in json.loads(Path(args.one_run).read_text()):
+            write_atomic(Path(spec["progress_to"]), train_one(spec))
         return
     if args.merge:
         loaded = [json.loads(Path(p).read_text()) for p in args.merge]
@@ -756,7 +794,12 @@ def main() -> None:
     specs = make_specs(args, args.protocol, init_from)
     left = args.time_budget_s - (time.perf_counter() - start)
     runs += run_specs(
-        specs, runs_dir, args.parallel, left, on_wave=lambda done: write_outputs(runs + done, env, out_dir)
+        specs,
+        runs_dir,
+        args.parallel,
+        left,
+        on_wave=lambda done: write_outputs(runs + done, env, out_dir),
+        per_process=args.runs_per_process,
     )
     write_outputs(runs, env, out_dir)
     print((out_dir / "parity.md").read_text())

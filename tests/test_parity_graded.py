@@ -253,3 +253,12 @@ def test_pairs_use_the_step_count_the_runs_trained_with():
     assert "d_zero_shot_top1" not in pg.summarize([a, b])["rows"][1]
     b["steps"] = 100
     assert pg.summarize([a, b])["rows"][1]["d_zero_shot_top1"] == 0.0
+
+
+def test_runs_of_one_process_each_leave_their_record(tmp_path):
+    specs = [_spec(steps=2, eval_samples=16, name="g_ok"), _spec(steps=2, name="g_bad", task="no-such-task")]
+    records = pg.run_specs(specs, tmp_path, parallel=1, budget_s=300, per_process=2)
+    assert [r["spec"]["name"] for r in records] == ["g_ok", "g_bad"]
+    assert [r["status"] for r in records] == ["ok", "failed"]
+    assert "no-such-task" in "\n".join(records[1]["output_tail"])
+    assert len(records[0]["train"]) == 2 and records[1]["train"] == []
