@@ -18,7 +18,7 @@ Variants:
                          stays bf16 and only the vision tower is 8-bit.
   int8-int8grad          grad_precision="int8": int8 gradients too (the paper's SwitchBack). Plain int8 uses
                          the default grad_precision="auto", which on GPUs with fp8 tensor cores quantizes the
-                         output gradients to fp8 (BENCHMARKS.md, parity: int8 gradients lost accuracy).
+                         output gradients to fp8 (BENCHMARKS.md, Accuracy: int8 gradients lost it).
   int8-fused             fuse_mlp=True: each CLIP MLP as one fused SwitchBack op (less activation memory).
   int8-triton            backend="triton": every swapped linear quantizes, whatever its token count. Shows what
                          the floor is worth; at ViT-B/16 batch 256 both towers are above it, so it equals int8.

@@ -1,4 +1,4 @@
-"""Accuracy parity (issue 7): bf16 vs SwitchBack int8 vs fp8 on the same CLIP training run.
+"""Accuracy parity: bf16 vs SwitchBack int8 vs fp8 on the same CLIP training run.
 
 Runs examples/train_clip.py once per (variant, seed) on one GPU (one after another, or --parallel N at once): ViT-B/16 from
 examples/configs/clip-vit-b-16.json (random init, 224 px), the embedded synthetic shapes set, bf16 autocast,
@@ -25,9 +25,9 @@ binomial standard error of up to ~2 pp: a 0.5 pp gap in zero-shot cannot be reso
 Worse, the ViT-B/16 run makes one sharp loss drop between steps ~250 and ~400, and when it happens varies
 from run to run, for bf16 as for int8: on the H100 the same int8 run (seed 2) ended at 63% zero-shot with one
 data order and 97% with another, and a 1000-step bf16 run (seed 4) reached loss 2.5 only at step ~620 and ended
-at 85% against int8's 100% (BENCHMARKS.md, seventh and eighth sessions). Judge a variant by the table "Pooled over
+at 85% against int8's 100% (BENCHMARKS.md, Accuracy). Judge a variant by the table "Pooled over
 seeds" (each run paired with the bf16 run of the same seed, schedule and data order), not by one seed; the
-eighth session's protocol (one device call per seed, ~420 s on an H100):
+1000-step protocol (one device call per seed, ~420 s on an H100):
 
     PYTHONPATH=src python benchmarks/parity.py --out_dir $OUT/sN --steps 1000 --seeds N --variants bf16 int8 \
         --parallel 2 --num_workers 7 --time_budget_s 570
@@ -63,7 +63,7 @@ LAST_FRACTION = 0.2  # "final loss" = mean over the last 20% of logged steps
 # The ViT-B/16 task plateaus near loss 3.0-3.1, then drops to ~2.0: the first logged step at which the smoothed
 # loss reaches DROP_LOSS dates that drop, the event whose timing decides most of a 500-step run's final metrics.
 DROP_LOSS = 2.5
-PARITY_BOUND_PP = -0.5  # issue 7's target: int8 zero-shot no more than 0.5 pp below bf16
+PARITY_BOUND_PP = -0.5  # the parity goal: int8 zero-shot no more than 0.5 pp below bf16
 SETUP_RESERVE_S = 15  # summary + plot after the last run
 
 

@@ -1,6 +1,6 @@
 """Quantization-error probe: run examples/train_clip.py and log, every N optimizer steps, how much each 8-bit
-operand loses. This is how the int8 parity gap was traced to the output gradients (BENCHMARKS.md, "Why int8
-gradients lost accuracy").
+operand loses. This is how the int8 parity gap was traced to the output gradients (BENCHMARKS.md,
+Accuracy).
 
     PYTHONPATH=src python benchmarks/quant_error_probe.py --out diag.jsonl --every 10 -- \
         examples/train_clip.py --model_config examples/configs/clip-vit-b-16.json --grad_precision int8 ...

@@ -103,6 +103,30 @@ def test_applying_twice_does_not_double_wrap_and_updates_the_config(clip_config)
         assert not any(isinstance(c, SwitchBackLinear) for c in module.children())
 
 
+def test_applying_again_with_a_narrower_selection_refuses_and_changes_nothing(clip_config):
+    model = apply_switchback(CLIPModel(clip_config), TORCH)
+    mlp_only = SwitchBackConfig(target_modules=["fc1", "fc2"], weight_scaling="row", backend="torch")
+    with pytest.raises(ValueError, match=r"16 layers already use SwitchBack.*self_attn.*remove_switchback"):
+        apply_switchback(model, mlp_only)
+    with pytest.raises(ValueError, match="already use SwitchBack"):
+        apply_switchback(model, TORCH, filter_fn=lambda name, m: "vision" in name)
+    assert swapped(model) == expected_names()
+    assert all(m.switchback_config is TORCH for m in model.modules() if isinstance(m, SwitchBackLinear))
+    # the documented way to narrow: remove first
+    apply_switchback(remove_switchback(model), mlp_only)
+    assert swapped(model) == {n for n in expected_names() if n.endswith(("fc1", "fc2"))}
+
+
+def test_applying_again_with_a_wider_selection_reconfigures_every_layer(clip_config):
+    model = apply_switchback(
+        CLIPModel(clip_config), SwitchBackConfig(target_modules=["fc1"], backend="torch")
+    )
+    row = SwitchBackConfig(weight_scaling="row", backend="torch")
+    apply_switchback(model, row)
+    assert swapped(model) == expected_names()
+    assert all(m.switchback_config is row for m in model.modules() if isinstance(m, SwitchBackLinear))
+
+
 def test_save_pretrained_loads_into_plain_clip_with_identical_tensors(clip_config, tmp_path):
     model = apply_switchback(CLIPModel(clip_config), TORCH)
     model.save_pretrained(tmp_path)

@@ -222,7 +222,7 @@ def test_act_backward_quantize_colsum(shape, dtype, qdtype, activation, want_act
 
 @pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
 def test_act_backward_impl_picks_rows_up_to_4096_wide(monkeypatch):
-    """ "auto" resolves per width (measured crossover, BENCHMARKS.md); a bad setting is refused by name."""
+    """ "auto" resolves per width (measured crossover, BENCHMARKS.md, GEMM kernels); a bad setting is refused by name."""
     from hf_switchback.kernels import quantize
 
     assert quantize.ACT_BACKWARD_IMPL == "auto"

@@ -81,7 +81,7 @@ class SwitchBackConfig:
     # Format of the grad-input GEMM operands (the output gradient and the transposed weight). "auto": fp8
     # (`fp8_grad_format`) on GPUs with fp8 tensor cores (compute capability >= 8.9: Ada, Hopper, Blackwell) and
     # whenever precision="fp8"; int8 elsewhere (Ampere, CPU). Why not int8 everywhere: row-wise int8 rounds every
-    # entry below absmax/254 of a gradient row to zero, fp8 keeps them. On the H100 parity run (BENCHMARKS.md)
+    # entry below absmax/254 of a gradient row to zero, fp8 keeps them. On the H100 parity runs (BENCHMARKS.md, Accuracy)
     # int8 gradients fell 15-32 pp behind bf16 in zero-shot in both runs; int8 forward + fp8 gradients came out
     # -0.5 +- 6.2 pp (SE) over 6 paired runs, -29.5..+14.6 (late plateau escapes in 2 of 8 int8 and 1 of 8 bf16
     # runs; parity at 0.5 pp not resolved), fp8 everywhere +1.9 +- 1.0 over 3.
@@ -97,7 +97,7 @@ class SwitchBackConfig:
     backend: str = "auto"
     # Batches with fewer rows (tokens) than this run the plain 16-bit matmul: at small sizes the quantize
     # passes and launches cost more than the 8-bit GEMM saves. None = automatic: 16384 for CUDA tensors
-    # under backend="auto" (measured on H100, BENCHMARKS.md), 0 elsewhere. 0 = always quantize.
+    # under backend="auto" (measured on H100, BENCHMARKS.md, MLP block), 0 elsewhere. 0 = always quantize.
     min_tokens: int | None = None
     # When fc1 and fc2 of a transformers CLIPMLP are both converted with this config, run the block
     # fc1 -> activation -> fc2 as one fused SwitchBack op (hf_switchback.mlp): the activation runs inside
@@ -106,7 +106,7 @@ class SwitchBackConfig:
     # activations: gelu (erf), the tanh approximations and quick_gelu; other blocks keep the separate layers.
     # Off by default: in a whole ViT-B/16 training step on the H100 under torch.compile the separate layers were
     # 13% faster (125 vs 143 ms/step; eager: fused 6% faster); the fused block saves ~20% activation memory
-    # (21.1 -> 16.8 GiB peak at batch 256). Turn it on when memory is the limit (BENCHMARKS.md, 2026-11-22).
+    # (21.1 -> 16.8 GiB peak at batch 256). Turn it on when memory is the limit (BENCHMARKS.md, Whole training step).
     fuse_mlp: bool = False
 
     def __post_init__(self) -> None:

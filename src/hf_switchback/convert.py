@@ -109,13 +109,27 @@ def apply_switchback(
 
     config defaults to SwitchBackConfig() (every q/k/v/out_proj, fc1, fc2 of a CLIP model; projections
     excluded). filter_fn(name, module) -> bool narrows the selection further. Parameters are reused, not
-    copied. Layers already swapped get the new config (no double wrapping).
+    copied.
+
+    Calling it again on a model that already has SwitchBack layers reconfigures: every swapped layer gets the
+    new config (no double wrapping), and newly selected linears are swapped too. The new selection must cover
+    every layer swapped before: a narrower one (fewer target_modules, more exclude_modules, a stricter
+    filter_fn) raises ValueError naming those layers and changes nothing, rather than leaving them on the old
+    config. To narrow, call remove_switchback(model) first, then apply_switchback with the new config.
     """
     config = config or SwitchBackConfig()
     if not isinstance(config, SwitchBackConfig):
         raise TypeError(f"apply_switchback: config must be a SwitchBackConfig, got {type(config).__name__}")
     check_backend(config.backend)
     targets = find_targets(model, config, filter_fn)
+    left_out = sorted(set(switchback_modules(model)) - set(targets))
+    if left_out:
+        shown = ", ".join(left_out[:4]) + (", ..." if len(left_out) > 4 else "")
+        raise ValueError(
+            f"apply_switchback: {len(left_out)} layers already use SwitchBack but this call does not select them "
+            f"({shown}), so they would keep their old config. Select them too, or call remove_switchback(model) "
+            "first and then apply_switchback with the narrower config."
+        )
 
     replacements = {}
     for name in targets:

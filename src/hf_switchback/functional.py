@@ -21,7 +21,7 @@ FP8_FORMATS = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 # min_tokens=None (automatic) with backend="auto" on CUDA: below this many rows (tokens) the 16-bit matmul is
 # used. At small M the 8-bit GEMMs cannot amortize the quantize passes and launches (measured on H100,
-# BENCHMARKS.md "Layer kernels"). An explicit config.min_tokens replaces it on any backend.
+# BENCHMARKS.md, MLP block). An explicit config.min_tokens replaces it on any backend.
 AUTO_MIN_TOKENS_CUDA = 16384
 # Backward computes the bias gradient inside the output-gradient quantize pass (kernels'
 # quantize_rowwise_colsum) instead of a separate column sum. False restores the two passes (benchmarks only).

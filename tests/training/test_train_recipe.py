@@ -13,6 +13,10 @@ import pytest
 import torch
 from train_helpers import SCRIPT, launch, read_results, tiny_config
 
+from hf_switchback.training.cli import build_parser, check_args
+from hf_switchback.training.optimizers import OPTIMIZER_CHOICES
+from hf_switchback.training.runtime import check_deepspeed
+
 # hidden 64: fc1/fc2 weights (8192 elements) and the token embedding (4096) reach bitsandbytes' min_8bit_size
 # (4096), so the 8-bit optimizers really keep 8-bit states for them — unless told to keep them 32-bit.
 HIDDEN = 64
@@ -56,13 +60,13 @@ def run(script, config_file, tmp_path, monkeypatch):
 
     def _run(*flags, output_dir=None):
         out = str(output_dir or tmp_path / "run")
-        parser = script.build_parser()
+        parser = build_parser()
         args = parser.parse_args(
             ["--model_config", config_file, "--max_train_steps", "3", "--batch_size", "8", "--num_workers", "0",
              "--synthetic_train_samples", "64", "--eval_steps", "0", "--max_eval_samples", "16",
              "--logging_steps", "1", "--output_dir", out, *flags]
         )  # fmt: skip
-        script.check_args(parser, args)
+        check_args(parser, args)
         AcceleratorState._reset_state(True)  # other tests' Accelerator(cpu=True) must not leak in
         try:
             results = script.training_function(args)
@@ -82,7 +86,7 @@ def _8bit(optimizer, name: str, model) -> bool:
     "optimizer", ["adamw", "stableadamw", "adamw8bit", "paged_adamw8bit", "stableadamw8bit"]
 )
 def test_every_optimizer_trains(run, script, optimizer):
-    assert optimizer in script.OPTIMIZER_CHOICES
+    assert optimizer in OPTIMIZER_CHOICES
     results, out, built = run("--optimizer", optimizer)
     assert results["train_steps"] == 3 and torch.isfinite(torch.tensor(results["train_loss"]))
     assert os.path.exists(os.path.join(out, "model.safetensors"))
@@ -94,7 +98,7 @@ def test_every_optimizer_trains(run, script, optimizer):
 
 
 def test_optimizer_choices_are_all_tested(script):
-    assert set(script.OPTIMIZER_CHOICES) == {
+    assert set(OPTIMIZER_CHOICES) == {
         "adamw",
         "stableadamw",
         "adamw8bit",
@@ -191,16 +195,16 @@ def test_spike_monitor_logs_rms_warns_and_plots(run, script, monkeypatch, caplog
     ],
 )
 def test_recipe_flags_are_checked(script, argv, message, capsys):
-    parser = script.build_parser()
+    parser = build_parser()
     with pytest.raises(SystemExit):
-        script.check_args(parser, parser.parse_args(argv))
+        check_args(parser, parser.parse_args(argv))
     assert message in capsys.readouterr().err
 
 
 def test_spike_monitor_is_refused_under_deepspeed(script):
-    args = script.build_parser().parse_args(["--spike_monitor"])
+    args = build_parser().parse_args(["--spike_monitor"])
     with pytest.raises(ValueError, match="DeepSpeed"):
-        script.check_deepspeed(None, args)
+        check_deepspeed(None, args)
 
 
 @pytest.mark.slow

@@ -20,18 +20,13 @@ from train_helpers import (
     write_tiny_model_config,
 )
 
-
-def load_script():
-    spec = importlib.util.spec_from_file_location("train_clip", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from hf_switchback.training import cli, runtime
 
 
 def test_help_lists_every_flag_with_help():
     proc = subprocess.run([sys.executable, SCRIPT, "--help"], env=clean_env(), capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
-    parser = load_script().build_parser()
+    parser = cli.build_parser()
     for action in parser._actions:
         for flag in action.option_strings:
             assert flag in proc.stdout, flag
@@ -66,10 +61,9 @@ def test_help_lists_every_flag_with_help():
     ],
 )
 def test_invalid_combinations_fail_at_start(argv, message, capsys):
-    module = load_script()
-    parser = module.build_parser()
+    parser = cli.build_parser()
     with pytest.raises(SystemExit) as exc:
-        module.check_args(parser, parser.parse_args(argv))
+        cli.check_args(parser, parser.parse_args(argv))
     assert exc.value.code == 2
     assert message in capsys.readouterr().err
 
@@ -79,20 +73,19 @@ def test_compile_mode_reaches_accelerate_and_picks_the_gemm(monkeypatch):
     there: the portable GEMM stays elsewhere, and without SwitchBack nothing is touched)."""
     from hf_switchback.kernels import matmul
 
-    module = load_script()
-    parser = module.build_parser()
-    assert module.dynamo_plugin(parser.parse_args([])) is None
-    plugin = module.dynamo_plugin(parser.parse_args(["--torch_compile"]))
+    parser = cli.build_parser()
+    assert runtime.dynamo_plugin(parser.parse_args([])) is None
+    plugin = runtime.dynamo_plugin(parser.parse_args(["--torch_compile"]))
     assert plugin.backend.value.lower() == "inductor" and plugin.mode == "default"
     monkeypatch.setattr(matmul, "USE_TMA", False)
     graphs = ["--torch_compile", "--compile_mode", "reduce-overhead"]
-    monkeypatch.setattr(module, "tma_gemm_available", lambda: False)
-    assert module.dynamo_plugin(parser.parse_args(graphs)).mode == "reduce-overhead"
+    monkeypatch.setattr(runtime, "tma_gemm_available", lambda: False)
+    assert runtime.dynamo_plugin(parser.parse_args(graphs)).mode == "reduce-overhead"
     assert matmul.USE_TMA is False
-    monkeypatch.setattr(module, "tma_gemm_available", lambda: True)
-    module.dynamo_plugin(parser.parse_args([*graphs, "--switchback", "off"]))
+    monkeypatch.setattr(runtime, "tma_gemm_available", lambda: True)
+    runtime.dynamo_plugin(parser.parse_args([*graphs, "--switchback", "off"]))
     assert matmul.USE_TMA is False
-    module.dynamo_plugin(parser.parse_args(graphs))
+    runtime.dynamo_plugin(parser.parse_args(graphs))
     assert matmul.USE_TMA is True
 
 
@@ -206,10 +199,9 @@ def test_speed_and_memory_flags_together(tmp_path):
 
 @pytest.mark.skipif(importlib.util.find_spec("wandb") is not None, reason="wandb is installed here")
 def test_missing_tracker_fails_at_start(capsys):
-    module = load_script()
-    parser = module.build_parser()
+    parser = cli.build_parser()
     with pytest.raises(SystemExit):
-        module.check_args(parser, parser.parse_args(["--report_to", "wandb"]))
+        cli.check_args(parser, parser.parse_args(["--report_to", "wandb"]))
     assert "pip install wandb" in capsys.readouterr().err
 
 

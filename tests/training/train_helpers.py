@@ -70,8 +70,9 @@ def write_tiny_model_config(path: str) -> str:
 
 
 def clean_env() -> dict:
-    """Subprocess env: offline, single-threaded BLAS/OMP (2 processes on 2 cores), this venv first on PATH."""
-    keep = ("PATH", "HOME", "LANG", "LC_ALL", "TMPDIR", "SYSTEMROOT", "USER")
+    """Subprocess env: offline, single-threaded BLAS/OMP (2 processes on 2 cores), this venv first on PATH (and
+    PYTHONPATH kept, so a checkout run with PYTHONPATH=src launches its own package)."""
+    keep = ("PATH", "PYTHONPATH", "HOME", "LANG", "LC_ALL", "TMPDIR", "SYSTEMROOT", "USER")
     env = {k: os.environ[k] for k in keep if k in os.environ}
     env.update(
         HF_HUB_OFFLINE="1",

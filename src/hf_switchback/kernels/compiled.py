@@ -12,7 +12,7 @@ One quantize stays ours too: the output gradient's (with the bias gradient's col
 written in 16 bits anyway (the grad-weight GEMM reads it), so fusing its quantize into the op that produced it
 saves nothing; Inductor's version re-read the producer's inputs instead (GELU backward: grad and h) in a
 slow persistent reduction: on the H100, a ViT-H/14 step spent 18.4 ms in it for the 32 fc1 gradients alone,
-vs 11.4 ms for all 192 gradient quantizes with our kernel (BENCHMARKS.md, fourth session). This covers the
+vs 11.4 ms for all 192 gradient quantizes with our kernel (BENCHMARKS.md, Whole training step). This covers the
 separate-linear path (the default); the fused MLP's (fuse_mlp=True) activation backward + quantize below is
 still Inductor's.
 

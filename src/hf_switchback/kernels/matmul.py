@@ -453,7 +453,7 @@ _tma_autotuned_kernel = triton.autotune(
 # portable kernel (1.50-1.63x over cuBLAS bf16 vs 1.37-1.53x), but its host-side setup (tensor descriptors,
 # per-config block shapes) made launch-bound training steps slower (ViT-B/16 int8 + compile 160 ms/step with it
 # vs 125-143 ms without). Under CUDA graphs (torch.compile mode="reduce-overhead") that setup is not replayed
-# and it wins: 102.6 vs 106.9 ms/step (BENCHMARKS.md, 2026-11-22). Set it here or with HF_SWITCHBACK_TMA=1.
+# and it wins: 102.6 vs 106.9 ms/step (BENCHMARKS.md, Whole training step). Set it here or with HF_SWITCHBACK_TMA=1.
 USE_TMA = _env_flag("HF_SWITCHBACK_TMA")
 
 
@@ -697,7 +697,7 @@ def _run_act_epilogue(a_q, b_q, gh, a_scale, b_scale, flags, extra) -> bool:
 
 # Run the activation backward in the grad-input GEMM's epilogue where the TMA kernel applies. Off: on the
 # H100 (triton 3.6) the tile config tuned for the plain GEMM of that shape ran out of shared memory with this
-# epilogue (262,176 > 232,448 bytes), and in its GPU tests (fourth session) it built for 16-bit h, never for
+# epilogue (262,176 > 232,448 bytes), and in its GPU tests it built for 16-bit h, never for
 # float32 h (now excluded). The next step is a tuning key / config pruning of its own.
 FUSE_ACT_EPILOGUE = False
 

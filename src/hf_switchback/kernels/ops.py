@@ -144,7 +144,7 @@ def _(a_q, b_q, a_scale, b_scale, bias, out_dtype):
 # The same GEMM for torch.compile (kernels/compiled.py): a triton_op lets Inductor trace into the function and
 # record the Triton launch (wrap_triton), so the compiled code launches the kernel itself. The opaque custom op
 # above costs a Python dispatch + wrapper + autotuner lookup on every call: on ViT-B/16 (288 GEMMs per step)
-# that left the GPU idle for ~26 of 139 ms per compiled step (BENCHMARKS.md, fourth session).
+# that left the GPU idle for ~26 of 139 ms per compiled step (BENCHMARKS.md, Whole training step).
 @torch.library.triton_op(f"{_LIB}::scaled_matmul_traced", mutates_args=())
 def _scaled_matmul_traced(
     a_q: torch.Tensor,

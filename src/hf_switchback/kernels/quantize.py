@@ -457,7 +457,7 @@ def _colsum_rows(m: int) -> int:
 # independent); "rows" = one pass with whole rows per program (reads less, but a row of 4d values must fit
 # in one program's registers, which limits occupancy). Both give bitwise the same q, scale. "auto" picks per
 # width: on the H100 "rows" wins at 4d = 3072 (50432 rows: 0.60 vs 0.84 ms; 16448: 0.21 vs 0.30) and loses at
-# 4d = 5120 (1.52 vs 1.38; 0.53 vs 0.47), BENCHMARKS.md "Fifth session".
+# 4d = 5120 (1.52 vs 1.38; 0.53 vs 0.47), BENCHMARKS.md, GEMM kernels.
 ACT_BACKWARD_IMPL = "auto"
 _ROWS_IMPL_MAX_K = 4096
 _BWD_TILE_M, _BWD_TILE_K = 32, 256
