@@ -28,16 +28,11 @@ from dataclasses import dataclass
 
 import torch
 
+from . import synthetic
+
 COLORS = {
-    # the pretraining colours (the default set's eight)
-    "red": (220, 40, 40),
-    "green": (40, 190, 60),
-    "blue": (50, 80, 230),
-    "yellow": (235, 220, 40),
-    "purple": (150, 60, 200),
-    "orange": (245, 140, 20),
-    "white": (245, 245, 245),
-    "cyan": (40, 220, 220),
+    # the pretraining colours: the default set's eight
+    **synthetic.COLORS,
     # the fine-tuning colours: new words, several close to a pretraining colour
     "pink": (250, 120, 190),
     "brown": (140, 85, 35),
@@ -49,16 +44,9 @@ COLORS = {
 SHAPES = ("circle", "square", "triangle", "cross", "diamond", "ring", "frame", "bar", "pillar", "saltire")
 # radius of the shape's bounding box as a fraction of the image side
 SIZES = {"tiny": 0.09, "small": 0.15, "large": 0.24}
+# the default set's nine positions, pulled 8% towards the centre so that large shapes stay inside the image
 POSITIONS = {
-    "at the top left": (0.27, 0.27),
-    "at the top": (0.5, 0.27),
-    "at the top right": (0.73, 0.27),
-    "on the left": (0.27, 0.5),
-    "in the center": (0.5, 0.5),
-    "on the right": (0.73, 0.5),
-    "at the bottom left": (0.27, 0.73),
-    "at the bottom": (0.5, 0.73),
-    "at the bottom right": (0.73, 0.73),
+    phrase: (0.5 + 0.92 * (x - 0.5), 0.5 + 0.92 * (y - 0.5)) for phrase, (x, y) in synthetic.POSITIONS.items()
 }
 PROMPT = "a {}"
 
