@@ -55,6 +55,7 @@ ARCHS = {
     "tiny": dict(hidden=32, layers=(1, 1), heads=2, mlp=64, image=16, patch=4),
     # CPU experiments: 16 px images, 16 patches, two layers of width 64 per tower
     "cpu": dict(hidden=64, layers=(2, 2), heads=2, mlp=256, image=16, patch=4),
+    "cpu-wide": dict(hidden=192, layers=(3, 2), heads=3, mlp=768, image=16, patch=4),
     "mini": dict(hidden=128, layers=(3, 2), heads=4, mlp=512, image=32, patch=4),
     # ~ViT-Ti/S-sized towers at 32 px: 6 + 4 layers of width 256 (4.7M + 3.2M encoder parameters)
     "small": dict(hidden=256, layers=(6, 4), heads=4, mlp=1024, image=32, patch=4),
@@ -216,6 +217,29 @@ def wave_steps(wave: list[dict], poll_s: float = 0.1) -> None:
     write_atomic(Path(spec["steps_file"]), steps)
 
 
+def layer_kind(name: str) -> str:
+    """'vision fc2', 'text q_proj', ... of a dotted CLIP module name."""
+    tower = "vision" if name.startswith("vision") else "text"
+    return f"{tower} {name.rsplit('.', 1)[-1]}"
+
+
+def layer_stats(sims: list) -> dict:
+    """Gradient statistics of one step: the mean over all simulated linears, and row-wise flush and
+    absmax / RMS per layer kind ("by_kind"), to see where the outliers are."""
+    per_layer = [(layer_kind(getattr(sim, "name", "")), s) for sim in sims for s in sim.record]
+    if not per_layer:
+        return {}
+    out = {k: sum(s[k] for _, s in per_layer) / len(per_layer) for k in per_layer[0][1]}
+    by_kind: dict[str, list] = {}
+    for kind, s in per_layer:
+        by_kind.setdefault(kind, []).append(s)
+    keys = [k for k in ("row/flushed", "row_absmax_over_rms_median") if k in per_layer[0][1]]
+    out["by_kind"] = {
+        kind: {k: sum(s[k] for s in group) / len(group) for k in keys} for kind, group in by_kind.items()
+    }
+    return out
+
+
 def train_one(spec: dict) -> dict:
     """Train one run as `spec` says; returns its record (losses, evals, timings, gradient statistics)."""
     import torch
@@ -293,11 +317,7 @@ def train_one(spec: dict) -> dict:
                 record["status"] = "diverged"
                 break
         if stats_step:
-            per_layer = [s for sim in sims for s in sim.record]
-            keys = per_layer[0].keys() if per_layer else []
-            record["grad_stats"].append(
-                dict(step=step, **{k: sum(s[k] for s in per_layer) / len(per_layer) for k in keys})
-            )
+            record["grad_stats"].append(dict(step=step, **layer_stats(sims)))
             for sim in sims:
                 sim.record = None
         if spec.get("eval_every") and step and step % spec["eval_every"] == 0:

@@ -158,6 +158,7 @@ def test_pretrain_save_finetune_round_trip(tmp_path):
     assert runs[0]["train"][0]["loss"] == pytest.approx(runs[1]["train"][0]["loss"], rel=2e-2)
     assert runs[1]["grad_stats"] and "block32/flushed" not in runs[1]["grad_stats"][0]
     assert "row/flushed" in runs[1]["grad_stats"][0]
+    assert set(runs[1]["grad_stats"][0]["by_kind"]) >= {"vision fc1", "text q_proj"}
 
 
 def test_apply_sim_switchback_swaps_the_switchback_targets():

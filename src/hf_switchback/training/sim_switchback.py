@@ -95,4 +95,6 @@ def apply_sim_switchback(model: nn.Module, grad_quantizer: str, config=None) -> 
         name: SimSwitchBackLinear.from_linear(model.get_submodule(name), grad_quantizer) for name in targets
     }
     _replace_submodules(model, replacements)
+    for name, module in replacements.items():
+        module.name = name  # gradient statistics are reported by layer kind
     return list(replacements.values())
