@@ -1,7 +1,7 @@
 """Accuracy parity that can resolve 0.5 pp: small CLIP models on the graded shapes task, many paired runs.
 
 Two protocols, both on `hf_switchback.training.graded_shapes` (batches generated on the device from
-(seed, step), so runs of one seed see identical batches and a dozen runs can share one GPU):
+(seed, step), so runs of one seed see identical batches and need no loader workers):
 
     finetune  pretrain once in bf16 on the PRETRAIN task (8 colours x 6 shapes) and save a normal HF
               checkpoint (CLIPModel.save_pretrained + tokenizer), or take one with --init_from DIR; then
@@ -20,9 +20,12 @@ Variants: bf16 (no SwitchBack), int8 (the library default: on Hopper/Ada fp8 out
 int8-int8grad (the paper's all-int8), and sim-<q>: all-int8 SwitchBack simulated in torch
 (`training.sim_switchback`) with output-gradient quantizer q (row, block128, row-sr, row-outlier8, ...).
 
-    # one H100: pretrain + 4 variants x 6 seeds fine-tuned, 12 runs at a time
-    PYTHONPATH=src python benchmarks/parity_graded.py --protocol finetune --out_dir $OUT/ft \\
-        --variants bf16 int8 fp8 int8-int8grad --seeds 0 1 2 3 4 5 --parallel 12 --time_budget_s 200
+    # one H100: pretrain once, then 4 variants x 5 seeds fine-tuned, one process per seed (its 4 variants one
+    # after another: small runs are host-bound, and each process pays its own CUDA context and Triton autotune;
+    # 12-20 processes of one run each on 16 CPU cores did not finish a single SwitchBack run)
+    PYTHONPATH=src python benchmarks/parity_graded.py --protocol finetune --arch small --batch_size 512 \
+        --eval_samples 5000 --variants bf16 int8 fp8 int8-int8grad --seeds 0 1 2 3 4 --parallel 5 \
+        --runs_per_process 4 --pretrain_steps auto --steps 150 --warmup 15 --lr 3e-4 --warm --out_dir $OUT/ft
     # re-summarize (and plot) saved results on any machine
     python benchmarks/parity_graded.py --merge ft/parity.json --out_dir docs/figures/parity_finetune
     # CPU smoke test
