@@ -186,8 +186,8 @@ ACT_BWD = {
 
 
 def fuse_tag(cfg: SwitchBackConfig) -> str:
-    """Name suffix of a variant whose fuse_mlp is not the default (False)."""
-    return " [fuse_mlp=True]" if cfg.fuse_mlp else ""
+    """Name suffix of a variant whose CLIP MLP runs fused (fuse_mlp, by default on with memory_efficient)."""
+    return " [fuse_mlp=True]" if cfg.fuses_mlp else ""
 
 
 # hidden_act -> the fused kernels' activation name
@@ -317,7 +317,8 @@ def run_case(
 
 
 def bench_gemms(d: int, tokens: int) -> None:
-    """Bare GEMMs of a block (operands already quantized): ours with and without the TMA kernel vs cuBLAS bf16."""
+    """Bare GEMMs of a block (operands already quantized): ours with and without the TMA kernel, and fp8 on
+    cuBLAS (_scaled_mm), vs cuBLAS bf16."""
     for name, n, k in (("d->4d", 4 * d, d), ("4d->d", d, 4 * d)):
         a16 = torch.randn(tokens, k, device="cuda", dtype=torch.bfloat16)
         w16 = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
@@ -329,15 +330,18 @@ def bench_gemms(d: int, tokens: int) -> None:
         for qdtype in (torch.int8, torch.float8_e4m3fn):
             a_q, a_s = ops.quantize_rowwise(a16, qdtype)
             w_q, w_s = ops.quantize_tensorwise(w16, qdtype)
-            for tma in (False, True):
-                options = KernelOptions(use_tma=tma)
+            # fp8: our Triton kernels (portable, TMA), then cuBLAS's row-wise _scaled_mm (kernels/cublas.py)
+            paths = [("portable", False, "triton"), ("tma", True, "triton")]
+            if qdtype != torch.int8:
+                paths.append(("cublas", False, "cublas"))
+            for tag, tma, fp8_gemm in paths:
+                options = KernelOptions(use_tma=tma, fp8_gemm=fp8_gemm)
                 ms = do_bench(
                     lambda a_q=a_q, w_q=w_q, a_s=a_s, w_s=w_s, bias=bias, options=options: ops.scaled_matmul(
                         a_q, w_q, a_s, w_s, bias, torch.bfloat16, options=options
                     ),
                     rep=100,
                 )
-                tag = "tma" if tma else "portable"
                 cells.append(f"{str(qdtype).split('.')[-1]} {tag} {ms:.3f} ms ({base / ms:.2f}x)")
         print(f"| gemm {name} d={d} M={tokens} | " + " | ".join(cells) + " |", flush=True)
 

@@ -118,6 +118,45 @@ def test_memory_efficient_saves_int8_input_not_16bit():
     assert mem == 512 * 256 * 1 + 512 * 4  # int8 X + one float32 scale per row
 
 
+def test_linears_sharing_an_input_quantize_it_once_and_save_one_8bit_copy(monkeypatch):
+    """q, k and v of an attention layer get the same tensor: one quantize pass, one int8 copy saved; the
+    results equal three independent calls; an in-place change of the input between calls is seen."""
+    cfg = VARIANTS["int8/tensor/mem"]
+    layers = [SwitchBackLinear(64, 64, config=cfg) for _ in range(3)]
+    x = torch.randn(40, 64, requires_grad=True)
+    storages = {}
+
+    def pack(t):
+        if not isinstance(t, nn.Parameter):
+            storages[t.untyped_storage().data_ptr()] = (t.dtype, t.untyped_storage().nbytes())
+        return t
+
+    spy = KernelSpy.install(monkeypatch)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        outs = [layer(x) for layer in layers]
+    int8_saved = [nbytes for dtype, nbytes in storages.values() if dtype == torch.int8]
+    assert int8_saved == [40 * 64], storages
+    assert spy.names().count("quantize_rowwise") == 1, spy.names()
+    sum(o.sum() for o in outs).backward()
+    shared_grad = x.grad.clone()
+    # each layer alone (a fresh input object each time: nothing to share)
+    x.grad = None
+    for layer, out in zip(layers, outs, strict=True):
+        alone = layer(x.detach().clone().requires_grad_(True))
+        assert torch.equal(alone, out)
+    separate = torch.zeros_like(x)
+    for layer in layers:
+        xi = x.detach().clone().requires_grad_(True)
+        layer(xi).sum().backward()
+        separate += xi.grad
+    torch.testing.assert_close(shared_grad, separate)
+    # an in-place change between two calls on the same tensor is quantized again
+    y = torch.randn(40, 64)
+    layers[0](y)
+    y.mul_(2)
+    assert torch.equal(layers[0](y), layers[0](y.clone()))
+
+
 def test_wrong_feature_size_gives_nn_linear_error():
     plain, sb = make_pair(VARIANTS["int8/tensor"], 16, 8, torch.float32)
     x = torch.randn(3, 15)

@@ -60,7 +60,7 @@ def test_kernel_options_stay_out_of_config_json_and_of_config_equality():
 def test_every_kernel_set_takes_the_options_with_the_reference_signatures():
     """The KernelSet protocol, the reference set and (where triton imports) the Triton sets agree on names
     and parameters, `options` included."""
-    assert len(backends.KERNEL_FUNCTIONS) == 10
+    assert len(backends.KERNEL_FUNCTIONS) == 11
     sets = [reference]
     if HAS_TRITON:
         from hf_switchback.kernels import compiled, ops

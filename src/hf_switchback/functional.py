@@ -10,6 +10,8 @@ The kernels come from `kernels.backends.get_kernels`, so this file holds no arit
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 import torch.nn.functional as F
 
@@ -68,15 +70,58 @@ def quantize_weight(
     return kernels.quantize_rowwise(weight, qdtype, options=options)
 
 
+# The last quantized layer input, for the next call with the same input tensor: q, k and v of an attention
+# layer receive one tensor, so in eager mode it is quantized once and one 8-bit copy is saved for all three
+# (torch.compile merges the three quantizes itself). "entry": (weak reference to the caller's input tensor,
+# its version counter then, key, slot); the slot list holds [x_q, x_scale] once computed. The entry goes when
+# that tensor is freed, so the cache keeps nothing alive past its input.
+_SHARED_INPUT: dict = {}
+
+
+def _drop_shared(ref) -> None:
+    entry = _SHARED_INPUT.get("entry")
+    if entry is not None and entry[0] is ref:
+        del _SHARED_INPUT["entry"]
+
+
+def _shared_input_slot(x: torch.Tensor, key: tuple) -> list | None:
+    """The slot for quantizing `x` (the caller's tensor) under `key`: [x_q, x_scale] when an earlier call filled
+    it, [] to fill, None where no sharing applies (while compiling; inference tensors have no version)."""
+    if torch.compiler.is_compiling() or x.is_inference():
+        return None
+    entry = _SHARED_INPUT.get("entry")
+    if entry is not None and entry[0]() is x and entry[1] == x._version and entry[2] == key:
+        return entry[3]
+    slot: list = []
+    _SHARED_INPUT["entry"] = (weakref.ref(x, _drop_shared), x._version, key, slot)
+    return slot
+
+
 class _SwitchBackLinearFn(torch.autograd.Function):
-    """2-D core. x (M, K) and out (M, N) share a float dtype; weight (N, K) and bias (N,) any float dtype."""
+    """2-D core. x (M, K) and out (M, N) share a float dtype; weight (N, K) and bias (N,) any float dtype.
+    `shared`: None, or a slot of _shared_input_slot holding (or to hold) x's 8-bit form."""
 
     @staticmethod
     def forward(
-        ctx, x, weight, bias, weight_scaling, memory_efficient, fwd_qdtype, grad_qdtype, backend, options
+        ctx,
+        x,
+        weight,
+        bias,
+        weight_scaling,
+        memory_efficient,
+        fwd_qdtype,
+        grad_qdtype,
+        backend,
+        options,
+        shared=None,
     ):
         kernels = get_kernels(backend, x.device, options)
-        x_q, x_scale = kernels.quantize_rowwise(x, fwd_qdtype, options=options)
+        if shared:
+            x_q, x_scale = shared
+        else:
+            x_q, x_scale = kernels.quantize_rowwise(x, fwd_qdtype, options=options)
+            if shared is not None:
+                shared[:] = [x_q, x_scale]
         w_q, w_scale = quantize_weight(kernels, weight, weight_scaling, fwd_qdtype, options)
         out = kernels.scaled_matmul(x_q, w_q, x_scale, w_scale, bias, x.dtype, options=options)
 
@@ -132,16 +177,19 @@ class _SwitchBackLinearFn(torch.autograd.Function):
                 g_colsum = grad_out.sum(dim=0, dtype=torch.float32)
             grad_b = g_colsum.to(bias_dtype)
 
-        return grad_x, grad_w, grad_b, None, None, None, None, None, None
+        return grad_x, grad_w, grad_b, None, None, None, None, None, None, None
 
 
 class _SwitchBackMLPFn(torch.autograd.Function):
     """fc1 -> act -> fc2 as one node. x (M, d); w1 (4d, d), b1; w2 (d, 4d), b2; out (M, d) in x's dtype.
 
     Forward: the activation runs inside fc2's input quantize (h read once, act(h) never written).
-    Saved: x (or its 8-bit form when memory_efficient) and h = fc1's output. Not act(h): backward recomputes
-    it inside the activation-backward pass, which reads h anyway, so it costs a write there instead of one
-    in forward (same bytes) and saves a (M, 4d) 16-bit tensor for the whole time between forward and backward.
+    Saved: x and h = fc1's output. Not act(h): backward recomputes it inside the activation-backward pass,
+    which reads h anyway, so it costs a write there instead of one in forward (same bytes) and saves a (M, 4d)
+    16-bit tensor for the whole time between forward and backward.
+    memory_efficient: only x's 8-bit form (+ row scales) is saved; backward recomputes h from it with fc1's
+    8-bit GEMM, the same operands as forward, so h is bit-identical (no numerics cost beyond dW1 from the 8-bit
+    x): one more (M, d) x (d, 4d) 8-bit GEMM per block in exchange for the block's largest saved tensor.
     Backward: act' runs inside the quantize + column sum of fc1's output gradient.
     """
 
@@ -158,7 +206,8 @@ class _SwitchBackMLPFn(torch.autograd.Function):
         w2_q, w2_scale = quantize_weight(kernels, w2, weight_scaling, fq, options)
         out = kernels.scaled_matmul(a_q, w2_q, a_scale, w2_scale, b2, x.dtype, options=options)
         if memory_efficient:
-            ctx.save_for_backward(x_q, x_scale, h, w1, w2)
+            del h  # recomputed in backward from x_q (see the class docstring)
+            ctx.save_for_backward(x_q, x_scale, w1, b1, w2)
         else:
             ctx.save_for_backward(x, h, w1, w2)
         ctx.config = (
@@ -179,15 +228,18 @@ class _SwitchBackMLPFn(torch.autograd.Function):
         activation, weight_scaling, memory_efficient, gq, backend, options, x_dtype, b1_dtype, b2_dtype = (
             ctx.config
         )
+        kernels = get_kernels(backend, grad_out.device, options)
         if memory_efficient:
-            x_q, x_scale, h, w1, w2 = ctx.saved_tensors
+            x_q, x_scale, w1, b1, w2 = ctx.saved_tensors
+            w1_q, w1_scale = quantize_weight(kernels, w1, weight_scaling, x_q.dtype, options)
+            h = kernels.scaled_matmul_recompute(x_q, w1_q, x_scale, w1_scale, b1, x_dtype, options=options)
+            del w1_q
         else:
             x, h, w1, w2 = ctx.saved_tensors
         need_x, need_w1, need_b1, need_w2, need_b2 = ctx.needs_input_grad[:5]
         need_b1 = need_b1 and b1_dtype is not None
         need_b2 = need_b2 and b2_dtype is not None
         need_fc1 = need_x or need_w1 or need_b1
-        kernels = get_kernels(backend, grad_out.device, options)
         g = grad_out.contiguous()
         grad_x = grad_w1 = grad_b1 = grad_w2 = grad_b2 = None
         wt_quantize = (
@@ -288,6 +340,7 @@ def switchback_linear(
         return out.reshape(*leading, weight.shape[0])
 
     fwd_qdtype, grad_qdtype = quantized_dtypes(config, x2d.device)
+    shared = _shared_input_slot(x, (fwd_qdtype, config.backend, x2d.dtype, x2d.shape))
     with torch.autocast(device_type, enabled=False):
         out = _SwitchBackLinearFn.apply(
             x2d.contiguous(),
@@ -299,6 +352,7 @@ def switchback_linear(
             grad_qdtype,
             config.backend,
             config.kernel_options,
+            shared,
         )
     return out.reshape(*leading, weight.shape[0])
 

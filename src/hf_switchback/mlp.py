@@ -1,7 +1,7 @@
 """Fused SwitchBack MLP: a CLIP block fc1 -> activation -> fc2 run as one op (functional.switchback_mlp).
 
 When apply_switchback converts both linears of a transformers `CLIPMLP` with one config (and
-`config.fuse_mlp`, off by default), the block's class is swapped for a generated subclass whose forward calls
+`config.fuses_mlp`: fuse_mlp, or by default memory_efficient), the block's class is swapped for a generated subclass whose forward calls
 `switchback_mlp` — the same technique `fully_shard` uses. Nothing else changes: the module is still an
 instance of CLIPMLP, fc1 / fc2 are the same SwitchBackLinear modules holding the same Parameters, so
 state_dict keys, FSDP2's parameter records and PEFT-style target names are untouched, and
@@ -73,7 +73,7 @@ def _qualifies(module: nn.Module) -> str | None:
         return None
     cfg = fc1.switchback_config
     # Config equality leaves kernel_options out (same numerics): a fused block runs with fc1's.
-    if not cfg.fuse_mlp or fc2.switchback_config != cfg:
+    if not cfg.fuses_mlp or fc2.switchback_config != cfg:
         return None
     return activation_kind(module.activation_fn)
 
@@ -85,7 +85,7 @@ def _fused_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
     if (
         cfg is None
         or not isinstance(fc2, SwitchBackLinear)
-        or not cfg.fuse_mlp
+        or not cfg.fuses_mlp
         or not (fc2.switchback_config is cfg or fc2.switchback_config == cfg)
         or type(self.activation_fn) is not act_type
         # Inference mode (prepare_for_inference) serves no-grad forwards from the layers' weight caches.

@@ -4,7 +4,8 @@ A kernel set is a module with the functions of `KernelSet` below (the signatures
 each with a keyword `options`, the caller's KernelOptions). The Triton set lives in `kernels/ops.py` and is
 imported lazily, so nothing on the CPU path ever imports triton. While torch.compile traces, CUDA tensors get
 `kernels/compiled.py` instead (unless options.fuse_quantize_under_compile is off): the reference quantize ops
-(for Inductor to fuse) with the Triton GEMM.
+(for Inductor to fuse) with the Triton GEMM. fp8 GEMMs that cuBLAS runs faster go to `kernels/cublas.py`
+(options.fp8_gemm).
 """
 
 from __future__ import annotations
@@ -65,6 +66,18 @@ class KernelSet(Protocol):
     ) -> torch.Tensor: ...
 
     def scaled_matmul(
+        self,
+        a_q: torch.Tensor,
+        b_q: torch.Tensor,
+        a_scale: torch.Tensor,
+        b_scale: torch.Tensor,
+        bias: torch.Tensor | None,
+        out_dtype: torch.dtype,
+        *,
+        options: KernelOptions | None = None,
+    ) -> torch.Tensor: ...
+
+    def scaled_matmul_recompute(
         self,
         a_q: torch.Tensor,
         b_q: torch.Tensor,

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import torch
 
-from . import reference
+from . import cublas, reference
 from .ops import dequantize_rowwise
 from .options import KernelOptions, resolve
 from .quantize import colsum_in_one_pass
@@ -65,11 +65,33 @@ def scaled_matmul(
     options: KernelOptions | None = None,
 ) -> torch.Tensor:
     """The 8-bit GEMM of kernels/ops.py, launched from Inductor's generated code (see the module docstring);
-    the opaque custom op when options.trace_gemm is off or options.use_tma is on."""
+    the opaque custom op when options.trace_gemm is off or options.use_tma is on. fp8 GEMMs that
+    options.fp8_gemm sends to cuBLAS stay `aten._scaled_mm` in the graph (kernels/cublas.py)."""
     options = resolve(options)
+    if cublas.use_cublas(a_q, b_q, out_dtype, options.fp8_gemm):
+        return cublas.scaled_matmul(a_q, b_q, a_scale, b_scale, bias, out_dtype)
     if options.trace_gemm and not options.use_tma:
         return torch.ops.hf_switchback.scaled_matmul_traced(a_q, b_q, a_scale, b_scale, bias, out_dtype)
     return torch.ops.hf_switchback.scaled_matmul(a_q, b_q, a_scale, b_scale, bias, out_dtype, options.use_tma)
+
+
+def scaled_matmul_recompute(
+    a_q: torch.Tensor,
+    b_q: torch.Tensor,
+    a_scale: torch.Tensor,
+    b_scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    out_dtype: torch.dtype,
+    *,
+    options: KernelOptions | None = None,
+) -> torch.Tensor:
+    """scaled_matmul for backward's recompute of a forward GEMM (the fused MLP's h under memory_efficient), as
+    the opaque custom op: a different op from forward's, so the joint graph's common-subexpression pass cannot
+    merge the two into one node whose output would then be saved for backward after all."""
+    options = resolve(options)
+    return torch.ops.hf_switchback.scaled_matmul(
+        a_q, b_q, a_scale, b_scale, bias, out_dtype, options.use_tma, options.fp8_gemm
+    )
 
 
 def scaled_matmul_act_backward(
@@ -101,4 +123,5 @@ __all__ = [
     "quantize_tensorwise_transposed",
     "scaled_matmul",
     "scaled_matmul_act_backward",
+    "scaled_matmul_recompute",
 ]

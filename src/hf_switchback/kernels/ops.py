@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from . import cublas as _cublas
 from . import matmul as _matmul
 from . import quantize as _quantize
 from .options import KernelOptions, resolve
@@ -134,12 +135,15 @@ def _scaled_matmul(
     bias: torch.Tensor | None,
     out_dtype: torch.dtype,
     use_tma: bool,
+    fp8_gemm: str = "auto",
 ) -> torch.Tensor:
+    if _cublas.use_cublas(a_q, b_q, out_dtype, fp8_gemm):
+        return _cublas.scaled_matmul(a_q, b_q, a_scale, b_scale, bias, out_dtype)
     return _matmul.scaled_matmul(a_q, b_q, a_scale, b_scale, bias, out_dtype, use_tma=use_tma)
 
 
 @_scaled_matmul.register_fake
-def _(a_q, b_q, a_scale, b_scale, bias, out_dtype, use_tma):
+def _(a_q, b_q, a_scale, b_scale, bias, out_dtype, use_tma, fp8_gemm="auto"):
     if a_q.dtype != b_q.dtype:
         raise TypeError(f"scaled_matmul: operands must share a dtype, got {a_q.dtype} and {b_q.dtype}")
     return a_q.new_empty((a_q.shape[0], b_q.shape[0]), dtype=out_dtype)
@@ -301,11 +305,19 @@ def scaled_matmul(
     *,
     options: KernelOptions | None = None,
 ) -> torch.Tensor:
-    """(M, K) @ (N, K).T 8-bit GEMM, dequantized by a_scale (M,) x b_scale (N,) or (), + bias -> (M, N) out_dtype."""
+    """(M, K) @ (N, K).T 8-bit GEMM, dequantized by a_scale (M,) x b_scale (N,) or (), + bias -> (M, N) out_dtype.
+
+    fp8 GEMMs that options.fp8_gemm sends to cuBLAS run torch._scaled_mm (kernels/cublas.py)."""
     options = resolve(options)
+    if _cublas.use_cublas(a_q, b_q, out_dtype, options.fp8_gemm):
+        return _cublas.scaled_matmul(a_q, b_q, a_scale, b_scale, bias, out_dtype)
     if _direct(options):
         return _matmul.scaled_matmul(a_q, b_q, a_scale, b_scale, bias, out_dtype, use_tma=options.use_tma)
     return torch.ops.hf_switchback.scaled_matmul(a_q, b_q, a_scale, b_scale, bias, out_dtype, options.use_tma)
+
+
+# Backward's recompute of a forward GEMM (the fused MLP's h under memory_efficient): in eager the same GEMM.
+scaled_matmul_recompute = scaled_matmul
 
 
 def scaled_matmul_act_backward(
@@ -344,4 +356,5 @@ __all__ = [
     "quantize_tensorwise_transposed",
     "scaled_matmul",
     "scaled_matmul_act_backward",
+    "scaled_matmul_recompute",
 ]

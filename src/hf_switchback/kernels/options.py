@@ -20,6 +20,9 @@ from dataclasses import dataclass
 from typing import Any
 
 ACT_BACKWARD_IMPLS = ("auto", "tiles", "rows")
+FP8_GEMMS = ("auto", "triton", "cublas")
+# Seeds the default of KernelOptions.fp8_gemm; an explicit fp8_gemm= always wins.
+FP8_GEMM_ENV = "HF_SWITCHBACK_FP8_GEMM"
 # Seeds the default of KernelOptions.use_tma ("0" or "1"); an explicit use_tma= always wins.
 TMA_ENV = "HF_SWITCHBACK_TMA"
 
@@ -29,6 +32,13 @@ def _tma_default() -> bool:
     if value not in ("0", "1"):
         raise ValueError(f"environment variable {TMA_ENV} must be 0 or 1, got {value!r}")
     return value == "1"
+
+
+def _fp8_gemm_default() -> str:
+    value = os.environ.get(FP8_GEMM_ENV, "auto")
+    if value not in FP8_GEMMS:
+        raise ValueError(f"environment variable {FP8_GEMM_ENV} must be one of {FP8_GEMMS}, got {value!r}")
+    return value
 
 
 @dataclass(frozen=True)
@@ -65,15 +75,21 @@ class KernelOptions:
     # training steps slower; under CUDA graphs (torch.compile mode="reduce-overhead") that setup is not
     # replayed and it wins (BENCHMARKS.md, GEMM kernels and Whole training step). The default comes from HF_SWITCHBACK_TMA (0 / 1).
     use_tma: bool = dataclasses.field(default_factory=_tma_default)
+    # fp8 GEMMs (fp8 forward, fp8 grad-input) on cuBLAS's row-wise torch._scaled_mm (kernels/cublas.py) or on
+    # our Triton kernels. "auto": cuBLAS on Hopper (sm90), where it was measured faster at every CLIP GEMM
+    # shape (1.48-1.59x over cuBLAS bf16 vs our fp8 1.41-1.48x at d=1280, 65,536 tokens; BENCHMARKS.md, GEMM
+    # kernels), Triton elsewhere (sm89 unmeasured; sm80 has no fp8). "cublas": wherever torch._scaled_mm
+    # runs (sm89+). Operands cuBLAS does not take (e5m2 x e5m2, K or N not a multiple of 16) stay on Triton.
+    # The default comes from HF_SWITCHBACK_FP8_GEMM.
+    fp8_gemm: str = dataclasses.field(default_factory=_fp8_gemm_default)
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
-            if f.name == "act_backward_impl":
-                if value not in ACT_BACKWARD_IMPLS:
-                    raise ValueError(
-                        f"KernelOptions.act_backward_impl must be one of {ACT_BACKWARD_IMPLS}, got {value!r}"
-                    )
+            choices = {"act_backward_impl": ACT_BACKWARD_IMPLS, "fp8_gemm": FP8_GEMMS}.get(f.name)
+            if choices is not None:
+                if value not in choices:
+                    raise ValueError(f"KernelOptions.{f.name} must be one of {choices}, got {value!r}")
             elif not isinstance(value, bool):
                 raise TypeError(f"KernelOptions.{f.name} must be a bool, got {type(value).__name__}")
 
@@ -86,4 +102,4 @@ def resolve(options: KernelOptions | None) -> KernelOptions:
     return KernelOptions() if options is None else options
 
 
-__all__ = ["ACT_BACKWARD_IMPLS", "TMA_ENV", "KernelOptions", "resolve"]
+__all__ = ["ACT_BACKWARD_IMPLS", "FP8_GEMMS", "FP8_GEMM_ENV", "TMA_ENV", "KernelOptions", "resolve"]

@@ -170,6 +170,21 @@ def act_backward_quantize_colsum(
     return (grad_h, act, *quantize_rowwise_colsum(grad_h, qdtype))
 
 
+def scaled_matmul_recompute(
+    a_q: torch.Tensor,
+    b_q: torch.Tensor,
+    a_scale: torch.Tensor,
+    b_scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    out_dtype: torch.dtype,
+    *,
+    options: KernelOptions | None = None,
+) -> torch.Tensor:
+    """scaled_matmul, called by backward to recompute a forward GEMM's output (the kernel set used under
+    torch.compile makes it a separate op; see kernels/compiled.py)."""
+    return scaled_matmul(a_q, b_q, a_scale, b_scale, bias, out_dtype, options=options)
+
+
 def scaled_matmul_act_backward(
     a_q: torch.Tensor,
     b_q: torch.Tensor,
@@ -244,4 +259,5 @@ __all__ = [
     "quantize_tensorwise_transposed",
     "scaled_matmul",
     "scaled_matmul_act_backward",
+    "scaled_matmul_recompute",
 ]
