@@ -129,7 +129,9 @@ def test_two_models_with_different_kernel_options_train_on_the_gpu(monkeypatch):
     x = torch.randn(2048, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     grads = {}
     for use_tma in (True, False, True):
-        cfg = SwitchBackConfig(backend="triton", min_tokens=0, kernel_options=KernelOptions(use_tma=use_tma))
+        # fp8_gemm="triton": every GEMM on our kernels (on Hopper "auto" sends the fp8 gradient GEMMs to cuBLAS)
+        options = KernelOptions(use_tma=use_tma, fp8_gemm="triton")
+        cfg = SwitchBackConfig(backend="triton", min_tokens=0, kernel_options=options)
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(256, 512), nn.GELU(), nn.Linear(512, 256))
         model = nn.Sequential(
