@@ -75,7 +75,10 @@ def test_traced_gemm_under_compile_matches_eager_gemm(m, qdtype, with_bias):
     a_q, a_s = ops.quantize_rowwise(a, qdtype)
     b_q, b_s = ops.quantize_rowwise(b, qdtype)
     bias = torch.randn(768, device="cuda", dtype=torch.bfloat16) if with_bias else None
-    eager = ops.scaled_matmul(a_q, b_q, a_s, b_s, bias, torch.bfloat16)
+    # our eager Triton launcher (fp8_gemm="triton": on Hopper "auto" would send fp8 to cuBLAS, another kernel)
+    eager = ops.scaled_matmul(
+        a_q, b_q, a_s, b_s, bias, torch.bfloat16, options=KernelOptions(fp8_gemm="triton")
+    )
     torch._dynamo.reset()
     traced = torch.compile(
         lambda *args: torch.ops.hf_switchback.scaled_matmul_traced(*args, torch.bfloat16), fullgraph=True

@@ -126,10 +126,12 @@ def test_two_models_with_different_kernel_options_train_on_the_gpu(monkeypatch):
     tma_calls = []
     run_tma = matmul._run_tma
     monkeypatch.setattr(matmul, "_run_tma", lambda *a: tma_calls.append(a[0].shape) or run_tma(*a))
-    x = torch.randn(2048, 256, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(2048, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     grads = {}
     for use_tma in (True, False, True):
-        cfg = SwitchBackConfig(backend="triton", min_tokens=0, kernel_options=KernelOptions(use_tma=use_tma))
+        # fp8_gemm="triton": every GEMM on our kernels (on Hopper "auto" sends the fp8 gradient GEMMs to cuBLAS)
+        options = KernelOptions(use_tma=use_tma, fp8_gemm="triton")
+        cfg = SwitchBackConfig(backend="triton", min_tokens=0, kernel_options=options)
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(256, 512), nn.GELU(), nn.Linear(512, 256))
         model = nn.Sequential(
@@ -139,7 +141,9 @@ def test_two_models_with_different_kernel_options_train_on_the_gpu(monkeypatch):
         tma_calls.clear()
         model(x).float().pow(2).mean().backward()
         hopper = torch.cuda.get_device_capability()[0] == 9
-        assert (len(tma_calls) == 4) == (use_tma and hopper), (use_tma, tma_calls)  # 2 forward + 2 grad-input
-        grads[use_tma] = [p.grad.float() for p in model.parameters()]
+        # 2 forward + 2 grad-input GEMMs, all with M = 2048 rows: TMA-eligible on Hopper
+        assert len(tma_calls) == (4 if use_tma and hopper else 0), (use_tma, tma_calls)
+        grads[use_tma] = [x.grad.float()] + [p.grad.float() for p in model.parameters()]
+        x.grad = None
     for a, b in zip(grads[True], grads[False], strict=True):
         assert ((a - b).pow(2).mean() / b.pow(2).mean()).item() < 1e-3

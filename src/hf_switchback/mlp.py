@@ -72,6 +72,7 @@ def _qualifies(module: nn.Module) -> str | None:
     if not (isinstance(fc1, SwitchBackLinear) and isinstance(fc2, SwitchBackLinear)):
         return None
     cfg = fc1.switchback_config
+    # Config equality leaves kernel_options out (same numerics): a fused block runs with fc1's.
     if not cfg.fuses_mlp or fc2.switchback_config != cfg:
         return None
     return activation_kind(module.activation_fn)
