@@ -100,6 +100,29 @@ def test_shapes_fit_and_policy():
         cublas.scaled_matmul(a_q[:, :40], b_q[:, :40], torch.ones(8), torch.ones(32), None, torch.bfloat16)
 
 
+@pytest.mark.parametrize("path", ["ops-opaque", "compiled-tma"])
+def test_the_opaque_gemm_op_keeps_the_fp8_gemm_choice(monkeypatch, path):
+    """fp8_gemm="triton" must reach the custom op too: left at its "auto" default, the op would send the GEMM
+    to cuBLAS on Hopper (the opaque op runs under compile with use_tma, and in eager with direct_eager off)."""
+    from hf_switchback.kernels import compiled, ops
+
+    policies = []
+    monkeypatch.setattr(
+        cublas, "use_cublas", lambda a_q, b_q, out_dtype, policy: policies.append(policy) and False
+    )
+    monkeypatch.setattr(
+        ops._matmul, "scaled_matmul", lambda a_q, b_q, *args, **kw: a_q.new_zeros(a_q.shape[0], b_q.shape[0])
+    )
+    a_q, b_q, a_scale, b_scale = operands(8, 32, 32)
+    if path == "ops-opaque":
+        options = KernelOptions(fp8_gemm="triton", direct_eager=False)
+        ops.scaled_matmul(a_q, b_q, a_scale, b_scale, None, torch.bfloat16, options=options)
+    else:
+        options = KernelOptions(fp8_gemm="triton", use_tma=True)
+        compiled.scaled_matmul(a_q, b_q, a_scale, b_scale, None, torch.bfloat16, options=options)
+    assert policies == ["triton", "triton"]  # the wrapper's choice, then the op's
+
+
 def test_fp8_gemm_option():
     assert KernelOptions().fp8_gemm == "auto"
     with pytest.raises(ValueError, match="fp8_gemm"):

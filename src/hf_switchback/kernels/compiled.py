@@ -72,7 +72,9 @@ def scaled_matmul(
         return cublas.scaled_matmul(a_q, b_q, a_scale, b_scale, bias, out_dtype)
     if options.trace_gemm and not options.use_tma:
         return torch.ops.hf_switchback.scaled_matmul_traced(a_q, b_q, a_scale, b_scale, bias, out_dtype)
-    return torch.ops.hf_switchback.scaled_matmul(a_q, b_q, a_scale, b_scale, bias, out_dtype, options.use_tma)
+    return torch.ops.hf_switchback.scaled_matmul(
+        a_q, b_q, a_scale, b_scale, bias, out_dtype, options.use_tma, options.fp8_gemm
+    )
 
 
 def scaled_matmul_recompute(

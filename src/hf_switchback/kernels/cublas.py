@@ -32,6 +32,7 @@ _PAIRS = {
     (torch.float8_e4m3fn, torch.float8_e5m2),
     (torch.float8_e5m2, torch.float8_e4m3fn),
 }
+MIXED_FP8_PAIRS = {pair for pair in _PAIRS if pair[0] != pair[1]}
 ALIGN = 16  # cuBLAS fp8: leading dimensions multiples of 16 elements (16 bytes)
 
 

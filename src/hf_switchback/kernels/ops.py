@@ -144,7 +144,8 @@ def _scaled_matmul(
 
 @_scaled_matmul.register_fake
 def _(a_q, b_q, a_scale, b_scale, bias, out_dtype, use_tma, fp8_gemm="auto"):
-    if a_q.dtype != b_q.dtype:
+    # mixed fp8 formats (e4m3 x e5m2 grads) only where the real op sends them to cuBLAS
+    if a_q.dtype != b_q.dtype and (a_q.dtype, b_q.dtype) not in _cublas.MIXED_FP8_PAIRS:
         raise TypeError(f"scaled_matmul: operands must share a dtype, got {a_q.dtype} and {b_q.dtype}")
     return a_q.new_empty((a_q.shape[0], b_q.shape[0]), dtype=out_dtype)
 
@@ -313,7 +314,9 @@ def scaled_matmul(
         return _cublas.scaled_matmul(a_q, b_q, a_scale, b_scale, bias, out_dtype)
     if _direct(options):
         return _matmul.scaled_matmul(a_q, b_q, a_scale, b_scale, bias, out_dtype, use_tma=options.use_tma)
-    return torch.ops.hf_switchback.scaled_matmul(a_q, b_q, a_scale, b_scale, bias, out_dtype, options.use_tma)
+    return torch.ops.hf_switchback.scaled_matmul(
+        a_q, b_q, a_scale, b_scale, bias, out_dtype, options.use_tma, options.fp8_gemm
+    )
 
 
 # Backward's recompute of a forward GEMM (the fused MLP's h under memory_efficient): in eager the same GEMM.
