@@ -127,7 +127,7 @@ class SwitchBackConfig:
     # 16 bits, and (through fuse_mlp's default) run each CLIP MLP fused, recomputing its fc1 output in
     # backward. Numerics: grad-weight is computed from the dequantized 8-bit input (8-bit-accurate dW);
     # forward and grad-input are unchanged. On the H100 under torch.compile a ViT-H/14 vision layer saves
-    # 17.1 x d bytes per token instead of bf16's 34.1 x d, and ViT-H/14 at batch 192 fits without
+    # 17.1 x d bytes per token instead of bf16's 34.1 x d (fp8; int8 the same once fc1's output is recomputed), and ViT-H/14 at batch 192 fits without
     # recompute (56.5 GiB), where bf16 + compile needs checkpointing or an activation budget
     # (BENCHMARKS.md, Memory).
     memory_efficient: bool = False
@@ -142,8 +142,9 @@ class SwitchBackConfig:
     # whenever precision="fp8"; int8 elsewhere (Ampere, CPU). Why not int8 everywhere: row-wise int8 rounds every
     # entry below absmax/254 of a gradient row to zero, fp8 keeps them. On the H100 parity runs (BENCHMARKS.md, Accuracy)
     # int8 gradients fell 15-32 pp behind bf16 in zero-shot in both runs; int8 forward + fp8 gradients came out
-    # -0.5 +- 6.2 pp (SE) over 6 paired runs, -29.5..+14.6 (late plateau escapes in 2 of 8 int8 and 1 of 8 bf16
-    # runs; parity at 0.5 pp not resolved), fp8 everywhere +1.9 +- 1.0 over 3.
+    # +5.0 +- 4.8 pp (SE) over the 3 pairs of the 1000-step protocol (95% interval -15.7..+25.6), -0.5 +- 6.2
+    # over all 6 pairs of both protocols, range -29.5..+14.6 (late plateau escapes in 2 of 8 int8 and 1 of 8
+    # bf16 runs; parity at 0.5 pp not resolved); fp8 everywhere +1.9 +- 1.0 over 3.
     # "int8" forces the paper's all-int8 SwitchBack.
     grad_precision: str = "auto"
     # Which linears to swap. str: regex full match on the dotted module name, refused when it could backtrack
