@@ -6,7 +6,7 @@
 Cases: a single linear d->4d ("fc1"), 4d->d ("fc2"), and the CLIP MLP block fc1 -> GELU -> fc2 ("block":
 transformers' CLIPMLP, hidden_act from --act; SwitchBack rows run three separate ops, the default; --mlp-ab adds
 "[fuse_mlp=True]" rows, marked "[fused mlp]" when the block really ran as one fused op; --tma-ab adds "[tma]"
-rows on the Hopper TMA GEMM), at
+rows on the Hopper TMA GEMM; each A/B row is the same layers with one KernelOptions field changed), at
 `tokens` rows of bf16 input. Each variant runs forward + backward (input gradient included, as inside a
 network); the time is the median of triton's do_bench. Columns:
 - ms, x bf16: time and speed-up over eager bf16 nn.Linear of the same case (> 1 is faster);
@@ -31,11 +31,9 @@ import torch
 from torch import nn
 from triton.testing import do_bench
 
-from hf_switchback import SwitchBackConfig, apply_switchback, functional
+from hf_switchback import KernelOptions, SwitchBackConfig, apply_switchback
 from hf_switchback.functional import AUTO_MIN_TOKENS_CUDA, quantized_dtypes
-from hf_switchback.kernels import matmul as kmatmul
 from hf_switchback.kernels import ops
-from hf_switchback.kernels import quantize as kquantize
 from hf_switchback.mlp import is_fused_mlp
 from hf_switchback.modules import SwitchBackLinear
 
@@ -129,8 +127,7 @@ def quant_ms(case: str, d: int, tokens: int, cfg: SwitchBackConfig, fused_act: s
     """The quantize kernels of one fwd+bwd of the case, each timed alone, summed.
 
     fused_act (a fused MLP block): its kernels instead, whose activation-fused passes also do the
-    activation's forward and backward (the unfused rows run those as separate torch ops, not counted);
-    with the activation backward in the GEMM epilogue, only the per-row quantize after it is counted."""
+    activation's forward and backward (the unfused rows run those as separate torch ops, not counted)."""
     qf, qg = quantized_dtypes(cfg, torch.device("cuda"))
     if fused_act is not None:
         return fused_quant_ms(d, tokens, cfg, fused_act)
@@ -167,12 +164,8 @@ def fused_quant_ms(d: int, tokens: int, cfg: SwitchBackConfig, act: str) -> floa
     total = do_bench(lambda: ops.quantize_rowwise(x, qf), rep=20)
     total += do_bench(lambda: ops.act_quantize_rowwise(h, qf, act), rep=20)
     total += do_bench(lambda: ops.quantize_rowwise_colsum(g, qg), rep=20)
-    if kmatmul.FUSE_ACT_EPILOGUE:
-        # The activation backward runs inside the grad-input GEMM; what remains is the per-row quantize.
-        absmax = gh.float().abs().amax(dim=1)
-        total += do_bench(lambda: kquantize.quantize_rowwise_known_absmax(gh, absmax, qg), rep=20)
-    else:
-        total += do_bench(lambda: ops.act_backward_quantize_colsum(gh, h, qg, act, True), rep=20)
+    options = cfg.kernel_options
+    total += do_bench(lambda: ops.act_backward_quantize_colsum(gh, h, qg, act, True, options=options), rep=20)
     total += 2 * do_bench(lambda: wq(w, qf), rep=20) + 2 * do_bench(lambda: wtq(w, qg), rep=20)
     if cfg.memory_efficient:
         xq, xs = ops.quantize_rowwise(x, qf)
@@ -180,19 +173,21 @@ def fused_quant_ms(d: int, tokens: int, cfg: SwitchBackConfig, act: str) -> floa
     return total
 
 
+# A/B rows: the same layers with one KernelOptions field changed (tag in the row name -> options).
 UNFUSED = " [unfused bias grad]"
 WITH_TMA = " [tma]"
-# The fused block's activation backward: in fc2's grad-input GEMM epilogue (default, Hopper TMA kernel), or
-# as a separate pass after it: 2-D tiles, or whole rows per program (kernels.quantize.ACT_BACKWARD_IMPL).
-ACT_BWD = {" [act-bwd epilogue]": "epilogue", " [act-bwd tiles]": "tiles", " [act-bwd rows]": "rows"}
-DEFAULT_ACT_EPILOGUE = kmatmul.FUSE_ACT_EPILOGUE
-DEFAULT_TMA = kmatmul.USE_TMA
-DEFAULT_ACT_BACKWARD = kquantize.ACT_BACKWARD_IMPL
+UNFUSED_OPTIONS = KernelOptions(fused_bias_grad=False)
+TMA_OPTIONS = KernelOptions(use_tma=True)
+# The fused block's activation backward after fc2's grad-input GEMM: 2-D tiles, or whole rows per program.
+ACT_BWD = {
+    " [act-bwd tiles]": KernelOptions(act_backward_impl="tiles"),
+    " [act-bwd rows]": KernelOptions(act_backward_impl="rows"),
+}
 
 
 def fuse_tag(cfg: SwitchBackConfig) -> str:
-    """Name suffix of a variant whose fuse_mlp is not the default (False)."""
-    return " [fuse_mlp=True]" if cfg.fuse_mlp else ""
+    """Name suffix of a variant whose CLIP MLP runs fused (fuse_mlp, by default on with memory_efficient)."""
+    return " [fuse_mlp=True]" if cfg.fuses_mlp else ""
 
 
 # hidden_act -> the fused kernels' activation name
@@ -216,15 +211,17 @@ def variants(
                 out.append((f"switchback {cfg.variant}", lambda m, cfg=cfg: switchback(m, cfg), False))
     if bwd_ab:
         for precision in ("int8", "fp8"):
-            for tag in ACT_BWD:
-                cfg = SwitchBackConfig(precision=precision, fuse_mlp=True)
+            for tag, options in ACT_BWD.items():
+                cfg = SwitchBackConfig(precision=precision, fuse_mlp=True, kernel_options=options)
                 tag = fuse_tag(cfg) + tag
                 out.append((f"switchback {cfg.variant}{tag}", lambda m, cfg=cfg: switchback(m, cfg), False))
     if tma_ab:
-        # The persistent TMA GEMM on Hopper (kernels.matmul.USE_TMA = True; the portable kernel is the default).
+        # The persistent TMA GEMM on Hopper (KernelOptions(use_tma=True); the portable kernel is the default).
         for precision in ("int8", "fp8"):
             for fuse, mem in ((False, False), (True, False), (False, True), (True, True)):
-                cfg = SwitchBackConfig(precision=precision, fuse_mlp=fuse, memory_efficient=mem)
+                cfg = SwitchBackConfig(
+                    precision=precision, fuse_mlp=fuse, memory_efficient=mem, kernel_options=TMA_OPTIONS
+                )
                 tag = fuse_tag(cfg)
                 out.append(
                     (f"switchback {cfg.variant}{tag}{WITH_TMA}", lambda m, cfg=cfg: switchback(m, cfg), False)
@@ -240,9 +237,11 @@ def variants(
                     name = f"switchback {cfg.variant}{fuse_tag(cfg)}"
                     out.append((name, lambda m, cfg=cfg: switchback(m, cfg), False))
     if bias_grad_ab:
-        # Same layers with the bias gradient as a separate column-sum pass (functional.FUSED_BIAS_GRAD=False).
+        # Same layers with the bias gradient as a separate column-sum pass (KernelOptions(fused_bias_grad=False)).
         for precision, scaling in (("int8", "tensor"), ("int8", "row"), ("fp8", "row")):
-            cfg = SwitchBackConfig(precision=precision, weight_scaling=scaling)
+            cfg = SwitchBackConfig(
+                precision=precision, weight_scaling=scaling, kernel_options=UNFUSED_OPTIONS
+            )
             out.append((f"switchback {cfg.variant}{UNFUSED}", lambda m, cfg=cfg: switchback(m, cfg), False))
     if include_compile:
         out.append(("bf16 nn.Linear + compile", lambda m: m, True))
@@ -293,13 +292,6 @@ def run_case(
         if only and name != "bf16 nn.Linear" and not selected:
             continue
         row = Row(label, name)
-        functional.FUSED_BIAS_GRAD = not name.endswith(UNFUSED)
-        bwd_impl = next((impl for tag, impl in ACT_BWD.items() if name.endswith(tag)), None)
-        kmatmul.USE_TMA = (
-            name.endswith(WITH_TMA) or bwd_impl == "epilogue"
-        )  # the epilogue is in the TMA kernel
-        kmatmul.FUSE_ACT_EPILOGUE = DEFAULT_ACT_EPILOGUE if bwd_impl is None else bwd_impl == "epilogue"
-        kquantize.ACT_BACKWARD_IMPL = bwd_impl if bwd_impl in ("tiles", "rows") else DEFAULT_ACT_BACKWARD
         try:
             model = make(copy.deepcopy(ref))
             run_model = torch.compile(model) if compiled else model
@@ -317,10 +309,6 @@ def run_case(
             base_ms = row.ms
         if row.ms is not None and base_ms:
             row.ratio = base_ms / row.ms
-        functional.FUSED_BIAS_GRAD = True
-        kmatmul.USE_TMA = DEFAULT_TMA
-        kquantize.ACT_BACKWARD_IMPL = DEFAULT_ACT_BACKWARD
-        kmatmul.FUSE_ACT_EPILOGUE = DEFAULT_ACT_EPILOGUE
         rows.append(row)
         print(format_row(row), flush=True)
         torch._dynamo.reset()
@@ -329,7 +317,8 @@ def run_case(
 
 
 def bench_gemms(d: int, tokens: int) -> None:
-    """Bare GEMMs of a block (operands already quantized): ours with and without the TMA kernel vs cuBLAS bf16."""
+    """Bare GEMMs of a block (operands already quantized): ours with and without the TMA kernel, and fp8 on
+    cuBLAS (_scaled_mm), vs cuBLAS bf16."""
     for name, n, k in (("d->4d", 4 * d, d), ("4d->d", d, 4 * d)):
         a16 = torch.randn(tokens, k, device="cuda", dtype=torch.bfloat16)
         w16 = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
@@ -341,17 +330,19 @@ def bench_gemms(d: int, tokens: int) -> None:
         for qdtype in (torch.int8, torch.float8_e4m3fn):
             a_q, a_s = ops.quantize_rowwise(a16, qdtype)
             w_q, w_s = ops.quantize_tensorwise(w16, qdtype)
-            for tma in (False, True):
-                kmatmul.USE_TMA = tma
+            # fp8: our Triton kernels (portable, TMA), then cuBLAS's row-wise _scaled_mm (kernels/cublas.py)
+            paths = [("portable", False, "triton"), ("tma", True, "triton")]
+            if qdtype != torch.int8:
+                paths.append(("cublas", False, "cublas"))
+            for tag, tma, fp8_gemm in paths:
+                options = KernelOptions(use_tma=tma, fp8_gemm=fp8_gemm)
                 ms = do_bench(
-                    lambda a_q=a_q, w_q=w_q, a_s=a_s, w_s=w_s, bias=bias: ops.scaled_matmul(
-                        a_q, w_q, a_s, w_s, bias, torch.bfloat16
+                    lambda a_q=a_q, w_q=w_q, a_s=a_s, w_s=w_s, bias=bias, options=options: ops.scaled_matmul(
+                        a_q, w_q, a_s, w_s, bias, torch.bfloat16, options=options
                     ),
                     rep=100,
                 )
-                tag = "tma" if tma else "portable"
                 cells.append(f"{str(qdtype).split('.')[-1]} {tag} {ms:.3f} ms ({base / ms:.2f}x)")
-        kmatmul.USE_TMA = DEFAULT_TMA
         print(f"| gemm {name} d={d} M={tokens} | " + " | ".join(cells) + " |", flush=True)
 
 
@@ -368,9 +359,8 @@ def bench_row_kernels(d: int, tokens: int, act: str) -> None:
     }
     for impl in ("tiles", "rows"):
 
-        def bwd(impl=impl):
-            kquantize.ACT_BACKWARD_IMPL = impl
-            return ops.act_backward_quantize_colsum(g, h, torch.int8, act, True)
+        def bwd(options=KernelOptions(act_backward_impl=impl)):  # noqa: B008 (bound per loop)
+            return ops.act_backward_quantize_colsum(g, h, torch.int8, act, True, options=options)
 
         timings[f"act_backward_quantize_colsum ({impl})"] = bwd
     # The output-gradient quantize + column sum at both widths of a block (d: q/k/v/out_proj, fc2; 4d: fc1).
@@ -380,7 +370,6 @@ def bench_row_kernels(d: int, tokens: int, act: str) -> None:
             grad, torch.int8
         )
     cells = [f"{name} {do_bench(fn, rep=50):.3f} ms" for name, fn in timings.items()]
-    kquantize.ACT_BACKWARD_IMPL = DEFAULT_ACT_BACKWARD
     print(f"| row kernels ({tokens}, {4 * d}) bf16 | " + " | ".join(cells) + " |", flush=True)
 
 
@@ -422,7 +411,7 @@ def main() -> None:
     parser.add_argument(
         "--tma-ab",
         action="store_true",
-        help="add variants on the Hopper TMA GEMM (kernels.matmul.USE_TMA=True; the portable one is the default)",
+        help="add variants on the Hopper TMA GEMM (KernelOptions(use_tma=True); the portable one is the default)",
     )
     parser.add_argument("--gemm", action="store_true", help="also time the bare GEMMs of each d x tokens")
     parser.add_argument(

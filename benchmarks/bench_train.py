@@ -23,7 +23,9 @@ Variants:
   int8-fused             fuse_mlp=True: each CLIP MLP as one fused SwitchBack op (less activation memory).
   int8-triton            backend="triton": every swapped linear quantizes, whatever its token count. Shows what
                          the floor is worth; at ViT-B/16 batch 256 both towers are above it, so it equals int8.
-  int8-row-memeff        row-wise weight scales and the 8-bit saved input (SwitchBack's memory-saving mode).
+  int8-row-memeff        row-wise weight scales and the memory switch (memory_efficient=True: 8-bit saved
+                         inputs, each MLP fused). int8-memeff / fp8-memeff: the switch alone (-unfused: separate
+                         MLP layers); benchmarks/bench_memory.py measures what it buys.
   int8-mlp / fp8-mlp     only the MLP linears (fc1, fc2) 8-bit; attention projections stay bf16.
   int8-attn              only the attention projections (q/k/v/out_proj) 8-bit: with int8-mlp, shows which
                          linears pay for their quantize passes.
@@ -84,6 +86,14 @@ SWITCHBACK_VARIANTS = {
     "int8-attn": dict(target_modules=("q_proj", "k_proj", "v_proj", "out_proj")),
     "fp8": dict(precision="fp8"),
     "fp8-mlp": dict(precision="fp8", target_modules=("fc1", "fc2")),
+    # the memory switch as users get it: 8-bit saved inputs, each MLP fused (fuse_mlp follows memory_efficient);
+    # -fused names it explicitly (the same config), -unfused keeps separate MLP layers (the A/B)
+    "int8-memeff": dict(memory_efficient=True),
+    "int8-memeff-fused": dict(memory_efficient=True, fuse_mlp=True),
+    "int8-memeff-unfused": dict(memory_efficient=True, fuse_mlp=False),
+    "fp8-memeff": dict(precision="fp8", memory_efficient=True),
+    "fp8-memeff-fused": dict(precision="fp8", memory_efficient=True, fuse_mlp=True),
+    "fp8-memeff-unfused": dict(precision="fp8", memory_efficient=True, fuse_mlp=False),
 }
 BASES = ("bf16", *SWITCHBACK_VARIANTS, "torchao-float8-tensorwise")
 BASES += ("torchao-float8-rowwise", "torchao-float8-rowwise_with_gw_hp")
@@ -108,13 +118,33 @@ def clip_config(name: str, tiny: bool = False):
     return config
 
 
+def kernel_options(args: argparse.Namespace):
+    """The KernelOptions of the A/B flags (each flag flips one field from its default)."""
+    from hf_switchback import KernelOptions
+
+    flag = lambda name: getattr(args, name, False)  # noqa: E731
+    return KernelOptions(
+        direct_eager=not flag("custom_op_eager"),
+        fuse_quantize_under_compile=not flag("triton_quantize_under_compile"),
+        trace_gemm=not flag("opaque_gemm_under_compile"),
+        triton_grad_quantize=not flag("inductor_grad_quantize"),
+        **({"use_tma": True} if flag("tma") else {}),
+    )
+
+
 def build_model(
-    config, variant: str, grad_ckpt: bool, compile_mode: str, device: str, inductor_mode: str = "default"
+    config,
+    variant: str,
+    grad_ckpt: bool,
+    compile_mode: str,
+    device: str,
+    inductor_mode: str = "default",
+    kernel_options=None,
 ):
     """The CLIPModel / SiglipModel of one table row, converted and (for +compile) compiled, in training mode."""
     from transformers import CLIPModel, SiglipModel
 
-    from hf_switchback import SwitchBackConfig, apply_switchback
+    from hf_switchback import KernelOptions, SwitchBackConfig, apply_switchback
 
     with torch.device(device):  # init on the GPU: ViT-H/14's random init on the CPU takes tens of seconds
         model = (SiglipModel if config.model_type == "siglip" else CLIPModel)(config)
@@ -123,7 +153,8 @@ def build_model(
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     base = variant.removesuffix("+compile")
     if base in SWITCHBACK_VARIANTS:
-        apply_switchback(model, SwitchBackConfig(**SWITCHBACK_VARIANTS[base]))
+        options = kernel_options or KernelOptions()
+        apply_switchback(model, SwitchBackConfig(**SWITCHBACK_VARIANTS[base], kernel_options=options))
     elif base.startswith("torchao-float8-"):
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
@@ -148,6 +179,30 @@ def build_model(
     return model
 
 
+def training_step(model, config, batch: int, device: str):
+    """(forward, finish) of one training step on random data: forward() -> loss (bf16 autocast, the model's own
+    contrastive or sigmoid loss); finish(loss) runs backward and a fused AdamW step, and returns the loss. Split in two so a caller can
+    look at the memory the forward leaves saved for backward (benchmarks/bench_memory.py)."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device == "cuda")
+    side = config.vision_config.image_size
+    text_tokens = min(TEXT_TOKENS, config.text_config.max_position_embeddings)
+    ids = torch.randint(4, config.text_config.vocab_size, (batch, text_tokens), device=device)
+    ids[:, -1] = config.text_config.eos_token_id  # CLIP pools at the first eos token, SigLIP at the last
+    pixels = torch.randn(batch, 3, side, side, device=device)
+
+    def forward() -> torch.Tensor:
+        with torch.autocast(device, dtype=torch.bfloat16):
+            return model(input_ids=ids, pixel_values=pixels, return_loss=True).loss
+
+    def finish(loss: torch.Tensor) -> torch.Tensor:
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss
+
+    return forward, finish
+
+
 def synchronize(device: str) -> None:
     if device == "cuda":
         torch.cuda.synchronize()
@@ -161,22 +216,18 @@ def time_training(
     config = clip_config(name, tiny=args.tiny)
     batch = args.batch or (TINY_BATCH if args.tiny else MODELS[name]["batch"])
     model = build_model(
-        config, variant, grad_ckpt, args.compile, device, getattr(args, "compile_mode", "default")
+        config,
+        variant,
+        grad_ckpt,
+        args.compile,
+        device,
+        getattr(args, "compile_mode", "default"),
+        kernel_options(args),
     )
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device == "cuda")
-    side = config.vision_config.image_size
-    text_tokens = min(TEXT_TOKENS, config.text_config.max_position_embeddings)
-    ids = torch.randint(4, config.text_config.vocab_size, (batch, text_tokens), device=device)
-    ids[:, -1] = config.text_config.eos_token_id  # CLIP pools at the first eos token, SigLIP at the last
-    pixels = torch.randn(batch, 3, side, side, device=device)
+    forward, finish = training_step(model, config, batch, device)
 
     def step() -> torch.Tensor:
-        with torch.autocast(device, dtype=torch.bfloat16):
-            loss = model(input_ids=ids, pixel_values=pixels, return_loss=True).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        return loss
+        return finish(forward())
 
     t0 = time.perf_counter()
     loss = step()
@@ -449,20 +500,6 @@ def main() -> None:
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("bench_train.py needs a CUDA GPU (or --device cpu --tiny for a smoke test)")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    if args.tma:
-        from hf_switchback.kernels import matmul
-
-        matmul.USE_TMA = True
-    if args.opaque_gemm_under_compile or args.inductor_grad_quantize:
-        from hf_switchback.kernels import compiled
-
-        compiled.TRACE_GEMM = not args.opaque_gemm_under_compile
-        compiled.TRITON_GRAD_QUANTIZE = not args.inductor_grad_quantize
-    if args.custom_op_eager or args.triton_quantize_under_compile:
-        from hf_switchback.kernels import backends, ops
-
-        ops.DIRECT_EAGER = not args.custom_op_eager
-        backends.FUSE_QUANTIZE_UNDER_COMPILE = not args.triton_quantize_under_compile
     run(args)
 
 

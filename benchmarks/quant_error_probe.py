@@ -106,11 +106,11 @@ class RecordingKernels:
         fn, rec = getattr(self._kernels, name), self._recorder
         if name in QUANTIZE_KERNELS:
 
-            def quantize(x, qdtype, *args):
+            def quantize(x, qdtype, *args, **kwargs):
                 if rec.stochastic and name == "quantize_rowwise_colsum" and qdtype == torch.int8:
                     out = (*stochastic_int8_rowwise(x), x.sum(dim=0, dtype=torch.float32))
                 else:
-                    out = fn(x, qdtype, *args)
+                    out = fn(x, qdtype, *args, **kwargs)
                 source = x.t() if name.endswith("_transposed") else x
                 rec.record(f"{name}:{str(qdtype).removeprefix('torch.')}", source, out[0], out[1])
                 return out
@@ -118,16 +118,16 @@ class RecordingKernels:
             return quantize
         if name == "act_quantize_rowwise":
 
-            def act_quantize(h, qdtype, activation):
-                out = fn(h, qdtype, activation)
+            def act_quantize(h, qdtype, activation, **kwargs):
+                out = fn(h, qdtype, activation, **kwargs)
                 rec.record(name, apply_activation(h, activation), *out)
                 return out
 
             return act_quantize
         if name == "scaled_matmul_act_backward":
 
-            def matmul_act_backward(*args):
-                out = fn(*args)
+            def matmul_act_backward(*args, **kwargs):
+                out = fn(*args, **kwargs)
                 if rec.stochastic and args[5] == torch.int8:
                     out = (out[0], out[1], *stochastic_int8_rowwise(out[0]), out[4])
                 rec.record("gradh_quantize", out[0], out[2], out[3])
@@ -149,7 +149,7 @@ def main() -> None:
     args = parser.parse_args()
     recorder = Recorder(args.out, args.every, args.stochastic_int8_grads)
     get_kernels = functional.get_kernels
-    functional.get_kernels = lambda backend, device: RecordingKernels(get_kernels(backend, device), recorder)
+    functional.get_kernels = lambda *args: RecordingKernels(get_kernels(*args), recorder)
     register_optimizer_step_post_hook(recorder.after_step)
     sys.argv = [args.script, *[a for a in args.script_args if a != "--"]]
     runpy.run_path(args.script, run_name="__main__")

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from transformers import CLIPConfig, CLIPModel
 
-from hf_switchback.training.optimizers import create_optimizer, unstable_parameters
+from hf_switchback.training.optim import create_optimizer, unstable_parameters
 from hf_switchback.training.spike_monitor import SpikeMonitor
 from hf_switchback.training.synthetic import SyntheticShapes, vocabulary
 from hf_switchback.training.tokenizer import build_word_tokenizer

@@ -49,8 +49,10 @@ from __future__ import annotations
 import json
 import logging
 import os
+import sys
 import time
 import weakref
+from functools import partial
 
 import torch
 from accelerate import Accelerator
@@ -61,14 +63,25 @@ from hf_switchback import apply_switchback
 from hf_switchback.training import data as data_lib
 from hf_switchback.training.checkpoints import (
     append_log,
+    check_fingerprint,
+    clear_previous_run,
     load_train_state,
     reset_log,
     resolve_checkpoint,
+    run_fingerprint,
     save_checkpoint,
+    write_results,
 )
 from hf_switchback.training.cli import build_parser, check_args
 from hf_switchback.training.console import console, setup_logging
 from hf_switchback.training.evaluation import evaluate
+from hf_switchback.training.guard import (
+    NonFiniteError,
+    NonFiniteGuard,
+    check_finite_before_save,
+    check_mixed_precision,
+    guarded_step,
+)
 from hf_switchback.training.layer_scale import add_layer_scale, fold_layer_scale, fold_layer_scale_state_dict
 from hf_switchback.training.losses import ClipLoss
 from hf_switchback.training.metrics import (
@@ -79,11 +92,15 @@ from hf_switchback.training.metrics import (
     sum_over_ranks,
 )
 from hf_switchback.training.model_setup import load_model_and_processor, lock_towers, switchback_config
-from hf_switchback.training.optim import cosine_with_warmup, param_groups
-from hf_switchback.training.optimizers import create_optimizer, unstable_parameters
+from hf_switchback.training.optim import (
+    cosine_with_warmup,
+    create_optimizer,
+    param_groups,
+    unstable_parameters,
+)
 from hf_switchback.training.patch_dropout import add_patch_dropout
 from hf_switchback.training.reporting import push_model, tracker_config
-from hf_switchback.training.runtime import check_deepspeed, dynamo_plugin
+from hf_switchback.training.runtime import check_deepspeed, dynamo_plugin, process_group_kwargs
 from hf_switchback.training.siglip_loss import SigLipLoss
 from hf_switchback.training.sources import load_eval_set, load_train_source, micro_batch_stream
 from hf_switchback.training.spike_monitor import SpikeMonitor, default_group_name
@@ -111,6 +128,7 @@ def training_function(args):
         # our scheduler counts optimizer steps, not steps x processes
         step_scheduler_with_optimizer=False,
         dynamo_plugin=dynamo_plugin(args),
+        kwargs_handlers=[process_group_kwargs(args.ddp_timeout)],
     )
     setup_logging(accelerator.is_main_process)  # through tqdm.write: log lines never land on the progress bar
     if (
@@ -121,9 +139,13 @@ def training_function(args):
         logger.warning("FSDP config on the CPU: accelerate runs this as plain DDP (gloo), not FSDP2")
     if accelerator.distributed_type == DistributedType.DEEPSPEED:
         check_deepspeed(accelerator, args)  # before anything is loaded: it can refuse the run
+    check_mixed_precision(accelerator)
     set_seed(args.seed)
     os.makedirs(args.output_dir, exist_ok=True)
     accelerator.print(f"output directory: {os.path.abspath(args.output_dir)}")
+    if args.overwrite_output_dir and not args.resume_from_checkpoint and accelerator.is_main_process:
+        clear_previous_run(args.output_dir)  # its checkpoints must not become this run's `latest`
+    accelerator.wait_for_everyone()
 
     # Model + SwitchBack
     clip, processor = load_model_and_processor(args)
@@ -157,6 +179,7 @@ def training_function(args):
         rank=accelerator.process_index,
         world_size=accelerator.num_processes,
         shuffle_buffer=args.shuffle_buffer,
+        max_image_pixels=args.max_image_pixels or None,
     )
     collate = data_lib.Collate(tokenizer, max_text_length)
     eval_set, classnames, templates = load_eval_set(args, train_source)
@@ -167,6 +190,7 @@ def training_function(args):
         steps_per_epoch = max(1, per_rank // (args.batch_size * args.accum_freq))
         args.max_train_steps = args.num_train_epochs * steps_per_epoch
     warmup = args.warmup_steps if args.warmup_steps is not None else max(1, args.max_train_steps // 20)
+    fingerprint = run_fingerprint(args, clip.config.to_dict(), accelerator.num_processes)
 
     # What accelerate wraps: forward returns (image features, text features, exp(logit_scale)), OpenCLIP-style.
     # logit_scale becomes shape (1,) (FSDP2 and ZeRO-3 shard along dim 0; 0-d is refused), on every backend so
@@ -202,9 +226,10 @@ def training_function(args):
 
     # Resume: weights, optimizer, scheduler, RNG from save_state; step and data position from our json.
     state = {"step": 0, "epoch": 0, "batch_in_epoch": 0, "loss_sum": 0.0, "num_skipped": 0}
-    checkpoint = resolve_checkpoint(args)
+    checkpoint = resolve_checkpoint(args, accelerator)
     if checkpoint:
         accelerator.print(f"resuming from {checkpoint}")
+        check_fingerprint(checkpoint, fingerprint, args.allow_resume_mismatch)
         accelerator.load_state(checkpoint)
         state = load_train_state(checkpoint, accelerator.process_index)
     elif args.resume_from_checkpoint:
@@ -251,6 +276,7 @@ def training_function(args):
         reset_log(log_path, keep_until=state["step"])  # fresh run: empty; resumed: up to the checkpoint
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats(accelerator.device)
+    guard = NonFiniteGuard(args.max_nonfinite_steps)
     while state["step"] < args.max_train_steps:
         t0 = time.perf_counter()
         micro_batches = []
@@ -264,14 +290,22 @@ def training_function(args):
         if args.compile_mode == "reduce-overhead":
             torch.compiler.cudagraph_mark_step_begin()  # the last step's graph outputs are no longer read
         loss = contrastive_backward(model, loss_fn, micro_batches, accelerator)
-        grad_norm = None
-        if args.grad_clip_norm and args.grad_clip_norm > 0:
-            grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.grad_clip_norm)
-        optimizer.step()
-        # reads this step's gradients and updated second moments: after step(), before zero_grad()
-        spike_metrics = monitor.update(state["step"] + 1, loss.item()) if monitor else {}
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
+        # A NaN/inf loss or gradient norm: no update at all (training/guard.py); the step is not counted. The
+        # spike monitor reads the step's gradients and new second moments: after step(), before zero_grad().
+        read_monitor = partial(monitor.update, state["step"] + 1, loss) if monitor else None
+        applied, grad_norm, spike_metrics = guarded_step(
+            accelerator,
+            model,
+            optimizer,
+            scheduler,
+            loss,
+            guard,
+            state["step"] + 1,
+            args.grad_clip_norm,
+            read_monitor,
+        )
+        if not applied:
+            continue
         clamp_logit_scale(clip)
 
         state["step"] += 1
@@ -296,8 +330,8 @@ def training_function(args):
                 "train/epoch": state["epoch"],
                 "train/skipped_samples": sum_over_ranks(accelerator, state["num_skipped"]),
             }
-            if grad_norm is not None:
-                logs["train/grad_norm"] = float(grad_norm)
+            logs["train/grad_norm"] = grad_norm
+            logs["train/nonfinite_skipped_steps"] = guard.skipped
             logs.update(spike_metrics)  # rms/max, rms/<layer> (this rank's values)
             accelerator.log(logs, step=state["step"])
             # throughput of the steps since the last log line (the tracker's is the running mean)
@@ -320,7 +354,8 @@ def training_function(args):
         if args.eval_steps and state["step"] % args.eval_steps == 0 and state["step"] < args.max_train_steps:
             run_eval(state["step"])
         if args.checkpointing_steps and state["step"] % args.checkpointing_steps == 0:
-            save_checkpoint(accelerator, args, state)
+            check_finite_before_save(model, "a checkpoint", accelerator)  # never rotate good ones out for it
+            save_checkpoint(accelerator, args, state, fingerprint)
     progress.close()
 
     # Final eval, model, results
@@ -330,6 +365,7 @@ def training_function(args):
         logger.warning("no zero-shot classes (see --zeroshot_label_column): zero_shot_top1 is null")
     steady_steps = state["step"] - max(steady_from, start_step)
     results = {
+        "status": "completed",
         "zero_shot_top1": None,
         **metrics,
         "train_loss": mean_over_ranks(accelerator, state["loss_sum"]) / max(1, state["step"]),
@@ -345,6 +381,7 @@ def training_function(args):
         **peak_memory(accelerator),
         "train_steps": state["step"],
         "train_skipped_samples": sum_over_ranks(accelerator, state["num_skipped"]),
+        "nonfinite_skipped_steps": guard.skipped,
         "eval_samples": len(eval_set[0]),
         # what ran: the model type and its loss, autocast dtype ("no", "bf16", "fp16") and the SwitchBack config
         # (null: --switchback off)
@@ -356,6 +393,7 @@ def training_function(args):
     if monitor:
         results["spike_monitor_warnings"] = len(monitor.warnings)
     accelerator.wait_for_everyone()
+    check_finite_before_save(model, "the final model", accelerator)
     # get_state_dict gathers sharded (FSDP/ZeRO-3) weights on every rank (a collective), but under ZeRO-3 only
     # the main process receives them (None elsewhere: the 2-GPU ZeRO-3 run crashed on it), and only it writes.
     gathered = accelerator.get_state_dict(model)
@@ -367,8 +405,7 @@ def training_function(args):
         state_dict = fold_layer_scale_state_dict(state_dict)
         clip.save_pretrained(args.output_dir, state_dict=state_dict, save_function=accelerator.save)
         processor.save_pretrained(args.output_dir)
-        with open(os.path.join(args.output_dir, "all_results.json"), "w") as f:
-            json.dump(results, f, indent=2)
+        write_results(args.output_dir, results)
         accelerator.print(json.dumps(results, indent=2))
         saved = ["the model, processor, all_results.json, train_log.jsonl"]
         if monitor:
@@ -395,7 +432,14 @@ def main():
     parser = build_parser()
     args = parser.parse_args()
     check_args(parser, args)
-    training_function(args)
+    try:
+        training_function(args)
+    except NonFiniteError as err:  # every rank raises it at the same step (the decision is reduced)
+        if int(os.environ.get("RANK", "0")) == 0:
+            write_results(
+                args.output_dir, {"status": "failed", "error": str(err)}
+            )  # the model files are kept
+        sys.exit(f"training failed: {err}")
 
 
 if __name__ == "__main__":

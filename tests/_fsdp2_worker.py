@@ -14,7 +14,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from conftest import tiny_clip_config
+from helpers import tiny_clip_config
 from transformers import CLIPModel
 
 from hf_switchback import SwitchBackConfig, SwitchBackLinear, apply_switchback, remove_switchback

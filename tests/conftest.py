@@ -1,38 +1,26 @@
-"""Shared fixtures: tiny CLIP models built from configs (no downloads), deterministic seeds."""
+"""Shared fixtures: tiny CLIP models built from configs (no downloads), deterministic seeds, the gpu marker.
+
+Helpers shared by several test files live in helpers.py.
+"""
 
 import os
 
 import pytest
 import torch
+from helpers import HAS_GPU, tiny_clip_config
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
-def tiny_clip_config(layers: int = 2, hidden: int = 32):
-    """A CLIPConfig small enough for CPU tests: both towers, `layers` encoder layers each."""
-    from transformers import CLIPConfig
-
-    text = dict(
-        hidden_size=hidden,
-        intermediate_size=2 * hidden,
-        num_hidden_layers=layers,
-        num_attention_heads=2,
-        vocab_size=64,
-        max_position_embeddings=16,
-        bos_token_id=0,
-        eos_token_id=1,
-        pad_token_id=1,
-    )
-    vision = dict(
-        hidden_size=hidden,
-        intermediate_size=2 * hidden,
-        num_hidden_layers=layers,
-        num_attention_heads=2,
-        image_size=16,
-        patch_size=8,
-    )
-    return CLIPConfig(text_config=text, vision_config=vision, projection_dim=16)
+def pytest_collection_modifyitems(config, items):
+    """`@pytest.mark.gpu` tests (declared in pyproject.toml) skip cleanly without CUDA + triton."""
+    if HAS_GPU:
+        return
+    skip = pytest.mark.skip(reason="needs CUDA and triton")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
 
 
 @pytest.fixture

@@ -1,6 +1,6 @@
 """The benchmark scripts run end to end on the CPU (tiny models), so a broken script fails CI, not a GPU run."""
 
-import importlib.util
+import argparse
 import json
 import math
 import statistics
@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import helpers
 import pytest
 import torch
 
@@ -15,10 +16,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def load_script(name: str):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return helpers.load_script(f"benchmarks/{name}.py")
 
 
 def run_script(args: list[str], timeout: int = 120) -> str:
@@ -331,3 +329,103 @@ def test_stochastic_int8_rounding_is_unbiased_where_nearest_flushes():
     # mean of 4096 x 7 Bernoulli(0.3) draws: standard error 0.0036, bound at ~5.5 sigma
     assert abs(small.mean().item() - 0.3) < 0.02
     assert torch.equal(q[:, 0], torch.full((4096,), 127, dtype=torch.int8))
+
+
+def test_bench_memory_cpu_smoke_and_variant_grammar(tmp_path, monkeypatch, capsys):
+    """Eager rows of bench_memory.py on a tiny model, in process (compile rows cost minutes on the CI CPUs)."""
+    bench = load_script("bench_memory")
+    assert bench.parse_variant("bf16+budget0.5+compile") == ("bf16", False, 0.5, True)
+    assert bench.parse_variant("int8-memeff-fused+ckpt") == ("int8-memeff-fused", True, None, False)
+    for bad in ("bf16+budget0.5", "bf16+budget2+compile", "int4", "bf16+fast"):
+        with pytest.raises(ValueError):
+            bench.parse_variant(bad)
+    out = tmp_path / "mem.json"
+    argv = ["bench_memory.py", "--device", "cpu", "--tiny", "--models", "vit-b-16", "--steps", "1"]
+    argv += ["--warmup", "0", "--variants", "bf16+ckpt", "int8-memeff-fused", "--json", str(out)]
+    monkeypatch.setattr(sys, "argv", argv)
+    bench.main()
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["variant"] for r in rows] == ["bf16+ckpt", "int8-memeff-fused"]
+    for row in rows:
+        assert "error" not in row, row
+        assert row["samples_per_s"] > 0 and math.isfinite(row["loss"]) and row["batch"] == 8
+    # the checkpointed row is compared with itself (the only bf16 row that recomputes)
+    lines = capsys.readouterr().out.splitlines()
+    assert any(line.startswith("vit-b-16") and "bf16+ckpt" in line and "1.00x" in line for line in lines)
+
+
+def test_bench_memory_max_batch_estimate_and_saved_tensors():
+    bench = load_script("bench_memory")
+    row = dict(fixed_gib=10.0, peak_mib_per_sample=512.0)
+    assert bench.estimate_max_batch(row, 30 * 2**30) == 40  # (30 - 10) GiB / 0.5 GiB per sample
+    args = bench.argparse.Namespace(device="cpu", tiny=True)
+    bf16 = bench.layer_saved_tensors("vit-b-16", "bf16", args)
+    memeff = bench.layer_saved_tensors("vit-b-16", "int8-memeff-fused", args)
+    d = bf16["width"]
+    # bf16 saves its MLP's h and act(h) in 16 bits (2 x 4d x 2 bytes per token) among the rest
+    assert bf16["bytes_per_token"] > 16 * d
+    # the memory switch saves each linear's input in int8 and recomputes the MLP's h: no (tokens, 4d) tensor
+    assert all(t["shape"][-1] != 4 * d for t in memeff["tensors"])
+    assert any(t["dtype"] == "int8" for t in memeff["tensors"])
+    assert memeff["bytes_per_token"] < 0.75 * bf16["bytes_per_token"]
+
+
+def test_bench_linear_ab_rows_carry_their_kernel_options():
+    """Each A/B row is the same layers with one KernelOptions field changed, carried by the row's model (no
+    process-wide switch to set and restore); every other row runs the defaults."""
+    from hf_switchback import KernelOptions
+
+    bench = load_script("bench_linear")
+    rows = bench.variants(False, 65536, bias_grad_ab=True, tma_ab=True, bwd_ab=True, mlp_ab=True)
+    want_by_tag = {
+        bench.UNFUSED: KernelOptions(fused_bias_grad=False),
+        bench.WITH_TMA: KernelOptions(use_tma=True),
+        " [act-bwd tiles]": KernelOptions(act_backward_impl="tiles"),
+        " [act-bwd rows]": KernelOptions(act_backward_impl="rows"),
+    }
+    seen = set()
+    for name, make, _ in rows:
+        if not name.startswith("switchback"):
+            continue
+        model = make(bench.build_case("block", 32))
+        tag = next((t for t in want_by_tag if name.endswith(t)), None)
+        seen.add(tag)
+        assert bench.first_config(model).kernel_options == want_by_tag.get(tag, KernelOptions()), name
+    assert seen == {None, *want_by_tag}
+
+
+def test_bench_train_ab_flags_become_kernel_options():
+    from hf_switchback import KernelOptions
+
+    bench = load_script("bench_train")
+    flags = ["custom_op_eager", "triton_quantize_under_compile", "opaque_gemm_under_compile"]
+    args = argparse.Namespace(**dict.fromkeys(flags, True), inductor_grad_quantize=False, tma=True)
+    assert bench.kernel_options(args) == KernelOptions(
+        direct_eager=False, fuse_quantize_under_compile=False, trace_gemm=False, use_tma=True
+    )
+    assert bench.kernel_options(argparse.Namespace()) == KernelOptions()
+
+
+def test_bench_memory_fit_search_and_verify_find_the_largest_batch(monkeypatch):
+    """--fit search bisects, --fit verify steps down from the estimate, both with out-of-memory rows caught;
+    a fake run (fits up to batch 300) stands in for the GPU."""
+    bench = load_script("bench_memory")
+    tried = []
+
+    def fake_attempt(name, spec, batch, args):
+        tried.append(batch)
+        if batch > 300:
+            return dict(model=name, variant=spec, batch=batch, status="oom", error="out of memory")
+        return dict(model=name, variant=spec, batch=batch, ms_per_step=1.0, samples_per_s=float(batch))
+
+    monkeypatch.setattr(bench, "attempt", fake_attempt)
+    first = dict(batch=192, samples_per_s=192.0, ms_per_step=1.0, fixed_gib=15.0, peak_mib_per_sample=200.0)
+    cap = int((15.0 + 340 * 200.0 / 1024) * 2**30)  # the estimate says 340: too optimistic, 300 fits
+    args = bench.argparse.Namespace(fit="search", fit_tries=8, batch_multiple=8)
+    found = bench.fit("vit-h-14", "int8-memeff+compile", first, args, cap)
+    assert found["max_batch_est"] == 340 and found["max_batch"] == 296  # the largest multiple of 8 <= 300
+    assert any(r["status"] == "oom" for r in found["fit_runs"])
+    tried.clear()
+    args.fit = "verify"
+    found = bench.fit("vit-h-14", "int8-memeff+compile", first, args, cap)
+    assert tried[0] == 336 and found["max_batch"] == 296 and len(tried) <= 3  # 336 OOM, 312 OOM, 296 fits

@@ -6,48 +6,20 @@
   the op before it); its generated kernels must agree with our Triton quantize kernels. Row-wise int8 must
   match exactly except where a value sits on a rounding tie that Inductor's float32 division rounds the other
   way: at most 1 code apart, on at most 0.1% of elements; scales must match to float32 rounding.
-GPU tests skip cleanly without CUDA + triton. The CPU test checks the kernel-set contract (same functions as
-the reference set), which is what `functional.py` relies on when it swaps sets.
+GPU tests skip cleanly without CUDA + triton (the kernel-set contract itself is checked on the CPU, in
+test_kernel_options.py).
 """
 
 from __future__ import annotations
 
-import importlib.util
-import inspect
-
 import pytest
 import torch
 
+from hf_switchback import KernelOptions
 from hf_switchback.kernels import reference as ref
 
-HAS_TRITON = importlib.util.find_spec("triton") is not None
-HAS_GPU = HAS_TRITON and torch.cuda.is_available()
-requires_gpu = pytest.mark.skipif(not HAS_GPU, reason="needs CUDA and triton")
 
-
-@pytest.mark.skipif(not HAS_TRITON, reason="the Triton kernel sets import triton")
-def test_kernel_sets_share_the_reference_contract():
-    from hf_switchback.kernels import compiled, ops
-
-    kernel_functions = [
-        "quantize_rowwise",
-        "quantize_rowwise_colsum",
-        "quantize_tensorwise",
-        "quantize_rowwise_transposed",
-        "quantize_tensorwise_transposed",
-        "dequantize_rowwise",
-        "scaled_matmul",
-        "act_quantize_rowwise",
-        "act_backward_quantize_colsum",
-        "scaled_matmul_act_backward",
-    ]
-    for kernel_set in (ops, compiled):
-        for name in kernel_functions:
-            ours = inspect.signature(getattr(kernel_set, name)).parameters
-            assert list(ours) == list(inspect.signature(getattr(ref, name)).parameters), (kernel_set, name)
-
-
-@requires_gpu
+@pytest.mark.gpu
 @pytest.mark.parametrize("qdtype", [torch.int8, torch.float8_e4m3fn])
 def test_direct_eager_call_equals_custom_op(qdtype):
     from hf_switchback.kernels import ops
@@ -60,11 +32,11 @@ def test_direct_eager_call_equals_custom_op(qdtype):
     assert torch.equal(q_direct.view(torch.int8), q_op.view(torch.int8)) and torch.equal(s_direct, s_op)
     wq, ws = ops.quantize_tensorwise(w, qdtype)
     out_direct = ops.scaled_matmul(q_direct, wq, s_direct, ws, None, torch.bfloat16)
-    out_op = torch.ops.hf_switchback.scaled_matmul(q_op, wq, s_op, ws, None, torch.bfloat16)
+    out_op = torch.ops.hf_switchback.scaled_matmul(q_op, wq, s_op, ws, None, torch.bfloat16, False)
     assert torch.equal(out_direct, out_op)
 
 
-@requires_gpu
+@pytest.mark.gpu
 @pytest.mark.parametrize("name", ["quantize_rowwise", "quantize_tensorwise"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_inductor_quantize_matches_triton_kernels(name, dtype):
@@ -80,10 +52,15 @@ def test_inductor_quantize_matches_triton_kernels(name, dtype):
     diff = (q_ind.int() - q_tri.int()).abs()
     assert diff.max().item() <= 1
     assert (diff > 0).float().mean().item() <= 1e-3
-    assert not torch.isnan(s_ind).any() and s_ind.flatten()[0 if name == "quantize_tensorwise" else 1] >= 0
+    assert not torch.isnan(s_ind).any()
+    assert (q_ind[1] == 0).all()  # the zero row quantizes to zeros
+    if name == "quantize_rowwise":
+        assert s_ind[1] == 0 and (s_ind[torch.arange(len(s_ind)) != 1] > 0).all()
+    else:  # one scale for the tensor, set by its nonzero rows
+        assert s_ind.item() > 0
 
 
-@requires_gpu
+@pytest.mark.gpu
 @pytest.mark.parametrize("m", [64, 4096])  # the fixed small-tile launch and the autotuned one
 @pytest.mark.parametrize("qdtype", [torch.int8, torch.float8_e4m3fn])
 @pytest.mark.parametrize("with_bias", [False, True])
@@ -98,7 +75,10 @@ def test_traced_gemm_under_compile_matches_eager_gemm(m, qdtype, with_bias):
     a_q, a_s = ops.quantize_rowwise(a, qdtype)
     b_q, b_s = ops.quantize_rowwise(b, qdtype)
     bias = torch.randn(768, device="cuda", dtype=torch.bfloat16) if with_bias else None
-    eager = ops.scaled_matmul(a_q, b_q, a_s, b_s, bias, torch.bfloat16)
+    # our eager Triton launcher (fp8_gemm="triton": on Hopper "auto" would send fp8 to cuBLAS, another kernel)
+    eager = ops.scaled_matmul(
+        a_q, b_q, a_s, b_s, bias, torch.bfloat16, options=KernelOptions(fp8_gemm="triton")
+    )
     torch._dynamo.reset()
     traced = torch.compile(
         lambda *args: torch.ops.hf_switchback.scaled_matmul_traced(*args, torch.bfloat16), fullgraph=True
@@ -112,7 +92,7 @@ def test_traced_gemm_under_compile_matches_eager_gemm(m, qdtype, with_bias):
     assert (out != eager).float().mean().item() <= (0 if qdtype == torch.int8 else 1e-2)
 
 
-@requires_gpu
+@pytest.mark.gpu
 @pytest.mark.parametrize("shape", [(50, 768), (4099, 3072)])
 @pytest.mark.parametrize("qdtype", [torch.int8, torch.float8_e4m3fn, torch.float8_e5m2])
 def test_traced_grad_quantize_under_compile_matches_eager_kernel(shape, qdtype):
@@ -138,13 +118,13 @@ def test_traced_grad_quantize_under_compile_matches_eager_kernel(shape, qdtype):
     torch.testing.assert_close(cs_t, cs, rtol=1e-5, atol=1e-3 * shape[0] ** 0.5)
 
 
-def _switchback_block() -> torch.nn.Sequential:
-    """fc1 -> GELU -> fc2 of SwitchBack linears (Triton backend), bf16 on the GPU, seeded."""
+def _switchback_block(options: KernelOptions | None = None) -> torch.nn.Sequential:
+    """fc1 -> GELU -> fc2 of SwitchBack linears (Triton backend, `options`), bf16 on the GPU, seeded."""
     from hf_switchback import SwitchBackConfig
     from hf_switchback.modules import SwitchBackLinear
 
     torch.manual_seed(0)
-    cfg = SwitchBackConfig(backend="triton")
+    cfg = SwitchBackConfig(backend="triton", kernel_options=options or KernelOptions())
     return torch.nn.Sequential(
         SwitchBackLinear.from_linear(torch.nn.Linear(256, 1024), cfg),
         torch.nn.GELU(),
@@ -152,17 +132,14 @@ def _switchback_block() -> torch.nn.Sequential:
     ).to("cuda", torch.bfloat16)
 
 
-@requires_gpu
+@pytest.mark.gpu
 @pytest.mark.parametrize("triton_grad_quantize", [True, False])
-def test_compiled_block_backward_matches_eager(triton_grad_quantize, monkeypatch):
+def test_compiled_block_backward_matches_eager(triton_grad_quantize):
     """Compiled backward of a SwitchBack block: the output-gradient quantize runs our kernel (default) or
     Inductor's, and every gradient agrees with eager SwitchBack to quantization-tie noise."""
     from torch._inductor.utils import run_and_get_code
 
-    from hf_switchback.kernels import compiled
-
-    monkeypatch.setattr(compiled, "TRITON_GRAD_QUANTIZE", triton_grad_quantize)
-    block = _switchback_block()
+    block = _switchback_block(KernelOptions(triton_grad_quantize=triton_grad_quantize))
     x = torch.randn(8, 128, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     g = torch.randn(8, 128, 256, device="cuda", dtype=torch.bfloat16)
 
@@ -183,17 +160,14 @@ def test_compiled_block_backward_matches_eager(triton_grad_quantize, monkeypatch
         assert err.item() < 1e-3, err.item()  # > 30 dB: only rounding ties of the quantizes differ
 
 
-@requires_gpu
+@pytest.mark.gpu
 @pytest.mark.parametrize("trace_gemm", [True, False])
-def test_compiled_block_uses_inductor_quantize_and_matches_eager(trace_gemm, monkeypatch):
+def test_compiled_block_uses_inductor_quantize_and_matches_eager(trace_gemm):
     """Under torch.compile the block's generated code holds no hf_switchback quantize op. The GEMM is launched
-    by Inductor's code itself (default) or, with compiled.TRACE_GEMM off, through the opaque custom op."""
+    by Inductor's code itself (default) or, with KernelOptions.trace_gemm off, through the opaque custom op."""
     from torch._inductor.utils import run_and_get_code
 
-    from hf_switchback.kernels import compiled
-
-    monkeypatch.setattr(compiled, "TRACE_GEMM", trace_gemm)
-    block = _switchback_block()
+    block = _switchback_block(KernelOptions(trace_gemm=trace_gemm))
     x = torch.randn(8, 128, 256, device="cuda", dtype=torch.bfloat16)
     torch._dynamo.reset()
     compiled_block = torch.compile(block, fullgraph=True)

@@ -1,6 +1,7 @@
 """SwitchBackConfig validation and (de)serialization."""
 
 import json
+import re
 
 import pytest
 
@@ -78,3 +79,26 @@ def test_variant_name():
 def test_invalid_regex_is_rejected_at_construction():
     with pytest.raises(ValueError, match=r"SwitchBackConfig.target_modules: 'fc\(' is not a valid regex"):
         SwitchBackConfig(target_modules="fc(")
+
+
+@pytest.mark.parametrize(
+    "pattern, problem",
+    [
+        ("([a-z_.0-9]+)+Z", "a repeat inside a repeated group (nested quantifiers)"),
+        ("(a?)*b", "a repeat inside a repeated group (nested quantifiers)"),
+        ("(?:fc|fc1)+", "an alternation inside a repeated group"),
+        (r"(fc)\1", "a back-reference"),
+    ],
+)
+def test_regexes_that_can_backtrack_exponentially_are_refused(pattern, problem):
+    with pytest.raises(
+        ValueError, match=rf"regex .* has {re.escape(problem)}, which can take exponential time"
+    ):
+        SwitchBackConfig(target_modules=pattern)
+    with pytest.raises(ValueError, match="exclude_modules"):
+        SwitchBackConfig.from_dict({"exclude_modules": pattern})
+
+
+@pytest.mark.parametrize("pattern", [r".*fc\d", r"text_model\..*", r"(.*\.)?(q|k|v)_proj", r".*mlp\.fc\d"])
+def test_simple_regexes_are_accepted(pattern):
+    assert SwitchBackConfig(target_modules=pattern).target_modules == pattern

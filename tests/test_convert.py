@@ -4,7 +4,7 @@ import logging
 
 import pytest
 import torch
-from conftest import tiny_clip_config
+from helpers import tiny_clip_config
 from torch import nn
 from transformers import CLIPModel, CLIPTextModel, CLIPVisionModel
 

@@ -5,21 +5,15 @@ the single-process ones. Tolerance 1e-5 absolute, fp32.
 """
 
 import os
-import socket
 import subprocess
 import sys
 
 import pytest
 import torch
+from helpers import free_port
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_fsdp2_worker.py")
 TOL = 1e-5
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def max_error(got: dict, ref: dict) -> float:

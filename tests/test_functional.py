@@ -13,9 +13,10 @@ import math
 
 import pytest
 import torch
+from helpers import KernelSpy, snr_db
 from torch import nn
 
-from hf_switchback import SwitchBackConfig, SwitchBackLinear, functional, switchback_linear
+from hf_switchback import KernelOptions, SwitchBackConfig, SwitchBackLinear, functional, switchback_linear
 
 VARIANTS = {
     "int8/tensor": SwitchBackConfig(backend="torch"),
@@ -31,11 +32,6 @@ VARIANTS = {
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 # (input shape, in_features, out_features): odd sizes, 2-D and 3-D, a single token
 SHAPES = [((5, 83), 83, 131), ((2, 9, 64), 64, 256), ((3, 1, 131), 131, 83)]
-
-
-def snr_db(ref: torch.Tensor, ours: torch.Tensor) -> float:
-    noise = (ref.double() - ours.double()).pow(2).sum().item()
-    return math.inf if noise == 0 else 10 * math.log10(ref.double().pow(2).sum().item() / noise)
 
 
 def thresholds(cfg: SwitchBackConfig, dtype: torch.dtype) -> dict:
@@ -122,6 +118,45 @@ def test_memory_efficient_saves_int8_input_not_16bit():
     assert mem == 512 * 256 * 1 + 512 * 4  # int8 X + one float32 scale per row
 
 
+def test_linears_sharing_an_input_quantize_it_once_and_save_one_8bit_copy(monkeypatch):
+    """q, k and v of an attention layer get the same tensor: one quantize pass, one int8 copy saved; the
+    results equal three independent calls; an in-place change of the input between calls is seen."""
+    cfg = VARIANTS["int8/tensor/mem"]
+    layers = [SwitchBackLinear(64, 64, config=cfg) for _ in range(3)]
+    x = torch.randn(40, 64, requires_grad=True)
+    storages = {}
+
+    def pack(t):
+        if not isinstance(t, nn.Parameter):
+            storages[t.untyped_storage().data_ptr()] = (t.dtype, t.untyped_storage().nbytes())
+        return t
+
+    spy = KernelSpy.install(monkeypatch)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        outs = [layer(x) for layer in layers]
+    int8_saved = [nbytes for dtype, nbytes in storages.values() if dtype == torch.int8]
+    assert int8_saved == [40 * 64], storages
+    assert spy.names().count("quantize_rowwise") == 1, spy.names()
+    sum(o.sum() for o in outs).backward()
+    shared_grad = x.grad.clone()
+    # each layer alone (a fresh input object each time: nothing to share)
+    x.grad = None
+    for layer, out in zip(layers, outs, strict=True):
+        alone = layer(x.detach().clone().requires_grad_(True))
+        assert torch.equal(alone, out)
+    separate = torch.zeros_like(x)
+    for layer in layers:
+        xi = x.detach().clone().requires_grad_(True)
+        layer(xi).sum().backward()
+        separate += xi.grad
+    torch.testing.assert_close(shared_grad, separate)
+    # an in-place change between two calls on the same tensor is quantized again
+    y = torch.randn(40, 64)
+    layers[0](y)
+    y.mul_(2)
+    assert torch.equal(layers[0](y), layers[0](y.clone()))
+
+
 def test_wrong_feature_size_gives_nn_linear_error():
     plain, sb = make_pair(VARIANTS["int8/tensor"], 16, 8, torch.float32)
     x = torch.randn(3, 15)
@@ -196,20 +231,27 @@ def test_automatic_token_floor_only_applies_to_cuda_under_auto():
 
 
 @pytest.mark.parametrize("name", ["int8/tensor", "int8/row/mem", "fp8/row/e5m2"])
-def test_fused_bias_grad_equals_separate_column_sum(name, monkeypatch):
-    """FUSED_BIAS_GRAD (bias gradient from the grad quantize pass) changes nothing on the torch path."""
-    import hf_switchback.functional as functional
-
-    _, sb = make_pair(VARIANTS[name], 40, 24, torch.bfloat16)
+def test_fused_bias_grad_option_picks_the_one_pass_quantize(name, monkeypatch):
+    """KernelOptions.fused_bias_grad: backward takes the bias gradient from the output-gradient quantize pass
+    (quantize_rowwise_colsum) or quantizes with quantize_rowwise and sums apart. Same gradients either way."""
+    spy = KernelSpy.install(monkeypatch)
     x = torch.randn(3, 7, 40, dtype=torch.bfloat16)
     grad = torch.randn(3, 7, 24, dtype=torch.bfloat16)
-    grads = {}
+    grads, backward_calls = {}, {}
     for fused in (True, False):
-        monkeypatch.setattr(functional, "FUSED_BIAS_GRAD", fused)
-        sb.zero_grad(set_to_none=True)
+        cfg = VARIANTS[name].replace(kernel_options=KernelOptions(fused_bias_grad=fused))
+        torch.manual_seed(0)
+        _, sb = make_pair(cfg, 40, 24, torch.bfloat16)
         xi = x.clone().requires_grad_(True)
-        sb(xi).backward(grad)
+        out = sb(xi)
+        spy.calls.clear()
+        out.backward(grad)
+        backward_calls[fused] = spy.names()
         grads[fused] = (xi.grad, sb.weight.grad, sb.bias.grad)
+    assert backward_calls[True].count("quantize_rowwise_colsum") == 1
+    assert "quantize_rowwise" not in backward_calls[True]
+    assert backward_calls[False].count("quantize_rowwise") == 1
+    assert "quantize_rowwise_colsum" not in backward_calls[False]
     for a, b in zip(grads[True], grads[False], strict=True):
         assert torch.equal(a, b)
     assert torch.equal(grads[True][2], grad.reshape(-1, 24).sum(0, dtype=torch.float32).bfloat16())

@@ -5,7 +5,7 @@ import shutil
 
 import pytest
 import torch
-from conftest import tiny_clip_config
+from helpers import tiny_clip_config
 from huggingface_hub import HfApi, ModelCard
 from huggingface_hub.hf_api import RepoUrl
 from safetensors.torch import load_file
@@ -142,6 +142,43 @@ def test_push_rejects_mismatched_config_before_creating_repo(hub_calls):
             metrics={},
         )
     assert hub_calls == {}
+
+
+def test_model_card_publishes_no_local_absolute_paths():
+    args = {
+        "output_dir": "/home/me/runs/b32",
+        "train_shards": "/data/laion/a.tar,/data/laion/b.tar",
+        "train_file": "~/captions.csv",
+        "validation_files": ["/srv/val/x.csv", "rel/y.csv"],
+        "dataset_name": "nlphuji/flickr30k",
+        "model_name_or_path": "/home/me/models/clip",
+        "lr": 5e-4,
+    }
+    text = model_card("me/clip", switchback_config=CONFIG, training_args=args, metrics=METRICS)
+    for local in ("/home/me", "/data/laion", "~/", "/srv/val"):
+        assert local not in text, local
+    for kept in (
+        "| output_dir | b32 |",
+        "| train_shards | a.tar,b.tar |",
+        '["x.csv", "rel/y.csv"]',
+        "nlphuji/flickr30k",
+    ):
+        assert kept in text, kept
+
+
+def test_token_comes_from_hf_token_or_the_cached_login(monkeypatch, tmp_path):
+    from huggingface_hub import constants
+
+    from hf_switchback.hub import resolve_token
+
+    monkeypatch.setattr(constants, "HF_TOKEN_PATH", str(tmp_path / "token"))  # no cached login here yet
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    assert resolve_token() is None
+    (tmp_path / "token").write_text("hf_cached_login")
+    assert resolve_token() == "hf_cached_login"
+    monkeypatch.setenv("HF_TOKEN", "hf_from_env")
+    assert resolve_token() == "hf_from_env"
+    assert resolve_token("hf_explicit") == "hf_explicit"
 
 
 def test_siglip_model_card_and_saved_folder(tmp_path):

@@ -3,7 +3,7 @@
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import tiny_clip_config
+from helpers import tiny_clip_config
 from transformers import CLIPModel
 
 from hf_switchback import (
@@ -14,8 +14,8 @@ from hf_switchback import (
     switchback_inference,
     switchback_modules,
 )
-from hf_switchback.inference import WEIGHT_Q, WEIGHT_SCALE
 from hf_switchback.kernels import reference
+from hf_switchback.weight_cache import WEIGHT_Q, WEIGHT_SCALE
 
 CONFIGS = [
     SwitchBackConfig(backend="torch"),
@@ -80,11 +80,11 @@ def test_no_weight_quantization_per_call(monkeypatch):
     calls = {"rowwise": [], "tensorwise": 0}
     real_rowwise = reference.quantize_rowwise
 
-    def rowwise(x, qdtype=torch.int8):
+    def rowwise(x, qdtype=torch.int8, *, options=None):
         calls["rowwise"].append(tuple(x.shape))
         return real_rowwise(x, qdtype)
 
-    def tensorwise(x, qdtype=torch.int8):
+    def tensorwise(x, qdtype=torch.int8, *, options=None):
         calls["tensorwise"] += 1
         raise AssertionError("weight quantized at call time")
 
@@ -150,7 +150,7 @@ def test_grad_enabled_forward_uses_training_path_and_drops_the_cache():
     # An optimizer step may follow that changes weights without bumping _version (bitsandbytes 8-bit
     # optimizers write through kernels), so a training forward must not leave a cache behind to go stale.
     from hf_switchback import switchback_modules
-    from hf_switchback.inference import has_weight_cache
+    from hf_switchback.weight_cache import has_weight_cache
 
     config = SwitchBackConfig(backend="torch")
     _, model = _models(config)

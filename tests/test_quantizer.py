@@ -12,7 +12,7 @@ import textwrap
 
 import pytest
 import torch
-from conftest import tiny_clip_config
+from helpers import tiny_clip_config
 from safetensors.torch import load_file
 from torch import nn
 from transformers import CLIPModel
@@ -315,3 +315,15 @@ def test_check_fp8_interop_rejects_foreign_linears(monkeypatch):
         hf_switchback.check_fp8_interop(model)
     hf_switchback.check_fp8_interop(nn.Sequential(Float8Linear(4, 4)))  # no SwitchBack: not our business
     hf_switchback.check_fp8_interop(nn.Sequential(SwitchBackLinear.from_linear(nn.Linear(4, 4), ROW)))
+
+
+def test_config_json_with_a_catastrophic_regex_is_refused_at_once(saved_clip):
+    path, _ = saved_clip
+    with open(path / "config.json") as f:
+        config = json.load(f)
+    # re.fullmatch of this on a long module name was still running after 40 s
+    config["quantization_config"] = {"quant_method": "switchback", "target_modules": "([a-z_.0-9]+)+Z"}
+    with open(path / "config.json", "w") as f:
+        json.dump(config, f)
+    with pytest.raises(ValueError, match=r"target_modules: regex .*\(nested quantifiers\)"):
+        CLIPModel.from_pretrained(path)

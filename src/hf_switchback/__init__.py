@@ -4,8 +4,8 @@ from hf_switchback import SwitchBackConfig, apply_switchback
 model = apply_switchback(CLIPModel.from_pretrained(...), SwitchBackConfig(weight_scaling="row"))
 """
 
-# Configuration
-from .config import DEFAULT_EXCLUDE_MODULES, DEFAULT_TARGET_MODULES, SwitchBackConfig
+# Configuration (KernelOptions: how the GPU kernels run, carried by SwitchBackConfig.kernel_options)
+from .config import DEFAULT_EXCLUDE_MODULES, DEFAULT_TARGET_MODULES, KernelOptions, SwitchBackConfig
 
 # Model conversion
 from .convert import apply_switchback, remove_switchback, switchback_modules
@@ -32,6 +32,7 @@ __version__ = "0.1.0"
 __all__ = [
     "DEFAULT_EXCLUDE_MODULES",
     "DEFAULT_TARGET_MODULES",
+    "KernelOptions",
     "SwitchBackConfig",
     "SwitchBackHfQuantizer",
     "SwitchBackLinear",

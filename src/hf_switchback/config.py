@@ -11,6 +11,8 @@ import re
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+from .kernels.options import KernelOptions
+
 WEIGHT_SCALINGS = ("tensor", "row")
 PRECISIONS = ("int8", "fp8")
 BACKENDS = ("auto", "triton", "torch")
@@ -42,6 +44,13 @@ def _as_target(value: str | list[str] | tuple[str, ...] | None, field_name: str)
             raise ValueError(
                 f"SwitchBackConfig.{field_name}: {value!r} is not a valid regex ({err})"
             ) from None
+        problem = _backtracking_risk(value)
+        if problem:
+            raise ValueError(
+                f"SwitchBackConfig.{field_name}: regex {value!r} has {problem}, which can take exponential time "
+                "to match (a config.json is untrusted input); use a list of module names / dotted suffixes, "
+                "or a regex without repeats inside repeated groups"
+            )
         return value
     if isinstance(value, (list, tuple, set, frozenset)):
         names = tuple(value)
@@ -55,6 +64,51 @@ def _as_target(value: str | list[str] | tuple[str, ...] | None, field_name: str)
         f"SwitchBackConfig.{field_name} must be a str (regex, full match), a list of module names / dotted "
         f"suffixes, or None; got {type(value).__name__}"
     )
+
+
+def _backtracking_risk(pattern: str) -> str | None:
+    """What makes `pattern` prone to catastrophic backtracking, or None when it is simple.
+
+    Target regexes come from config.json too (`from_pretrained` reads quantization_config), and Python's
+    `re` has no time limit: `([a-z_.0-9]+)+Z` against a 60-character module name backtracks for minutes.
+    The exponential cases need a repeat (or an alternation, `(a|ab)*`) inside another unbounded repeat, or a
+    back-reference; those are refused. Optional groups (`(.*\\.)?fc1`) and repeats side by side are fine.
+    """
+    try:
+        from re import _constants as c  # Python >= 3.11
+        from re import _parser as parser
+    except ImportError:  # pragma: no cover - Python 3.10
+        import sre_constants as c
+        import sre_parse as parser
+
+    repeats = {c.MAX_REPEAT, c.MIN_REPEAT, getattr(c, "POSSESSIVE_REPEAT", c.MAX_REPEAT)}
+
+    def walk(items, in_repeat: bool) -> str | None:
+        for op, av in items:
+            if op in repeats:
+                _low, high, body = av
+                if in_repeat:
+                    return "a repeat inside a repeated group (nested quantifiers)"
+                found = walk(body, high > 1)
+            elif op is c.BRANCH:
+                if in_repeat:
+                    return "an alternation inside a repeated group"
+                found = next((r for r in (walk(alt, False) for alt in av[1]) if r), None)
+            elif op in (c.GROUPREF, c.GROUPREF_EXISTS):
+                return "a back-reference"
+            elif op is c.SUBPATTERN:
+                found = walk(av[-1], in_repeat)
+            elif op in (c.ASSERT, c.ASSERT_NOT):
+                found = walk(av[1], in_repeat)
+            elif op is getattr(c, "ATOMIC_GROUP", None):
+                found = walk(av, in_repeat)
+            else:
+                continue
+            if found:
+                return found
+        return None
+
+    return walk(parser.parse(pattern), False)
 
 
 @dataclass(frozen=True)
@@ -74,8 +128,13 @@ class SwitchBackConfig:
     # "row": one scale per output channel in forward and per input channel for the transposed weight in
     # grad-input (SwitchBackLinearVectorwise): tighter scales, more robust to outlier channels.
     weight_scaling: str = "tensor"
-    # Save the 8-bit input (+ its row scales) for backward instead of the 16-bit input: about half the
-    # activation memory of every swapped linear, at the cost of an 8-bit-accurate grad-weight.
+    # The memory switch. Save each swapped linear's input in 8 bits (+ its row scales) for backward instead of
+    # 16 bits, and (through fuse_mlp's default) run each CLIP MLP fused, recomputing its fc1 output in
+    # backward. Numerics: grad-weight is computed from the dequantized 8-bit input (8-bit-accurate dW);
+    # forward and grad-input are unchanged. On the H100 under torch.compile a ViT-H/14 vision layer saves
+    # 17.1 x d bytes per token instead of bf16's 34.1 x d (fp8; int8 the same once fc1's output is recomputed), and ViT-H/14 at batch 192 fits without
+    # recompute (56.5 GiB), where bf16 + compile needs checkpointing or an activation budget
+    # (BENCHMARKS.md, Memory).
     memory_efficient: bool = False
     # Forward format. "int8": symmetric absmax int8 (the paper). "fp8": e4m3. Gradients: see grad_precision.
     precision: str = "int8"
@@ -88,12 +147,14 @@ class SwitchBackConfig:
     # whenever precision="fp8"; int8 elsewhere (Ampere, CPU). Why not int8 everywhere: row-wise int8 rounds every
     # entry below absmax/254 of a gradient row to zero, fp8 keeps them. On the H100 parity runs (BENCHMARKS.md, Accuracy)
     # int8 gradients fell 15-32 pp behind bf16 in zero-shot in both runs; int8 forward + fp8 gradients came out
-    # -0.5 +- 6.2 pp (SE) over 6 paired runs, -29.5..+14.6 (late plateau escapes in 2 of 8 int8 and 1 of 8 bf16
-    # runs; parity at 0.5 pp not resolved), fp8 everywhere +1.9 +- 1.0 over 3.
+    # +5.0 +- 4.8 pp (SE) over the 3 pairs of the 1000-step protocol (95% interval -15.7..+25.6), -0.5 +- 6.2
+    # over all 6 pairs of both protocols, range -29.5..+14.6 (late plateau escapes in 2 of 8 int8 and 1 of 8
+    # bf16 runs; parity at 0.5 pp not resolved); fp8 everywhere +1.9 +- 1.0 over 3.
     # "int8" forces the paper's all-int8 SwitchBack.
     grad_precision: str = "auto"
-    # Which linears to swap. str: regex full match on the dotted module name. list: exact names or dotted
-    # suffixes (PEFT semantics). None: the CLIP / SigLIP encoder defaults above.
+    # Which linears to swap. str: regex full match on the dotted module name, refused when it could backtrack
+    # exponentially (nested repeats, see _backtracking_risk). list: exact names or dotted suffixes (PEFT
+    # semantics). None: the CLIP / SigLIP encoder defaults above.
     target_modules: str | tuple[str, ...] | None = DEFAULT_TARGET_MODULES
     # Same matching rules; wins over target_modules.
     exclude_modules: str | tuple[str, ...] | None = DEFAULT_EXCLUDE_MODULES
@@ -107,12 +168,19 @@ class SwitchBackConfig:
     # When fc1 and fc2 of a transformers CLIPMLP are both converted with this config, run the block
     # fc1 -> activation -> fc2 as one fused SwitchBack op (hf_switchback.mlp): the activation runs inside
     # the 8-bit quantize passes and its output is recomputed in backward instead of saved, so the block saves
-    # only fc1's input and output (half of bf16's activations; 44% less with memory_efficient). Supported
+    # only fc1's input and output (half of bf16's activations); with memory_efficient only fc1's 8-bit input,
+    # fc1's output being recomputed in backward by one more 8-bit GEMM (bit-identical). Supported
     # activations: gelu (erf), the tanh approximations and quick_gelu; other blocks keep the separate layers.
-    # Off by default: in a whole ViT-B/16 training step on the H100 under torch.compile the separate layers were
-    # 13% faster (125 vs 143 ms/step; eager: fused 6% faster); the fused block saves ~20% activation memory
-    # (21.1 -> 16.8 GiB peak at batch 256). Turn it on when memory is the limit (BENCHMARKS.md, Whole training step).
-    fuse_mlp: bool = False
+    # None (default): on with memory_efficient, off otherwise. Off by default without it: in a whole ViT-B/16
+    # training step on the H100 under torch.compile the separate layers were 13% faster (125 vs 143 ms/step;
+    # eager: fused 6% faster); the fused block saves ~20% activation memory (21.1 -> 16.8 GiB peak at batch
+    # 256) (BENCHMARKS.md, Whole training step). True / False force it either way.
+    fuse_mlp: bool | None = None
+    # How the GPU kernels run (kernels/options.py): implementation choices with the same numerics, so a
+    # run-time choice rather than part of the model. Not written to config.json (to_dict leaves it out) and not
+    # compared (two configs that differ only here are the same quantization). Each layer carries its own, so
+    # two models in one process may differ. Defaults: the measured winners, see KernelOptions.
+    kernel_options: KernelOptions = dataclasses.field(default_factory=KernelOptions, compare=False)
 
     def __post_init__(self) -> None:
         _check_choice("weight_scaling", self.weight_scaling, WEIGHT_SCALINGS)
@@ -129,8 +197,16 @@ class SwitchBackConfig:
             raise TypeError(
                 f"SwitchBackConfig.memory_efficient must be a bool, got {type(self.memory_efficient).__name__}"
             )
-        if not isinstance(self.fuse_mlp, bool):
-            raise TypeError(f"SwitchBackConfig.fuse_mlp must be a bool, got {type(self.fuse_mlp).__name__}")
+        if self.fuse_mlp is not None and not isinstance(self.fuse_mlp, bool):
+            raise TypeError(
+                f"SwitchBackConfig.fuse_mlp must be None (follow memory_efficient) or a bool, got "
+                f"{type(self.fuse_mlp).__name__}"
+            )
+        if not isinstance(self.kernel_options, KernelOptions):
+            raise TypeError(
+                "SwitchBackConfig.kernel_options must be a hf_switchback.KernelOptions, got "
+                f"{type(self.kernel_options).__name__}"
+            )
         bad_int = not isinstance(self.min_tokens, int) or isinstance(self.min_tokens, bool)
         if self.min_tokens is not None and (bad_int or self.min_tokens < 0):
             raise ValueError(
@@ -140,6 +216,11 @@ class SwitchBackConfig:
         object.__setattr__(self, "exclude_modules", _as_target(self.exclude_modules, "exclude_modules"))
         if self.target_modules is None:
             object.__setattr__(self, "target_modules", DEFAULT_TARGET_MODULES)
+
+    @property
+    def fuses_mlp(self) -> bool:
+        """fuse_mlp with None resolved: whether CLIP MLPs converted with this config run fused."""
+        return self.memory_efficient if self.fuse_mlp is None else self.fuse_mlp
 
     @property
     def variant(self) -> str:
@@ -153,9 +234,14 @@ class SwitchBackConfig:
         return dataclasses.replace(self, **changes)
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-ready dict (tuples become lists), plus quant_method="switchback" for config.json."""
+        """JSON-ready dict (tuples become lists), plus quant_method="switchback" for config.json.
+
+        kernel_options is left out: it is how this process runs the kernels, not what the checkpoint is.
+        """
         out: dict[str, Any] = {"quant_method": QUANT_METHOD}
         for f in dataclasses.fields(self):
+            if f.name in _RUNTIME_FIELDS:
+                continue
             value = getattr(self, f.name)
             out[f.name] = list(value) if isinstance(value, tuple) else value
         return out
@@ -164,7 +250,8 @@ class SwitchBackConfig:
     def from_dict(cls, data: dict[str, Any]) -> SwitchBackConfig:
         """Inverse of to_dict. Unknown keys are an error (a typo must not silently select a default).
 
-        quant_method is optional, and must be "switchback" when present (the config.json form).
+        quant_method is optional, and must be "switchback" when present (the config.json form). kernel_options
+        (never in to_dict's output) may be given as a KernelOptions or a dict of its fields.
         """
         data = dict(data)
         method = data.pop("quant_method", QUANT_METHOD)
@@ -178,7 +265,13 @@ class SwitchBackConfig:
             raise ValueError(
                 f"SwitchBackConfig.from_dict: unknown keys {unknown}; known keys are {sorted(known)}"
             )
+        if isinstance(data.get("kernel_options"), dict):
+            data["kernel_options"] = KernelOptions(**data["kernel_options"])
         return cls(**data)
+
+
+# Fields to_dict leaves out of config.json: choices of this process, not of the checkpoint.
+_RUNTIME_FIELDS = ("kernel_options",)
 
 
 def _check_choice(name: str, value: Any, allowed: tuple[str, ...]) -> None:
@@ -186,4 +279,10 @@ def _check_choice(name: str, value: Any, allowed: tuple[str, ...]) -> None:
         raise ValueError(f"SwitchBackConfig.{name} must be one of {allowed}, got {value!r}")
 
 
-__all__ = ["DEFAULT_EXCLUDE_MODULES", "DEFAULT_TARGET_MODULES", "QUANT_METHOD", "SwitchBackConfig"]
+__all__ = [
+    "DEFAULT_EXCLUDE_MODULES",
+    "DEFAULT_TARGET_MODULES",
+    "QUANT_METHOD",
+    "KernelOptions",
+    "SwitchBackConfig",
+]

@@ -14,10 +14,10 @@ from collections.abc import Callable
 from torch import nn
 
 from .config import SwitchBackConfig
-from .inference import drop_weight_cache
 from .kernels.backends import check_backend
 from .mlp import sync_fused_mlps
 from .modules import SwitchBackLinear
+from .weight_cache import drop_weight_cache
 
 logger = logging.getLogger(__name__)
 

@@ -10,11 +10,14 @@ The kernels come from `kernels.backends.get_kernels`, so this file holds no arit
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 import torch.nn.functional as F
 
 from .config import SwitchBackConfig
-from .kernels.backends import get_kernels
+from .kernels.backends import KernelSet, get_kernels
+from .kernels.options import KernelOptions
 from .kernels.reference import ACTIVATIONS, apply_activation
 
 FP8_FORMATS = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
@@ -23,9 +26,6 @@ _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 # used. At small M the 8-bit GEMMs cannot amortize the quantize passes and launches (measured on H100,
 # BENCHMARKS.md, MLP block). An explicit config.min_tokens replaces it on any backend.
 AUTO_MIN_TOKENS_CUDA = 16384
-# Backward computes the bias gradient inside the output-gradient quantize pass (kernels'
-# quantize_rowwise_colsum) instead of a separate column sum. False restores the two passes (benchmarks only).
-FUSED_BIAS_GRAD = True
 
 
 def has_fp8_tensor_cores(device_index: int) -> bool:
@@ -57,22 +57,73 @@ def quantized_dtypes(
     return forward, grad
 
 
-def quantize_weight(kernels, weight: torch.Tensor, weight_scaling: str, qdtype: torch.dtype):
+def quantize_weight(
+    kernels: KernelSet,
+    weight: torch.Tensor,
+    weight_scaling: str,
+    qdtype: torch.dtype,
+    options: KernelOptions | None = None,
+):
     """The forward weight operand: (N, K) -> (q (N, K), scale () for "tensor" or (N,) for "row")."""
     if weight_scaling == "tensor":
-        return kernels.quantize_tensorwise(weight, qdtype)
-    return kernels.quantize_rowwise(weight, qdtype)
+        return kernels.quantize_tensorwise(weight, qdtype, options=options)
+    return kernels.quantize_rowwise(weight, qdtype, options=options)
+
+
+# The last quantized layer input, for the next call with the same input tensor: q, k and v of an attention
+# layer receive one tensor, so in eager mode it is quantized once and one 8-bit copy is saved for all three
+# (torch.compile merges the three quantizes itself). "entry": (weak reference to the caller's input tensor,
+# its version counter then, key, slot); the slot list holds [x_q, x_scale] once computed. The entry goes when
+# that tensor is freed, so the cache keeps nothing alive past its input.
+_SHARED_INPUT: dict = {}
+
+
+def _drop_shared(ref) -> None:
+    entry = _SHARED_INPUT.get("entry")
+    if entry is not None and entry[0] is ref:
+        del _SHARED_INPUT["entry"]
+
+
+def _shared_input_slot(x: torch.Tensor, key: tuple) -> list | None:
+    """The slot for quantizing `x` (the caller's tensor) under `key`: [x_q, x_scale] when an earlier call filled
+    it, [] to fill, None where no sharing applies (while compiling; inference tensors have no version)."""
+    if torch.compiler.is_compiling() or x.is_inference():
+        return None
+    entry = _SHARED_INPUT.get("entry")
+    if entry is not None and entry[0]() is x and entry[1] == x._version and entry[2] == key:
+        return entry[3]
+    slot: list = []
+    _SHARED_INPUT["entry"] = (weakref.ref(x, _drop_shared), x._version, key, slot)
+    return slot
 
 
 class _SwitchBackLinearFn(torch.autograd.Function):
-    """2-D core. x (M, K) and out (M, N) share a float dtype; weight (N, K) and bias (N,) any float dtype."""
+    """2-D core. x (M, K) and out (M, N) share a float dtype; weight (N, K) and bias (N,) any float dtype.
+    `shared`: None, or a slot of _shared_input_slot holding (or to hold) x's 8-bit form."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, weight_scaling, memory_efficient, fwd_qdtype, grad_qdtype, backend):
-        kernels = get_kernels(backend, x.device)
-        x_q, x_scale = kernels.quantize_rowwise(x, fwd_qdtype)
-        w_q, w_scale = quantize_weight(kernels, weight, weight_scaling, fwd_qdtype)
-        out = kernels.scaled_matmul(x_q, w_q, x_scale, w_scale, bias, x.dtype)
+    def forward(
+        ctx,
+        x,
+        weight,
+        bias,
+        weight_scaling,
+        memory_efficient,
+        fwd_qdtype,
+        grad_qdtype,
+        backend,
+        options,
+        shared=None,
+    ):
+        kernels = get_kernels(backend, x.device, options)
+        if shared:
+            x_q, x_scale = shared
+        else:
+            x_q, x_scale = kernels.quantize_rowwise(x, fwd_qdtype, options=options)
+            if shared is not None:
+                shared[:] = [x_q, x_scale]
+        w_q, w_scale = quantize_weight(kernels, weight, weight_scaling, fwd_qdtype, options)
+        out = kernels.scaled_matmul(x_q, w_q, x_scale, w_scale, bias, x.dtype, options=options)
 
         # Backward re-quantizes W transposed rather than keeping a second weight copy alive per layer.
         if memory_efficient:
@@ -84,6 +135,7 @@ class _SwitchBackLinearFn(torch.autograd.Function):
             memory_efficient,
             grad_qdtype,
             backend,
+            options,
             x.dtype,
             None if bias is None else bias.dtype,
         )
@@ -91,31 +143,33 @@ class _SwitchBackLinearFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        weight_scaling, memory_efficient, grad_qdtype, backend, x_dtype, bias_dtype = ctx.config
+        weight_scaling, memory_efficient, grad_qdtype, backend, options, x_dtype, bias_dtype = ctx.config
         if memory_efficient:
             x_q, x_scale, weight = ctx.saved_tensors
         else:
             x, weight = ctx.saved_tensors
-        kernels = get_kernels(backend, grad_out.device)
+        kernels = get_kernels(backend, grad_out.device, options)
         grad_out = grad_out.contiguous()
         grad_x = grad_w = grad_b = g_colsum = None
         needs_grad_b = bias_dtype is not None and ctx.needs_input_grad[2]
 
         if ctx.needs_input_grad[0]:
-            if needs_grad_b and FUSED_BIAS_GRAD:
+            if needs_grad_b and options.fused_bias_grad:
                 # One pass over grad_out yields its 8-bit form and the bias gradient (column sum).
-                g_q, g_scale, g_colsum = kernels.quantize_rowwise_colsum(grad_out, grad_qdtype)
+                g_q, g_scale, g_colsum = kernels.quantize_rowwise_colsum(
+                    grad_out, grad_qdtype, options=options
+                )
             else:
-                g_q, g_scale = kernels.quantize_rowwise(grad_out, grad_qdtype)
+                g_q, g_scale = kernels.quantize_rowwise(grad_out, grad_qdtype, options=options)
             if weight_scaling == "tensor":
-                wt_q, wt_scale = kernels.quantize_tensorwise_transposed(weight, grad_qdtype)
+                wt_q, wt_scale = kernels.quantize_tensorwise_transposed(weight, grad_qdtype, options=options)
             else:
-                wt_q, wt_scale = kernels.quantize_rowwise_transposed(weight, grad_qdtype)
-            grad_x = kernels.scaled_matmul(g_q, wt_q, g_scale, wt_scale, None, x_dtype)
+                wt_q, wt_scale = kernels.quantize_rowwise_transposed(weight, grad_qdtype, options=options)
+            grad_x = kernels.scaled_matmul(g_q, wt_q, g_scale, wt_scale, None, x_dtype, options=options)
 
         if ctx.needs_input_grad[1]:
             if memory_efficient:
-                x = kernels.dequantize_rowwise(x_q, x_scale, x_dtype)
+                x = kernels.dequantize_rowwise(x_q, x_scale, x_dtype, options=options)
             grad_w = (grad_out.t() @ x.to(grad_out.dtype)).to(weight.dtype)
 
         if needs_grad_b:
@@ -123,31 +177,37 @@ class _SwitchBackLinearFn(torch.autograd.Function):
                 g_colsum = grad_out.sum(dim=0, dtype=torch.float32)
             grad_b = g_colsum.to(bias_dtype)
 
-        return grad_x, grad_w, grad_b, None, None, None, None, None
+        return grad_x, grad_w, grad_b, None, None, None, None, None, None, None
 
 
 class _SwitchBackMLPFn(torch.autograd.Function):
     """fc1 -> act -> fc2 as one node. x (M, d); w1 (4d, d), b1; w2 (d, 4d), b2; out (M, d) in x's dtype.
 
     Forward: the activation runs inside fc2's input quantize (h read once, act(h) never written).
-    Saved: x (or its 8-bit form when memory_efficient) and h = fc1's output. Not act(h): backward recomputes
-    it inside the activation-backward pass, which reads h anyway, so it costs a write there instead of one
-    in forward (same bytes) and saves a (M, 4d) 16-bit tensor for the whole time between forward and backward.
+    Saved: x and h = fc1's output. Not act(h): backward recomputes it inside the activation-backward pass,
+    which reads h anyway, so it costs a write there instead of one in forward (same bytes) and saves a (M, 4d)
+    16-bit tensor for the whole time between forward and backward.
+    memory_efficient: only x's 8-bit form (+ row scales) is saved; backward recomputes h from it with fc1's
+    8-bit GEMM, the same operands as forward, so h is bit-identical (no numerics cost beyond dW1 from the 8-bit
+    x): one more (M, d) x (d, 4d) 8-bit GEMM per block in exchange for the block's largest saved tensor.
     Backward: act' runs inside the quantize + column sum of fc1's output gradient.
     """
 
     @staticmethod
-    def forward(ctx, x, w1, b1, w2, b2, activation, weight_scaling, memory_efficient, fq, gq, backend):
-        kernels = get_kernels(backend, x.device)
-        x_q, x_scale = kernels.quantize_rowwise(x, fq)
-        w1_q, w1_scale = quantize_weight(kernels, w1, weight_scaling, fq)
-        h = kernels.scaled_matmul(x_q, w1_q, x_scale, w1_scale, b1, x.dtype)
+    def forward(
+        ctx, x, w1, b1, w2, b2, activation, weight_scaling, memory_efficient, fq, gq, backend, options
+    ):
+        kernels = get_kernels(backend, x.device, options)
+        x_q, x_scale = kernels.quantize_rowwise(x, fq, options=options)
+        w1_q, w1_scale = quantize_weight(kernels, w1, weight_scaling, fq, options)
+        h = kernels.scaled_matmul(x_q, w1_q, x_scale, w1_scale, b1, x.dtype, options=options)
         del w1_q
-        a_q, a_scale = kernels.act_quantize_rowwise(h, fq, activation)
-        w2_q, w2_scale = quantize_weight(kernels, w2, weight_scaling, fq)
-        out = kernels.scaled_matmul(a_q, w2_q, a_scale, w2_scale, b2, x.dtype)
+        a_q, a_scale = kernels.act_quantize_rowwise(h, fq, activation, options=options)
+        w2_q, w2_scale = quantize_weight(kernels, w2, weight_scaling, fq, options)
+        out = kernels.scaled_matmul(a_q, w2_q, a_scale, w2_scale, b2, x.dtype, options=options)
         if memory_efficient:
-            ctx.save_for_backward(x_q, x_scale, h, w1, w2)
+            del h  # recomputed in backward from x_q (see the class docstring)
+            ctx.save_for_backward(x_q, x_scale, w1, b1, w2)
         else:
             ctx.save_for_backward(x, h, w1, w2)
         ctx.config = (
@@ -156,6 +216,7 @@ class _SwitchBackMLPFn(torch.autograd.Function):
             memory_efficient,
             gq,
             backend,
+            options,
             x.dtype,
             None if b1 is None else b1.dtype,
             None if b2 is None else b2.dtype,
@@ -164,16 +225,21 @@ class _SwitchBackMLPFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        activation, weight_scaling, memory_efficient, gq, backend, x_dtype, b1_dtype, b2_dtype = ctx.config
+        activation, weight_scaling, memory_efficient, gq, backend, options, x_dtype, b1_dtype, b2_dtype = (
+            ctx.config
+        )
+        kernels = get_kernels(backend, grad_out.device, options)
         if memory_efficient:
-            x_q, x_scale, h, w1, w2 = ctx.saved_tensors
+            x_q, x_scale, w1, b1, w2 = ctx.saved_tensors
+            w1_q, w1_scale = quantize_weight(kernels, w1, weight_scaling, x_q.dtype, options)
+            h = kernels.scaled_matmul_recompute(x_q, w1_q, x_scale, w1_scale, b1, x_dtype, options=options)
+            del w1_q
         else:
             x, h, w1, w2 = ctx.saved_tensors
         need_x, need_w1, need_b1, need_w2, need_b2 = ctx.needs_input_grad[:5]
         need_b1 = need_b1 and b1_dtype is not None
         need_b2 = need_b2 and b2_dtype is not None
         need_fc1 = need_x or need_w1 or need_b1
-        kernels = get_kernels(backend, grad_out.device)
         g = grad_out.contiguous()
         grad_x = grad_w1 = grad_b1 = grad_w2 = grad_b2 = None
         wt_quantize = (
@@ -184,11 +250,11 @@ class _SwitchBackMLPFn(torch.autograd.Function):
 
         a = None
         if need_fc1:
-            g_q, g_scale, g_colsum = kernels.quantize_rowwise_colsum(g, gq)
-            w2t_q, w2t_scale = wt_quantize(w2, gq)
-            # grad_h = (G W2) * act'(h), the GEMM and the activation backward in one kernel call.
+            g_q, g_scale, g_colsum = kernels.quantize_rowwise_colsum(g, gq, options=options)
+            w2t_q, w2t_scale = wt_quantize(w2, gq, options=options)
+            # grad_h = (G W2) * act'(h), the GEMM then the activation backward + quantize in one call.
             grad_h, a, gh_q, gh_scale, gh_colsum = kernels.scaled_matmul_act_backward(
-                g_q, w2t_q, g_scale, w2t_scale, h, gq, activation, need_w2
+                g_q, w2t_q, g_scale, w2t_scale, h, gq, activation, need_w2, options=options
             )
             del g_q, w2t_q
             if need_b2:
@@ -202,15 +268,15 @@ class _SwitchBackMLPFn(torch.autograd.Function):
         del a
 
         if need_x:
-            w1t_q, w1t_scale = wt_quantize(w1, gq)
-            grad_x = kernels.scaled_matmul(gh_q, w1t_q, gh_scale, w1t_scale, None, x_dtype)
+            w1t_q, w1t_scale = wt_quantize(w1, gq, options=options)
+            grad_x = kernels.scaled_matmul(gh_q, w1t_q, gh_scale, w1t_scale, None, x_dtype, options=options)
         if need_w1:
             if memory_efficient:
-                x = kernels.dequantize_rowwise(x_q, x_scale, x_dtype)
+                x = kernels.dequantize_rowwise(x_q, x_scale, x_dtype, options=options)
             grad_w1 = (grad_h.t() @ x.to(grad_h.dtype)).to(w1.dtype)
         if need_b1:
             grad_b1 = gh_colsum.to(b1_dtype)
-        return grad_x, grad_w1, grad_b1, grad_w2, grad_b2, None, None, None, None, None, None
+        return grad_x, grad_w1, grad_b1, grad_w2, grad_b2, None, None, None, None, None, None, None
 
 
 def check_input(x: torch.Tensor, weight: torch.Tensor) -> None:
@@ -274,6 +340,7 @@ def switchback_linear(
         return out.reshape(*leading, weight.shape[0])
 
     fwd_qdtype, grad_qdtype = quantized_dtypes(config, x2d.device)
+    shared = _shared_input_slot(x, (fwd_qdtype, config.backend, x2d.dtype, x2d.shape))
     with torch.autocast(device_type, enabled=False):
         out = _SwitchBackLinearFn.apply(
             x2d.contiguous(),
@@ -284,6 +351,8 @@ def switchback_linear(
             fwd_qdtype,
             grad_qdtype,
             config.backend,
+            config.kernel_options,
+            shared,
         )
     return out.reshape(*leading, weight.shape[0])
 
@@ -334,6 +403,7 @@ def switchback_mlp(
             fwd_qdtype,
             grad_qdtype,
             config.backend,
+            config.kernel_options,
         )
     return out.reshape(*leading, n_out)
 

@@ -28,12 +28,38 @@ _REPO_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
 
 
 def _public_args(training_args: Mapping[str, Any]) -> dict[str, Any]:
-    """training_args minus secrets (hub tokens are a common resident of argparse namespaces)."""
+    """training_args minus secrets (hub tokens are a common resident of argparse namespaces), local absolute
+    paths cut to their last component (they tell readers nothing and publish the author's file system)."""
     return {
-        k: v
+        k: _without_local_paths(v)
         for k, v in training_args.items()
         if not _SECRET_KEYS.search(k) and not (isinstance(v, str) and v.startswith("hf_"))
     }
+
+
+def _without_local_paths(value: Any) -> Any:
+    """ "/home/me/runs/b32" -> "b32", also inside comma lists ("/data/a.tar,/data/b.tar") and lists."""
+    if isinstance(value, (list, tuple)):
+        return type(value)(_without_local_paths(v) for v in value)
+    if not isinstance(value, str) or "://" in value:
+        return value
+    parts = value.split(",")
+    local = [os.path.isabs(p) or p.startswith("~") for p in parts]
+    if not any(local):
+        return value
+    return ",".join(
+        os.path.basename(p.rstrip("/")) if is_local else p for p, is_local in zip(parts, local, strict=True)
+    )
+
+
+def resolve_token(token: str | None = None) -> str | None:
+    """The Hub token: `token` when given, else HF_TOKEN or the cached login (`hf auth login`), as
+    huggingface_hub resolves it; None when there is none."""
+    if token:
+        return token
+    from huggingface_hub import get_token
+
+    return get_token()
 
 
 def _hub_id_or_none(name: Any) -> str | None:
@@ -205,10 +231,11 @@ def push_to_hub(
     """Create (or reuse) the Hub repo `repo_id` and upload model + processor + model card in one commit.
 
     model: an unwrapped transformers model (SwitchBack layers or plain); processor: anything with
-    save_pretrained (CLIPProcessor), or None. Returns the repo URL.
+    save_pretrained (CLIPProcessor), or None. `token`: default HF_TOKEN or the cached login. Returns the
+    repo URL.
     """
     _check_model(model, switchback_config)
-    api = HfApi(token=token)
+    api = HfApi(token=resolve_token(token))
     # Create before serializing: a bad token or name fails before any work.
     repo_url = api.create_repo(repo_id, private=private, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="hf_switchback_push_") as folder:
@@ -229,4 +256,4 @@ def push_to_hub(
     return str(repo_url)
 
 
-__all__ = ["model_card", "push_to_hub", "save_for_hub"]
+__all__ = ["model_card", "push_to_hub", "resolve_token", "save_for_hub"]

@@ -20,81 +20,16 @@ import contextlib
 import logging
 from collections.abc import Iterator
 
-import torch
-import torch.nn.functional as F
 from torch import nn
 
-from .functional import check_input, quantize_weight, quantized_dtypes, token_floor
-from .kernels.backends import get_kernels
+from .modules import SwitchBackLinear
+from .weight_cache import drop_weight_cache, quantize_weight_cache
 
 logger = logging.getLogger(__name__)
 
-WEIGHT_Q = "_inference_weight_q"  # (N, K) int8 / float8_e4m3fn
-WEIGHT_SCALE = "_inference_weight_scale"  # (N,) or () float32
-_WEIGHT_KEY = "_inference_weight_key"  # identity of the weight the cache was built from (staleness check)
-
-
-def _weight_key(weight: torch.Tensor) -> tuple:
-    # data_ptr catches `.to()` / reloads (new storage); _version catches in-place updates (optimizer.step()).
-    return (weight.data_ptr(), weight._version, weight.dtype, weight.device)
-
 
 def _switchback_layers(model: nn.Module) -> list[nn.Module]:
-    from .modules import SwitchBackLinear  # local: modules imports this file for cached_linear
-
     return [m for m in model.modules() if isinstance(m, SwitchBackLinear)]
-
-
-def quantize_weight_cache(layer: nn.Module) -> None:
-    """Quantize `layer.weight` once, as the forward of its config would, and keep it as buffers."""
-    cfg = layer.switchback_config
-    qdtype, _ = quantized_dtypes(cfg)
-    kernels = get_kernels(cfg.backend, layer.weight.device)
-    with torch.no_grad():
-        w_q, w_scale = quantize_weight(kernels, layer.weight.detach(), cfg.weight_scaling, qdtype)
-    layer.register_buffer(WEIGHT_Q, w_q, persistent=False)
-    layer.register_buffer(WEIGHT_SCALE, w_scale, persistent=False)
-    setattr(layer, _WEIGHT_KEY, _weight_key(layer.weight))
-
-
-def drop_weight_cache(layer: nn.Module) -> None:
-    for name in (WEIGHT_Q, WEIGHT_SCALE):
-        layer._buffers.pop(name, None)
-    if hasattr(layer, _WEIGHT_KEY):
-        delattr(layer, _WEIGHT_KEY)
-
-
-def has_weight_cache(layer: nn.Module) -> bool:
-    return layer._buffers.get(WEIGHT_Q) is not None
-
-
-def cached_linear(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """SwitchBack forward from the cached weight: only `x` is quantized. Called by SwitchBackLinear.forward
-    under no_grad / inference_mode when the cache exists. x (*, K) float -> (*, N) in x's (autocast) dtype."""
-    weight, bias, cfg = layer.weight, layer.bias, layer.switchback_config
-    if getattr(layer, _WEIGHT_KEY) != _weight_key(weight):
-        raise RuntimeError(
-            "SwitchBackLinear: the weight changed (optimizer step, .to(), load) since prepare_for_inference(); "
-            "call prepare_for_inference(model) again, or restore_training(model) to drop the stale cache."
-        )
-    check_input(
-        x, weight
-    )  # same errors as the training path (TypeError for integer input, nn.Linear's shape error)
-    device_type = x.device.type
-    if torch.is_autocast_enabled(device_type):
-        x = x.to(torch.get_autocast_dtype(device_type))
-    leading = x.shape[:-1]
-    x2d = x.reshape(-1, x.shape[-1])
-    if x2d.shape[0] == 0 or x2d.shape[0] < token_floor(cfg, device_type):
-        # Same small-batch fallback as the training path: the 16-bit matmul.
-        out = F.linear(x2d, weight.to(x.dtype), None if bias is None else bias.to(x.dtype))
-        return out.reshape(*leading, weight.shape[0])
-    qdtype, _ = quantized_dtypes(cfg)
-    kernels = get_kernels(cfg.backend, x.device)
-    x_q, x_scale = kernels.quantize_rowwise(x2d.contiguous(), qdtype)
-    w_q, w_scale = layer._buffers[WEIGHT_Q], layer._buffers[WEIGHT_SCALE]
-    out = kernels.scaled_matmul(x_q, w_q, x_scale, w_scale, bias, x.dtype)
-    return out.reshape(*leading, weight.shape[0])
 
 
 def prepare_for_inference(model: nn.Module) -> nn.Module:
@@ -135,8 +70,6 @@ def switchback_inference(model: nn.Module) -> Iterator[nn.Module]:
 
 
 __all__ = [
-    "cached_linear",
-    "has_weight_cache",
     "prepare_for_inference",
     "restore_training",
     "switchback_inference",

@@ -10,36 +10,10 @@ so we check at the points where SwitchBack layers are created, which a user alwa
 
 from __future__ import annotations
 
-import os
-
 from torch import nn
 
-FP8_CONFLICT = (
-    "SwitchBack layers cannot run under accelerate's mixed_precision='fp8': Accelerator.prepare would replace "
-    "every nn.Linear, SwitchBackLinear included, by Transformer Engine / torchao fp8 linears and drop SwitchBack. "
-    "Pick one: SwitchBack fp8 training with mixed_precision='bf16' and SwitchBackConfig(precision='fp8'), or "
-    "accelerate fp8 without hf_switchback."
-)
-
-
-def accelerate_fp8_enabled() -> bool:
-    """True when accelerate will train in fp8: `accelerate launch --mixed_precision fp8` (env var) or an
-    already created Accelerator(mixed_precision="fp8") in this process (its shared state)."""
-    if os.environ.get("ACCELERATE_MIXED_PRECISION", "").lower() == "fp8":
-        return True
-    try:
-        from accelerate.state import AcceleratorState
-    except ImportError:  # accelerate is a dependency, but the check must not be what breaks an import
-        return False
-    # Read the singleton's shared dict rather than constructing AcceleratorState(), which would initialize
-    # the distributed environment as a side effect.
-    return AcceleratorState._shared_state.get("_mixed_precision") == "fp8"
-
-
-def check_accelerate_fp8() -> None:
-    """Raise RuntimeError (FP8_CONFLICT) when accelerate's fp8 mixed precision is active."""
-    if accelerate_fp8_enabled():
-        raise RuntimeError(FP8_CONFLICT)
+from .accelerate_fp8 import FP8_CONFLICT, accelerate_fp8_enabled, check_accelerate_fp8
+from .modules import SwitchBackLinear
 
 
 def foreign_linears(model: nn.Module) -> dict[str, str]:
@@ -48,8 +22,6 @@ def foreign_linears(model: nn.Module) -> dict[str, str]:
     Any nn.Linear subclass that is not SwitchBackLinear (torchao Float8Linear, bitsandbytes Linear8bitLt,
     ...), plus Transformer Engine's Linear, which is not an nn.Linear subclass at all.
     """
-    from .modules import SwitchBackLinear  # local: modules imports this file
-
     found = {}
     for name, module in model.named_modules():
         cls = type(module)
@@ -67,8 +39,6 @@ def check_fp8_interop(model: nn.Module | None = None) -> None:
     converted before the Accelerator existed (the from_linear guard cannot see a later Accelerator).
     """
     if model is not None:
-        from .modules import SwitchBackLinear
-
         has_switchback = any(isinstance(m, SwitchBackLinear) for m in model.modules())
         foreign = foreign_linears(model)
         if has_switchback and foreign:

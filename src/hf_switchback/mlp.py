@@ -2,7 +2,7 @@
 
 When apply_switchback converts both linears of a transformers `CLIPMLP` (or SigLIP's `SiglipMLP` /
 `Siglip2MLP`, the same block) with one config (and
-`config.fuse_mlp`, off by default), the block's class is swapped for a generated subclass whose forward calls
+`config.fuses_mlp`: fuse_mlp, or by default memory_efficient), the block's class is swapped for a generated subclass whose forward calls
 `switchback_mlp` — the same technique `fully_shard` uses. Nothing else changes: the module is still an
 instance of CLIPMLP, fc1 / fc2 are the same SwitchBackLinear modules holding the same Parameters, so
 state_dict keys, FSDP2's parameter records and PEFT-style target names are untouched, and
@@ -20,8 +20,8 @@ import torch
 from torch import nn
 
 from .functional import switchback_mlp
-from .inference import has_weight_cache
 from .modules import SwitchBackLinear
+from .weight_cache import has_weight_cache
 
 # Instance attribute set on fused blocks: (activation name for the kernels, type of activation_fn at fuse time).
 _ACTIVATION_ATTR = "_switchback_activation"
@@ -80,7 +80,8 @@ def _qualifies(module: nn.Module) -> str | None:
     if not (isinstance(fc1, SwitchBackLinear) and isinstance(fc2, SwitchBackLinear)):
         return None
     cfg = fc1.switchback_config
-    if not cfg.fuse_mlp or fc2.switchback_config != cfg:
+    # Config equality leaves kernel_options out (same numerics): a fused block runs with fc1's.
+    if not cfg.fuses_mlp or fc2.switchback_config != cfg:
         return None
     return activation_kind(module.activation_fn)
 
@@ -92,7 +93,7 @@ def _fused_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
     if (
         cfg is None
         or not isinstance(fc2, SwitchBackLinear)
-        or not cfg.fuse_mlp
+        or not cfg.fuses_mlp
         or not (fc2.switchback_config is cfg or fc2.switchback_config == cfg)
         or type(self.activation_fn) is not act_type
         # Inference mode (prepare_for_inference) serves no-grad forwards from the layers' weight caches.

@@ -5,10 +5,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .accelerate_fp8 import check_accelerate_fp8
 from .config import SwitchBackConfig
 from .functional import switchback_linear
-from .inference import cached_linear, drop_weight_cache, has_weight_cache
-from .interop import check_accelerate_fp8
+from .weight_cache import cached_linear, drop_weight_cache, has_weight_cache
 
 
 class SwitchBackLinear(nn.Linear):
@@ -45,7 +45,7 @@ class SwitchBackLinear(nn.Linear):
         """
         if not isinstance(linear, nn.Linear):
             raise TypeError(f"from_linear expects an nn.Linear, got {type(linear).__name__}")
-        # accelerate fp8 would later replace this layer and silently drop SwitchBack (see interop.py).
+        # accelerate fp8 would later replace this layer and silently drop SwitchBack (see accelerate_fp8.py).
         check_accelerate_fp8()
         with torch.device("meta"):
             new = cls(linear.in_features, linear.out_features, bias=linear.bias is not None, config=config)

@@ -33,8 +33,10 @@ class FakeAccelerator:
 
 
 def test_checkpoint_dirs_sort_by_step_number_and_ignore_other_names(tmp_path):
-    for name in ("step_10", "step_9", "step_100", "step_x", "notes"):
+    for name in ("step_10", "step_9", "step_100", "step_x", "notes", "step_200"):
         (tmp_path / "checkpoints" / name).mkdir(parents=True)
+        if name != "step_200":  # no completion marker: an interrupted save, never listed
+            (tmp_path / "checkpoints" / name / checkpoints.MARKER).write_text("{}")
     found = checkpoints.checkpoint_dirs(str(tmp_path))
     assert [p.rsplit("/", 1)[1] for p in found] == ["step_9", "step_10", "step_100"]
     assert checkpoints.checkpoint_dirs(str(tmp_path / "nothing")) == []

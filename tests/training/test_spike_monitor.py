@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from hf_switchback.training.optimizers import create_optimizer
+from hf_switchback.training.optim import create_optimizer
 from hf_switchback.training.spike_monitor import SpikeMonitor, default_group_name
 
 BETAS, EPS = (0.9, 0.99), 1e-8

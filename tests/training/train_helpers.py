@@ -2,35 +2,27 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
-import socket
 import subprocess
 import sys
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# tests/ holds helpers.py; worker processes that import this file by path do not have it on sys.path
+sys.path.insert(0, os.path.join(REPO, "tests"))
+import helpers  # noqa: E402
+from helpers import free_port, tiny_clip_config  # noqa: E402
+
 SCRIPT = os.path.join(REPO, "examples", "train_clip.py")
 CPU_CONFIG = os.path.join(REPO, "accelerate_configs", "cpu.yaml")
 VOCAB = 64  # >= the synthetic word tokenizer's size
 
 
 def tiny_config(hidden: int = 32, layers: int = 1, image_size: int = 32, eos: int = 3, pad: int = 0):
-    from transformers import CLIPConfig
-
-    tower = dict(
-        hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers, num_attention_heads=2
+    """helpers.tiny_clip_config with the synthetic word tokenizer's special ids (bos 2) and vocabulary."""
+    return tiny_clip_config(
+        layers=layers, hidden=hidden, image_size=image_size, bos=2, eos=eos, pad=pad, vocab=VOCAB
     )
-    text = dict(
-        tower,
-        vocab_size=VOCAB,
-        max_position_embeddings=16,
-        bos_token_id=2,
-        eos_token_id=eos,
-        pad_token_id=pad,
-    )
-    vision = dict(tower, image_size=image_size, patch_size=8)
-    return CLIPConfig(text_config=text, vision_config=vision, projection_dim=16)
 
 
 def tiny_siglip_config(hidden: int = 32, layers: int = 1, image_size: int = 32):
@@ -104,12 +96,6 @@ def clean_env() -> dict:
     return env
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch_command(launcher: list[str], args: list[str]) -> list[str]:
     """`accelerate launch <launcher flags> <script and its args>`, one CPU thread per process."""
     accelerate = [sys.executable, "-m", "accelerate.commands.launch"]
@@ -168,10 +154,7 @@ def read_results(output_dir: str) -> dict:
 def load_script(name: str = "train_clip"):
     """examples/train_clip.py as a module (its training_function runs in this process: ~1 s against ~12 s for
     a launch that imports torch, transformers and bitsandbytes again)."""
-    spec = importlib.util.spec_from_file_location(name, SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return helpers.load_script(SCRIPT, name)
 
 
 def run_in_process(script, argv: list[str]) -> dict:

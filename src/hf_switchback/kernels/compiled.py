@@ -6,7 +6,7 @@ GELU, the residual add, and in backward GELU's gradient), so a compiled model pa
 and no Python launch overhead for them. The 8-bit GEMM stays our Triton kernel (Inductor's own int8 matmul
 lowers to cuBLAS `_int_mm`, which is no faster than bf16 on Hopper), as a `triton_op` (kernels/ops.py) whose
 launch Inductor records and makes from its generated code, with no Python call per GEMM. With
-`matmul.USE_TMA` it is the opaque custom op instead: the TMA kernel's host-side setup is not traceable.
+KernelOptions.use_tma it is the opaque custom op instead: the TMA kernel's host-side setup is not traceable.
 
 One quantize stays ours too: the output gradient's (with the bias gradient's column sum). That tensor is
 written in 16 bits anyway (the grad-weight GEMM reads it), so fusing its quantize into the op that produced it
@@ -29,8 +29,9 @@ from __future__ import annotations
 
 import torch
 
-from . import matmul, reference
+from . import cublas, reference
 from .ops import dequantize_rowwise
+from .options import KernelOptions, resolve
 from .quantize import colsum_in_one_pass
 from .reference import (
     QMAX,
@@ -42,17 +43,13 @@ from .reference import (
     quantize_tensorwise_transposed,
 )
 
-# False keeps the GEMM an opaque custom op under torch.compile (benchmarks only, the A/B of the triton_op).
-TRACE_GEMM = True
-# False leaves the output-gradient quantize + column sum to Inductor too (benchmarks only, the A/B).
-TRITON_GRAD_QUANTIZE = True
-
 
 def quantize_rowwise_colsum(
-    x: torch.Tensor, qdtype: torch.dtype = torch.int8
+    x: torch.Tensor, qdtype: torch.dtype = torch.int8, *, options: KernelOptions | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Our one-pass Triton kernel, launched from Inductor's code (see the module docstring)."""
-    if TRITON_GRAD_QUANTIZE and colsum_in_one_pass(x):
+    """Our one-pass Triton kernel, launched from Inductor's code (see the module docstring), unless
+    options.triton_grad_quantize is off (then Inductor's, like the other quantizes)."""
+    if resolve(options).triton_grad_quantize and colsum_in_one_pass(x):
         return torch.ops.hf_switchback.quantize_rowwise_colsum_traced(x, qdtype)
     return reference.quantize_rowwise_colsum(x, qdtype)
 
@@ -64,11 +61,39 @@ def scaled_matmul(
     b_scale: torch.Tensor,
     bias: torch.Tensor | None,
     out_dtype: torch.dtype,
+    *,
+    options: KernelOptions | None = None,
 ) -> torch.Tensor:
-    """The 8-bit GEMM of kernels/ops.py, launched from Inductor's generated code (see the module docstring)."""
-    if TRACE_GEMM and not matmul.USE_TMA:
+    """The 8-bit GEMM of kernels/ops.py, launched from Inductor's generated code (see the module docstring);
+    the opaque custom op when options.trace_gemm is off or options.use_tma is on. fp8 GEMMs that
+    options.fp8_gemm sends to cuBLAS stay `aten._scaled_mm` in the graph (kernels/cublas.py)."""
+    options = resolve(options)
+    if cublas.use_cublas(a_q, b_q, out_dtype, options.fp8_gemm):
+        return cublas.scaled_matmul(a_q, b_q, a_scale, b_scale, bias, out_dtype)
+    if options.trace_gemm and not options.use_tma:
         return torch.ops.hf_switchback.scaled_matmul_traced(a_q, b_q, a_scale, b_scale, bias, out_dtype)
-    return torch.ops.hf_switchback.scaled_matmul(a_q, b_q, a_scale, b_scale, bias, out_dtype)
+    return torch.ops.hf_switchback.scaled_matmul(
+        a_q, b_q, a_scale, b_scale, bias, out_dtype, options.use_tma, options.fp8_gemm
+    )
+
+
+def scaled_matmul_recompute(
+    a_q: torch.Tensor,
+    b_q: torch.Tensor,
+    a_scale: torch.Tensor,
+    b_scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    out_dtype: torch.dtype,
+    *,
+    options: KernelOptions | None = None,
+) -> torch.Tensor:
+    """scaled_matmul for backward's recompute of a forward GEMM (the fused MLP's h under memory_efficient), as
+    the opaque custom op: a different op from forward's, so the joint graph's common-subexpression pass cannot
+    merge the two into one node whose output would then be saved for backward after all."""
+    options = resolve(options)
+    return torch.ops.hf_switchback.scaled_matmul(
+        a_q, b_q, a_scale, b_scale, bias, out_dtype, options.use_tma, options.fp8_gemm
+    )
 
 
 def scaled_matmul_act_backward(
@@ -80,9 +105,11 @@ def scaled_matmul_act_backward(
     qdtype: torch.dtype,
     activation: str,
     want_act: bool,
+    *,
+    options: KernelOptions | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Our GEMM, then the activation backward + quantize as torch ops for Inductor to fuse (see reference)."""
-    grad_a = scaled_matmul(a_q, b_q, a_scale, b_scale, None, h.dtype)
+    grad_a = scaled_matmul(a_q, b_q, a_scale, b_scale, None, h.dtype, options=options)
     return act_backward_quantize_colsum(grad_a, h, qdtype, activation, want_act)
 
 
@@ -98,4 +125,5 @@ __all__ = [
     "quantize_tensorwise_transposed",
     "scaled_matmul",
     "scaled_matmul_act_backward",
+    "scaled_matmul_recompute",
 ]

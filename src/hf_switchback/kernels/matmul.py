@@ -19,13 +19,13 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 
 import torch
 import triton
 import triton.language as tl
 
-from .quantize import ACT_CODES, _act_fwd_bwd, launch_directly, quantize_rowwise_known_absmax
+from . import quantize
+from .quantize import launch_directly
 
 _AUTOTUNE_MIN_M = 1024
 logger = logging.getLogger(__name__)
@@ -48,6 +48,35 @@ def _configs() -> list[triton.Config]:
         triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8}, num_warps=w, num_stages=s)
         for bm, bn, bk, w, s in shapes
     ]
+
+
+def _tma_configs() -> list[triton.Config]:
+    # (BM, BN, BK, warps, stages, epilogue subtile). Shared memory: stages * (BM + BN) * BK bytes for the
+    # operands plus BM * BN(/2) * 2 for the bf16 store staging, under Hopper's 227 KiB.
+    shapes = [
+        (128, 256, 128, 8, 3, True),
+        (128, 256, 128, 8, 4, True),
+        (128, 128, 128, 8, 4, False),
+        (256, 128, 128, 8, 3, True),
+        (128, 128, 256, 8, 3, False),
+        (128, 256, 64, 8, 6, True),
+    ]
+    return [
+        triton.Config(
+            {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8, "EPILOGUE_SUBTILE": sub},
+            num_warps=w,
+            num_stages=st,
+            pre_hook=_set_block_shapes,
+        )
+        for bm, bn, bk, w, st, sub in shapes
+    ]
+
+
+def _set_block_shapes(nargs: dict) -> None:
+    bm, bn, bk = nargs["BLOCK_M"], nargs["BLOCK_N"], nargs["BLOCK_K"]
+    nargs["a_desc"].block_shape = [bm, bk]
+    nargs["b_desc"].block_shape = [bn, bk]
+    nargs["c_desc"].block_shape = [bm, bn // 2 if nargs["EPILOGUE_SUBTILE"] else bn]
 
 
 @triton.jit
@@ -177,99 +206,6 @@ def _dequant_store(
 
 
 @triton.jit
-def _act_backward_store(
-    c_desc,
-    out,
-    off_m,
-    off_n,
-    M,
-    N,
-    pid_m,
-    bs_ptr,
-    h_ptr,
-    act_ptr,
-    absmax_ptr,
-    part_ptr,
-    B_SCALE_PER_ROW: tl.constexpr,
-    ACT: tl.constexpr,
-    WRITE_A: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    WIDTH: tl.constexpr,
-):
-    # The tile is grad_a = G @ W (fc2's grad-input, rounded to c's dtype as the unfused GEMM would store it).
-    # Instead of storing it, finish the activation backward here: gh = grad_a * act'(h) goes to c (h, act and
-    # c are contiguous (M, N)), act(h) to act_ptr when WRITE_A, the row absmax of gh into absmax[row] (atomic
-    # max) and its column sums to part[pid_m, :]. A per-row quantize pass then turns gh into fc1's 8-bit
-    # grad operand: grad_a is never written nor read back.
-    offs_n = off_n + tl.arange(0, WIDTH)
-    mask_n = offs_n < N
-    if B_SCALE_PER_ROW:
-        out = out * tl.load(bs_ptr + offs_n, mask=mask_n, other=0.0)[None, :]
-    else:
-        out = out * tl.load(bs_ptr)
-    grad_a = out.to(c_desc.dtype).to(tl.float32)
-    offs_m = off_m + tl.arange(0, BLOCK_M)
-    mask_m = offs_m < M
-    mask = mask_m[:, None] & mask_n[None, :]
-    offs = offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
-    h = tl.load(h_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    act, dact = _act_fwd_bwd(h, ACT)
-    gh = (grad_a * dact).to(c_desc.dtype)
-    c_desc.store([off_m, off_n], gh)
-    if WRITE_A:
-        tl.store(act_ptr + offs, act.to(act_ptr.dtype.element_ty), mask=mask)
-    x = tl.where(mask, gh.to(tl.float32), 0.0)
-    tl.atomic_max(absmax_ptr + offs_m, tl.max(tl.abs(x), axis=1), mask=mask_m)
-    tl.store(part_ptr + pid_m.to(tl.int64) * N + offs_n, tl.sum(x, axis=0), mask=mask_n)
-
-
-@triton.jit
-def _tile_store(
-    c_desc,
-    out,
-    off_m,
-    off_n,
-    M,
-    N,
-    pid_m,
-    bs_ptr,
-    bias_ptr,
-    h_ptr,
-    act_ptr,
-    absmax_ptr,
-    part_ptr,
-    B_SCALE_PER_ROW: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-    ACT: tl.constexpr,
-    WRITE_A: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    WIDTH: tl.constexpr,
-):
-    if ACT == 0:
-        _dequant_store(c_desc, out, off_m, off_n, N, bs_ptr, bias_ptr, B_SCALE_PER_ROW, HAS_BIAS, WIDTH)
-    else:
-        _act_backward_store(
-            c_desc,
-            out,
-            off_m,
-            off_n,
-            M,
-            N,
-            pid_m,
-            bs_ptr,
-            h_ptr,
-            act_ptr,
-            absmax_ptr,
-            part_ptr,
-            B_SCALE_PER_ROW,
-            ACT,
-            WRITE_A,
-            BLOCK_M,
-            WIDTH,
-        )
-
-
-@triton.jit
 def _scaled_mm_tma_kernel(
     a_desc,
     b_desc,
@@ -279,10 +215,6 @@ def _scaled_mm_tma_kernel(
     bias_ptr,
     a_ptr,
     c_ptr,
-    h_ptr,
-    act_ptr,
-    absmax_ptr,
-    part_ptr,
     M,
     N,
     K,
@@ -291,8 +223,6 @@ def _scaled_mm_tma_kernel(
     HAS_BIAS: tl.constexpr,
     IS_INT: tl.constexpr,
     NUM_SMS: tl.constexpr,
-    ACT: tl.constexpr,
-    WRITE_A: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -304,8 +234,6 @@ def _scaled_mm_tma_kernel(
     # M, N, K and clips stores, so no masks or modulo in the main loop; same epilogue arithmetic and order.
     # a_ptr and c_ptr (the tensors behind a_desc and c_desc) are not read: they are passed so that the
     # autotuner, which keys on the dtypes of tensor arguments, tunes int8 / fp8 and each output dtype apart.
-    # ACT != 0 swaps the epilogue for the activation backward of a fused MLP (_act_backward_store); h_ptr,
-    # act_ptr, absmax_ptr and part_ptr are only used then.
     start_pid = tl.program_id(0)
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
@@ -342,119 +270,26 @@ def _scaled_mm_tma_kernel(
             halves = tl.permute(tl.reshape(out, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1))
             out0, out1 = tl.split(halves)
             half: tl.constexpr = BLOCK_N // 2
-            _tile_store(
-                c_desc,
-                out0,
-                off_cm,
-                off_cn,
-                M,
-                N,
-                pid_m,
-                bs_ptr,
-                bias_ptr,
-                h_ptr,
-                act_ptr,
-                absmax_ptr,
-                part_ptr,
-                B_SCALE_PER_ROW,
-                HAS_BIAS,
-                ACT,
-                WRITE_A,
-                BLOCK_M,
-                half,
-            )
-            _tile_store(
-                c_desc,
-                out1,
-                off_cm,
-                off_cn + half,
-                M,
-                N,
-                pid_m,
-                bs_ptr,
-                bias_ptr,
-                h_ptr,
-                act_ptr,
-                absmax_ptr,
-                part_ptr,
-                B_SCALE_PER_ROW,
-                HAS_BIAS,
-                ACT,
-                WRITE_A,
-                BLOCK_M,
-                half,
+            _dequant_store(c_desc, out0, off_cm, off_cn, N, bs_ptr, bias_ptr, B_SCALE_PER_ROW, HAS_BIAS, half)
+            _dequant_store(
+                c_desc, out1, off_cm, off_cn + half, N, bs_ptr, bias_ptr, B_SCALE_PER_ROW, HAS_BIAS, half
             )
         else:
-            _tile_store(
-                c_desc,
-                out,
-                off_cm,
-                off_cn,
-                M,
-                N,
-                pid_m,
-                bs_ptr,
-                bias_ptr,
-                h_ptr,
-                act_ptr,
-                absmax_ptr,
-                part_ptr,
-                B_SCALE_PER_ROW,
-                HAS_BIAS,
-                ACT,
-                WRITE_A,
-                BLOCK_M,
-                BLOCK_N,
+            _dequant_store(
+                c_desc, out, off_cm, off_cn, N, bs_ptr, bias_ptr, B_SCALE_PER_ROW, HAS_BIAS, BLOCK_N
             )
 
 
-def _env_flag(name: str) -> bool:
-    value = os.environ.get(name, "0")
-    if value not in ("0", "1"):
-        raise ValueError(f"environment variable {name} must be 0 or 1, got {value!r}")
-    return value == "1"
+# The autotuned launchers. The TMA one's pre-hook sets each config's block shapes on the descriptors.
+_autotuned_kernel = triton.autotune(configs=_configs(), key=["M_BUCKET", "N", "K", "stride_am", "stride_bn"])(
+    _scaled_mm_kernel
+)
+_tma_autotuned_kernel = triton.autotune(configs=_tma_configs(), key=["M_BUCKET", "N", "K"])(
+    _scaled_mm_tma_kernel
+)
 
 
-def _tma_configs() -> list[triton.Config]:
-    # (BM, BN, BK, warps, stages, epilogue subtile). Shared memory: stages * (BM + BN) * BK bytes for the
-    # operands plus BM * BN(/2) * 2 for the bf16 store staging, under Hopper's 227 KiB.
-    shapes = [
-        (128, 256, 128, 8, 3, True),
-        (128, 256, 128, 8, 4, True),
-        (128, 128, 128, 8, 4, False),
-        (256, 128, 128, 8, 3, True),
-        (128, 128, 256, 8, 3, False),
-        (128, 256, 64, 8, 6, True),
-    ]
-    return [
-        triton.Config(
-            {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8, "EPILOGUE_SUBTILE": sub},
-            num_warps=w,
-            num_stages=st,
-            pre_hook=_set_block_shapes,
-        )
-        for bm, bn, bk, w, st, sub in shapes
-    ]
-
-
-def _set_block_shapes(nargs: dict) -> None:
-    bm, bn, bk = nargs["BLOCK_M"], nargs["BLOCK_N"], nargs["BLOCK_K"]
-    nargs["a_desc"].block_shape = [bm, bk]
-    nargs["b_desc"].block_shape = [bn, bk]
-    nargs["c_desc"].block_shape = [bm, bn // 2 if nargs["EPILOGUE_SUBTILE"] else bn]
-
-
-# reset_to_zero: the fused activation-backward epilogue accumulates into absmax (atomic max) and writes
-# per-BLOCK_M partial sums; every benchmarked config must start from zeros (plain GEMMs pass scratch tensors).
-_tma_autotuned_kernel = triton.autotune(
-    configs=_tma_configs(), key=["M_BUCKET", "N", "K"], reset_to_zero=["absmax_ptr", "part_ptr"]
-)(_scaled_mm_tma_kernel)
-# Use the persistent TMA kernel where it applies (sm90, aligned shapes). Off by default: alone it beats the
-# portable kernel (1.50-1.63x over cuBLAS bf16 vs 1.37-1.53x), but its host-side setup (tensor descriptors,
-# per-config block shapes) made launch-bound training steps slower (ViT-B/16 int8 + compile 160 ms/step with it
-# vs 125-143 ms without). Under CUDA graphs (torch.compile mode="reduce-overhead") that setup is not replayed
-# and it wins: 102.6 vs 106.9 ms/step (BENCHMARKS.md, Whole training step). Set it here or with HF_SWITCHBACK_TMA=1.
-USE_TMA = _env_flag("HF_SWITCHBACK_TMA")
+# Launchers.
 
 
 @functools.cache
@@ -462,11 +297,26 @@ def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+@functools.cache
+def _capability(device_index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device_index)
+
+
+def _needs_fp8_upcast(device_index: int) -> bool:
+    # fp8 tensor cores exist from sm89 (Ada) on.
+    return _capability(device_index) < (8, 9)
+
+
+# Devices (CUDA indices) where the TMA kernel failed to build: the portable kernel runs there from then on.
+# A per-device cache, not a setting: KernelOptions.use_tma stays what the caller asked for.
+_tma_failed: set[int] = set()
+
+
 def _tma_applies(a_q: torch.Tensor, b_q: torch.Tensor, c: torch.Tensor) -> bool:
-    """Hopper (sm90), large M, contiguous operands, TMA's 16-byte alignment of every row stride and base."""
-    if not USE_TMA or a_q.shape[0] < _AUTOTUNE_MIN_M:
-        return False
-    if _capability(a_q.device.index or 0)[0] != 9:
+    """Hopper (sm90), large M, contiguous operands, TMA's 16-byte alignment of every row stride and base, and
+    the kernel not known to fail on this device."""
+    device = a_q.device.index or 0
+    if a_q.shape[0] < _AUTOTUNE_MIN_M or _capability(device)[0] != 9 or device in _tma_failed:
         return False
     tensors = (a_q, b_q, c)
     return all(
@@ -475,13 +325,7 @@ def _tma_applies(a_q: torch.Tensor, b_q: torch.Tensor, c: torch.Tensor) -> bool:
     )
 
 
-@functools.cache
-def _capability(device_index: int) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(device_index)
-
-
-def _scaled_mm_tma(a_q, b_q, c, a_scale, b_scale, bias, flags, act=None) -> None:
-    """act = (h, act_out or None, absmax, part, ACT code) for the fused activation-backward epilogue."""
+def _scaled_mm_tma(a_q, b_q, c, a_scale, b_scale, bias, flags) -> None:
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     m, k = a_q.shape
@@ -491,7 +335,6 @@ def _scaled_mm_tma(a_q, b_q, c, a_scale, b_scale, bias, flags, act=None) -> None
     b_desc = TensorDescriptor.from_tensor(b_q, [1, 16])
     c_desc = TensorDescriptor.from_tensor(c, [1, 16])
     num_sms = _num_sms(a_q.device.index or 0)
-    scratch = torch.empty((1,), dtype=torch.float32, device=a_q.device)
 
     def grid(meta):
         return (min(num_sms, triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"])),)
@@ -506,11 +349,6 @@ def _scaled_mm_tma(a_q, b_q, c, a_scale, b_scale, bias, flags, act=None) -> None
         bias if bias is not None else c,
         a_q,
         c,
-        # Unused pointers get tensors of the same dtypes as in the fused call, so both share one tuning.
-        c if act is None else act[0],
-        c if act is None or act[1] is None else act[1],
-        scratch if act is None else act[2],
-        scratch if act is None else act[3],
         m,
         n,
         k,
@@ -519,38 +357,28 @@ def _scaled_mm_tma(a_q, b_q, c, a_scale, b_scale, bias, flags, act=None) -> None
         B_SCALE_PER_ROW=flags["B_SCALE_PER_ROW"],
         HAS_BIAS=flags["HAS_BIAS"],
         IS_INT=flags["IS_INT"],
-        ACT=0 if act is None else act[4],
-        WRITE_A=act is not None and act[1] is not None,
     )
 
 
-def _run_tma(a_q, b_q, c, a_scale, b_scale, bias, flags, act=None) -> bool:
-    """Launch the TMA kernel; if it cannot be built here (a Triton version without tensor descriptors or
-    with a compiler bug), warn once, switch it off for the process and return False (the caller then runs
-    the portable kernel, which computes the same result)."""
-    global USE_TMA
+def _run_tma(a_q, b_q, c, a_scale, b_scale, bias, flags) -> bool:
+    """Launch the TMA kernel; if it cannot be built here (a Triton version without tensor descriptors, or a
+    compiler bug), warn, remember the device and return False: the caller then runs the portable kernel,
+    which computes the same result."""
     try:
-        _scaled_mm_tma(a_q, b_q, c, a_scale, b_scale, bias, flags, act)
+        _scaled_mm_tma(a_q, b_q, c, a_scale, b_scale, bias, flags)
     except Exception as err:  # compile errors surface as many exception types across Triton versions
         if isinstance(err, torch.cuda.OutOfMemoryError):
             raise
+        device = a_q.device.index or 0
         logger.warning(
-            "hf_switchback: TMA GEMM unavailable (%s: %s); using the portable kernel", type(err).__name__, err
+            "hf_switchback: TMA GEMM unavailable on cuda:%d (%s: %s); using the portable kernel there",
+            device,
+            type(err).__name__,
+            err,
         )
-        USE_TMA = False
+        _tma_failed.add(device)
         return False
     return True
-
-
-_autotuned_kernel = triton.autotune(configs=_configs(), key=["M_BUCKET", "N", "K", "stride_am", "stride_bn"])(
-    _scaled_mm_kernel
-)
-
-
-@functools.cache
-def _needs_fp8_upcast(device_index: int) -> bool:
-    # fp8 tensor cores exist from sm89 (Ada) on.
-    return torch.cuda.get_device_capability(device_index) < (8, 9)
 
 
 def scaled_matmul(
@@ -562,6 +390,7 @@ def scaled_matmul(
     out_dtype: torch.dtype,
     *,
     wrap=None,
+    use_tma: bool = False,
 ) -> torch.Tensor:
     """a_q (M, K), b_q (N, K) both int8 or both float8; a_scale (M,) float32; b_scale (N,) or () float32;
     bias (N,) or None -> (M, N) out_dtype. Same contract as `reference.scaled_matmul`.
@@ -569,7 +398,7 @@ def scaled_matmul(
     wrap: None launches the kernels here; `torch.library.wrap_triton` (inside a `triton_op`, see ops.py)
     records the launch for torch.compile instead, which then calls the portable kernel straight from its
     generated code (the TMA kernel's host-side descriptors and tuning pre-hook are not traceable, so it is
-    skipped there).
+    skipped there). use_tma (KernelOptions.use_tma): the persistent TMA kernel where it applies.
     """
     if a_q.dtype != b_q.dtype:
         raise TypeError(f"scaled_matmul: operands must share a dtype, got {a_q.dtype} and {b_q.dtype}")
@@ -612,7 +441,7 @@ def scaled_matmul(
         IS_INT=is_int,
         UPCAST=not is_int and _needs_fp8_upcast(a_q.device.index or 0),
     )
-    tma = wrap is None and not flags["UPCAST"] and _tma_applies(a_q, b_q, c)
+    tma = use_tma and wrap is None and not flags["UPCAST"] and _tma_applies(a_q, b_q, c)
     if tma and _run_tma(a_q, b_q, c, a_scale, b_scale, bias, flags):
         return c
     wrap = wrap or launch_directly
@@ -647,58 +476,15 @@ def scaled_matmul_act_backward(
     qdtype: torch.dtype,
     activation: str,
     want_act: bool,
+    *,
+    use_tma: bool = False,
+    impl: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """act_backward_quantize_colsum(scaled_matmul(a_q, b_q, a_scale, b_scale, None, h.dtype), h, ...).
+    """act_backward_quantize_colsum(scaled_matmul(a_q, b_q, a_scale, b_scale, None, h.dtype), h, ...): fc2's
+    grad-input GEMM, then the activation backward + quantize + column sum of a fused MLP (impl picks its
+    kernels, see quantize.act_backward_impl)."""
+    grad_a = scaled_matmul(a_q, b_q, a_scale, b_scale, None, h.dtype, use_tma=use_tma)
+    return quantize.act_backward_quantize_colsum(grad_a, h, qdtype, activation, want_act, impl=impl)
 
-    With FUSE_ACT_EPILOGUE and USE_TMA (both off by default) on Hopper and a 16-bit h, the activation backward
-    runs in the GEMM's epilogue (grad_a is never written), then one per-row quantize pass; otherwise the two
-    steps run one after the other.
-    """
-    from . import quantize
-
-    m, n = a_q.shape[0], b_q.shape[0]
-    flags = dict(B_SCALE_PER_ROW=b_scale.dim() == 1, HAS_BIAS=False, IS_INT=a_q.dtype == torch.int8)
-    # 16-bit h only: with float32 h and grad_h tiles no tuned config fits the epilogue in shared memory (the
-    # H100 run built none, so every call paid a failed build before falling back).
-    fits = h.element_size() == 2
-    if FUSE_ACT_EPILOGUE and fits and m > 0 and n > 0 and h.is_contiguous() and h.shape == (m, n):
-        gh = torch.empty((m, n), dtype=h.dtype, device=h.device)
-        act = torch.empty((m, n) if want_act else (0,), dtype=h.dtype, device=h.device)
-        absmax = torch.zeros((m,), dtype=torch.float32, device=h.device)
-        # Room for the smallest BLOCK_M of the configs: each tile row-block writes one row of partial sums.
-        part = torch.zeros((triton.cdiv(m, 128), n), dtype=torch.float32, device=h.device)
-        if not _needs_fp8_upcast(a_q.device.index or 0) and _tma_applies(a_q, b_q, gh):
-            extra = (h, act if want_act else None, absmax, part, ACT_CODES[activation])
-            scales = (a_scale.float().contiguous(), b_scale.float().contiguous())
-            if _run_act_epilogue(a_q, b_q, gh, *scales, flags, extra):
-                q, scale = quantize_rowwise_known_absmax(gh, absmax, qdtype)
-                return gh, act, q, scale, part.sum(dim=0)
-    grad_a = scaled_matmul(a_q, b_q, a_scale, b_scale, None, h.dtype)
-    return quantize.act_backward_quantize_colsum(grad_a, h, qdtype, activation, want_act)
-
-
-def _run_act_epilogue(a_q, b_q, gh, a_scale, b_scale, flags, extra) -> bool:
-    """Like _run_tma, for the fused epilogue: a failure to build it switches off only this fusion."""
-    global FUSE_ACT_EPILOGUE
-    try:
-        _scaled_mm_tma(a_q, b_q, gh, a_scale, b_scale, None, flags, extra)
-    except Exception as err:
-        if isinstance(err, torch.cuda.OutOfMemoryError):
-            raise
-        logger.warning(
-            "hf_switchback: fused activation-backward GEMM epilogue unavailable (%s: %s); running it apart",
-            type(err).__name__,
-            err,
-        )
-        FUSE_ACT_EPILOGUE = False
-        return False
-    return True
-
-
-# Run the activation backward in the grad-input GEMM's epilogue where the TMA kernel applies. Off: on the
-# H100 (triton 3.6) the tile config tuned for the plain GEMM of that shape ran out of shared memory with this
-# epilogue (262,176 > 232,448 bytes), and in its GPU tests it built for 16-bit h, never for
-# float32 h (now excluded). The next step is a tuning key / config pruning of its own.
-FUSE_ACT_EPILOGUE = False
 
 __all__ = ["scaled_matmul", "scaled_matmul_act_backward"]

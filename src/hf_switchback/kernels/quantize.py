@@ -17,18 +17,35 @@ import torch
 import triton
 import triton.language as tl
 
+from . import reference
+from .options import ACT_BACKWARD_IMPLS
 from .reference import QMAX, _check_qdtype
 
 # Rows up to this length are quantized from registers in one pass; longer rows take two passes over memory.
 _MAX_SINGLE_PASS = 8192
 # Tile of the 2-D (weight-sized) kernels.
 _TILE_M, _TILE_K = 64, 64
-
 _TL_QDTYPE = {
     torch.int8: tl.int8,
     torch.float8_e4m3fn: tl.float8e4nv,
     torch.float8_e5m2: tl.float8e5,
 }
+# Activations fused into the row quantizes of a SwitchBack MLP (kernels/reference.ACTIVATIONS lists them).
+ACT_CODES = {None: 0, "gelu": 1, "gelu_tanh": 2, "quick_gelu": 3}
+# Rows per program of the fused quantize + column-sum kernel: enough programs to fill the GPU, few enough
+# float32 partial sums (cdiv(M, ROWS) x K) that writing and reducing them costs far less than re-reading x.
+_COLSUM_PROGRAMS = 1024
+_COLSUM_MAX_ROWS = 64
+# KernelOptions.act_backward_impl "auto": whole rows per program ("rows": reads less, but a row of 4d values
+# must fit in one program's registers, which limits occupancy) up to this width, 2-D tiles ("tiles") above. On
+# the H100 "rows" won at 4d = 3072 (50432 rows: 0.60 vs 0.84 ms; 16448: 0.21 vs 0.30) and lost at 4d = 5120
+# (1.52 vs 1.38; 0.53 vs 0.47), BENCHMARKS.md, GEMM kernels.
+_ROWS_IMPL_MAX_K = 4096
+# Tile of the "tiles" activation backward.
+_BWD_TILE_M, _BWD_TILE_K = 32, 256
+
+
+# Kernels (launchers below).
 
 
 @triton.jit
@@ -60,10 +77,6 @@ def _scaled_clamped(x, safe_scale, inv_scale, QMAX_C: tl.constexpr, IS_INT: tl.c
 def _to_q(x, safe_scale, inv_scale, QMAX_C: tl.constexpr, IS_INT: tl.constexpr, Q_DTYPE: tl.constexpr):
     """float32 x -> q: _scaled_clamped, then the cast to the 8-bit dtype."""
     return _scaled_clamped(x, safe_scale, inv_scale, QMAX_C, IS_INT).to(Q_DTYPE)
-
-
-# Activations fused into the row quantizes of a SwitchBack MLP (kernels/reference.ACTIVATIONS lists them).
-ACT_CODES = {None: 0, "gelu": 1, "gelu_tanh": 2, "quick_gelu": 3}
 
 
 @triton.jit
@@ -346,6 +359,22 @@ def _quantize_2d_kernel(
     tl.store(q_ptrs, q, mask=mask)
 
 
+@triton.jit
+def _dequantize_rowwise_kernel(q_ptr, s_ptr, out_ptr, M, K, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    pid_m = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+    mask = (offs_m[:, None] < M) & (offs_k[None, :] < K)
+    offs = offs_m[:, None].to(tl.int64) * K + offs_k[None, :]
+    q = tl.load(q_ptr + offs, mask=mask).to(tl.float32)
+    s = tl.load(s_ptr + offs_m, mask=offs_m < M, other=0.0)
+    tl.store(out_ptr + offs, (q * s[:, None]).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+# Launchers: the public functions and their helpers.
+
+
 def _scale_args(qdtype: torch.dtype) -> dict:
     """The number/bool constexprs of an 8-bit target (all a kernel launched from Inductor's code may take)."""
     return dict(QMAX_C=_check_qdtype(qdtype), IS_INT=qdtype == torch.int8)
@@ -358,20 +387,6 @@ def _qargs(qdtype: torch.dtype) -> dict:
 def launch_directly(kernel):
     """The `wrap` of an eager launch: the kernel itself (a traced launch passes torch.library.wrap_triton)."""
     return kernel
-
-
-def quantize_rowwise(x: torch.Tensor, qdtype: torch.dtype = torch.int8) -> tuple[torch.Tensor, torch.Tensor]:
-    """(M, K) float -> (q (M, K) qdtype contiguous, scale (M,) float32), one scale per row."""
-    return _quantize_rowwise(x, qdtype, None)
-
-
-def act_quantize_rowwise(
-    h: torch.Tensor, qdtype: torch.dtype, activation: str
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """quantize_rowwise(act(h) rounded to h's dtype), h read once and act(h) never written."""
-    if activation not in ACT_CODES or activation is None:
-        raise ValueError(f"unsupported activation {activation!r}; expected one of {list(ACT_CODES)[1:]}")
-    return _quantize_rowwise(h, qdtype, activation)
 
 
 def _quantize_rowwise(x: torch.Tensor, qdtype: torch.dtype, activation: str | None):
@@ -398,15 +413,27 @@ def _quantize_rowwise(x: torch.Tensor, qdtype: torch.dtype, activation: str | No
     return q, scale
 
 
-# Rows per program of the fused quantize + column-sum kernel: enough programs to fill the GPU, few enough
-# float32 partial sums (cdiv(M, ROWS) x K) that writing and reducing them costs far less than re-reading x.
-_COLSUM_PROGRAMS = 1024
-_COLSUM_MAX_ROWS = 64
+def quantize_rowwise(x: torch.Tensor, qdtype: torch.dtype = torch.int8) -> tuple[torch.Tensor, torch.Tensor]:
+    """(M, K) float -> (q (M, K) qdtype contiguous, scale (M,) float32), one scale per row."""
+    return _quantize_rowwise(x, qdtype, None)
+
+
+def act_quantize_rowwise(
+    h: torch.Tensor, qdtype: torch.dtype, activation: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """quantize_rowwise(act(h) rounded to h's dtype), h read once and act(h) never written."""
+    if activation not in ACT_CODES or activation is None:
+        raise ValueError(f"unsupported activation {activation!r}; expected one of {list(ACT_CODES)[1:]}")
+    return _quantize_rowwise(h, qdtype, activation)
 
 
 def colsum_in_one_pass(x: torch.Tensor) -> bool:
     """Whether quantize_rowwise_colsum(x) runs its one-pass kernel (else two passes, see there)."""
     return x.shape[0] > 0 and 0 < x.shape[1] <= _MAX_SINGLE_PASS
+
+
+def _colsum_rows(m: int) -> int:
+    return min(_COLSUM_MAX_ROWS, triton.next_power_of_2(triton.cdiv(m, _COLSUM_PROGRAMS)))
 
 
 def quantize_rowwise_colsum(
@@ -448,28 +475,56 @@ def quantize_rowwise_colsum(
     return q, scale, part.sum(dim=0)
 
 
-def _colsum_rows(m: int) -> int:
-    return min(_COLSUM_MAX_ROWS, triton.next_power_of_2(triton.cdiv(m, _COLSUM_PROGRAMS)))
-
-
-# How act_backward_quantize_colsum runs on the GPU: "tiles" = two 2-D tiled passes (activation backward with
-# row absmax and column sums, then quantize with the known scales: re-reads grad_h once, every program
-# independent); "rows" = one pass with whole rows per program (reads less, but a row of 4d values must fit
-# in one program's registers, which limits occupancy). Both give bitwise the same q, scale. "auto" picks per
-# width: on the H100 "rows" wins at 4d = 3072 (50432 rows: 0.60 vs 0.84 ms; 16448: 0.21 vs 0.30) and loses at
-# 4d = 5120 (1.52 vs 1.38; 0.53 vs 0.47), BENCHMARKS.md, GEMM kernels.
-ACT_BACKWARD_IMPL = "auto"
-_ROWS_IMPL_MAX_K = 4096
-_BWD_TILE_M, _BWD_TILE_K = 32, 256
-
-
-def act_backward_impl(k: int) -> str:
-    """The implementation act_backward_quantize_colsum runs for rows of k values (ACT_BACKWARD_IMPL resolved)."""
-    if ACT_BACKWARD_IMPL not in ("auto", "tiles", "rows"):
-        raise ValueError(f"ACT_BACKWARD_IMPL must be 'auto', 'tiles' or 'rows', got {ACT_BACKWARD_IMPL!r}")
-    if ACT_BACKWARD_IMPL == "auto":
+def act_backward_impl(k: int, impl: str = "auto") -> str:
+    """The implementation ("rows" or "tiles") act_backward_quantize_colsum runs for rows of k values."""
+    if impl not in ACT_BACKWARD_IMPLS:
+        raise ValueError(f"act_backward_impl must be one of {ACT_BACKWARD_IMPLS}, got {impl!r}")
+    if impl == "auto":
         return "rows" if k <= _ROWS_IMPL_MAX_K else "tiles"
-    return ACT_BACKWARD_IMPL
+    return impl
+
+
+def _absmax_partials(x: torch.Tensor) -> torch.Tensor:
+    """(M, K) -> (cdiv(M, TILE_M), K) float32 column absmax per row tile."""
+    m, k = x.shape
+    grid = (triton.cdiv(m, _TILE_M), triton.cdiv(k, _TILE_K))
+    part = torch.empty((grid[0], k), dtype=torch.float32, device=x.device)
+    _col_absmax_kernel[grid](x, part, m, k, x.stride(0), x.stride(1), BLOCK_M=_TILE_M, BLOCK_K=_TILE_K)
+    return part
+
+
+def _quantize_2d(x, absmax, per: str, transpose: bool, qdtype: torch.dtype):
+    """Quantize x (M, K) with a known absmax per "row" (M,), per "column" (K,) or for the "tensor" ();
+    transpose writes q as (K, M)."""
+    m, k = x.shape
+    q = torch.empty((k, m) if transpose else (m, k), dtype=qdtype, device=x.device)
+    scale = torch.empty(
+        {"row": (m,), "column": (k,), "tensor": ()}[per], dtype=torch.float32, device=x.device
+    )
+    q_strides = (q.stride(1), q.stride(0)) if transpose else (q.stride(0), q.stride(1))
+    grid = (triton.cdiv(m, _TILE_M), triton.cdiv(k, _TILE_K))
+    _quantize_2d_kernel[grid](
+        x,
+        q,
+        absmax,
+        scale,
+        m,
+        k,
+        x.stride(0),
+        x.stride(1),
+        *q_strides,
+        PER_COLUMN=per == "column",
+        PER_ROW=per == "row",
+        BLOCK_M=_TILE_M,
+        BLOCK_K=_TILE_K,
+        **_qargs(qdtype),
+    )
+    return q, scale
+
+
+def quantize_rowwise_known_absmax(x: torch.Tensor, absmax: torch.Tensor, qdtype: torch.dtype):
+    """quantize_rowwise(x) given its exact row absmax (M,) float32: a fully parallel 2-D tiled pass."""
+    return _quantize_2d(x, absmax, "row", transpose=False, qdtype=qdtype)
 
 
 def _act_backward_tiles(grad, h, qdtype, activation, want_act):
@@ -502,50 +557,28 @@ def _act_backward_tiles(grad, h, qdtype, activation, want_act):
     return gh, act, q, scale, part.sum(dim=0)
 
 
-def quantize_rowwise_known_absmax(x: torch.Tensor, absmax: torch.Tensor, qdtype: torch.dtype):
-    """quantize_rowwise(x) given its exact row absmax (M,) float32: a fully parallel 2-D tiled pass."""
-    m, k = x.shape
-    q = torch.empty((m, k), dtype=qdtype, device=x.device)
-    scale = torch.empty((m,), dtype=torch.float32, device=x.device)
-    grid = (triton.cdiv(m, _TILE_M), triton.cdiv(k, _TILE_K))
-    _quantize_2d_kernel[grid](
-        x,
-        q,
-        absmax,
-        scale,
-        m,
-        k,
-        x.stride(0),
-        x.stride(1),
-        q.stride(0),
-        q.stride(1),
-        PER_COLUMN=False,
-        PER_ROW=True,
-        BLOCK_M=_TILE_M,
-        BLOCK_K=_TILE_K,
-        **_qargs(qdtype),
-    )
-    return q, scale
-
-
 def act_backward_quantize_colsum(
-    grad: torch.Tensor, h: torch.Tensor, qdtype: torch.dtype, activation: str, want_act: bool
+    grad: torch.Tensor,
+    h: torch.Tensor,
+    qdtype: torch.dtype,
+    activation: str,
+    want_act: bool,
+    *,
+    impl: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Backward of act at h with output gradient `grad`, fused with what fc1's backward needs of it.
 
     grad, h (M, K) float -> (grad_h (M, K) grad.dtype, act(h) (M, K) h.dtype or (0,) when not want_act,
     q (M, K) qdtype, scale (M,) float32, grad_h.sum(0) float32): q, scale = quantize_rowwise(grad_h).
-    ACT_BACKWARD_IMPL picks the kernels (act_backward_impl). The "rows" kernel takes rows up to the single-pass
-    limit (longer ones use the torch twin).
+    impl (KernelOptions.act_backward_impl) picks the kernels, see act_backward_impl. The "rows" kernel takes
+    rows up to the single-pass limit (longer ones use the torch twin).
     """
-    from . import reference
-
     m, k = grad.shape
     if activation not in ACT_CODES or activation is None:
         raise ValueError(f"unsupported activation {activation!r}; expected one of {list(ACT_CODES)[1:]}")
     if m == 0 or k == 0:
         return reference.act_backward_quantize_colsum(grad, h, qdtype, activation, want_act)
-    if act_backward_impl(k) == "tiles":
+    if act_backward_impl(k, impl) == "tiles":
         return _act_backward_tiles(grad, h, qdtype, activation, want_act)
     if k > _MAX_SINGLE_PASS:
         return reference.act_backward_quantize_colsum(grad, h, qdtype, activation, want_act)
@@ -581,39 +614,6 @@ def act_backward_quantize_colsum(
     return gh, act, q, scale, part.sum(dim=0)
 
 
-def _absmax_partials(x: torch.Tensor) -> torch.Tensor:
-    """(M, K) -> (cdiv(M, TILE_M), K) float32 column absmax per row tile."""
-    m, k = x.shape
-    grid = (triton.cdiv(m, _TILE_M), triton.cdiv(k, _TILE_K))
-    part = torch.empty((grid[0], k), dtype=torch.float32, device=x.device)
-    _col_absmax_kernel[grid](x, part, m, k, x.stride(0), x.stride(1), BLOCK_M=_TILE_M, BLOCK_K=_TILE_K)
-    return part
-
-
-def _quantize_2d(x, absmax, per_column: bool, transpose: bool, qdtype: torch.dtype):
-    m, k = x.shape
-    q = torch.empty((k, m) if transpose else (m, k), dtype=qdtype, device=x.device)
-    scale = torch.empty((k,) if per_column else (), dtype=torch.float32, device=x.device)
-    q_strides = (q.stride(1), q.stride(0)) if transpose else (q.stride(0), q.stride(1))
-    grid = (triton.cdiv(m, _TILE_M), triton.cdiv(k, _TILE_K))
-    _quantize_2d_kernel[grid](
-        x,
-        q,
-        absmax,
-        scale,
-        m,
-        k,
-        x.stride(0),
-        x.stride(1),
-        *q_strides,
-        PER_COLUMN=per_column,
-        BLOCK_M=_TILE_M,
-        BLOCK_K=_TILE_K,
-        **_qargs(qdtype),
-    )
-    return q, scale
-
-
 def _tensorwise(x: torch.Tensor, qdtype: torch.dtype, transpose: bool):
     _check_qdtype(qdtype)
     m, k = x.shape
@@ -621,7 +621,7 @@ def _tensorwise(x: torch.Tensor, qdtype: torch.dtype, transpose: bool):
         shape = (k, m) if transpose else (m, k)
         return torch.zeros(shape, dtype=qdtype, device=x.device), torch.zeros((), device=x.device)
     absmax = _absmax_partials(x).amax()
-    return _quantize_2d(x, absmax, per_column=False, transpose=transpose, qdtype=qdtype)
+    return _quantize_2d(x, absmax, "tensor", transpose=transpose, qdtype=qdtype)
 
 
 def quantize_tensorwise(
@@ -643,20 +643,7 @@ def quantize_rowwise_transposed(w: torch.Tensor, qdtype: torch.dtype = torch.int
     if w.numel() == 0:
         return torch.zeros((k, n), dtype=qdtype, device=w.device), torch.zeros((k,), device=w.device)
     absmax = _absmax_partials(w).amax(dim=0)
-    return _quantize_2d(w, absmax, per_column=True, transpose=True, qdtype=qdtype)
-
-
-@triton.jit
-def _dequantize_rowwise_kernel(q_ptr, s_ptr, out_ptr, M, K, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
-    pid_m = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
-    mask = (offs_m[:, None] < M) & (offs_k[None, :] < K)
-    offs = offs_m[:, None].to(tl.int64) * K + offs_k[None, :]
-    q = tl.load(q_ptr + offs, mask=mask).to(tl.float32)
-    s = tl.load(s_ptr + offs_m, mask=offs_m < M, other=0.0)
-    tl.store(out_ptr + offs, (q * s[:, None]).to(out_ptr.dtype.element_ty), mask=mask)
+    return _quantize_2d(w, absmax, "column", transpose=True, qdtype=qdtype)
 
 
 def dequantize_rowwise(

@@ -1,7 +1,9 @@
 """Torch reference kernels: the CPU path, and the oracle every Triton kernel is tested against.
 
 Every function here has a Triton twin with the same name and signature in `kernels/ops.py`; the functional
-layer only ever calls them through `kernels.backends.get_kernels(name)`, so the two are interchangeable.
+layer only ever calls them through `kernels.backends.get_kernels`, so the two are interchangeable. The
+kernel-set functions take the caller's KernelOptions as `options` and ignore it: the reference has one
+implementation of each step.
 
 Conventions (shared with the Triton twins, tests rely on them):
 - Symmetric absmax quantization: scale = absmax / QMAX (float32), q = round_half_even(x / scale) clipped to
@@ -14,6 +16,8 @@ Conventions (shared with the Triton twins, tests rely on them):
 from __future__ import annotations
 
 import torch
+
+from .options import KernelOptions
 
 # Largest representable magnitude of each 8-bit format: the "127" of absmax scaling.
 QMAX = {
@@ -36,7 +40,9 @@ def _to_qdtype(scaled: torch.Tensor, qdtype: torch.dtype, qmax: float) -> torch.
     return scaled.clamp(-qmax, qmax).to(qdtype)
 
 
-def quantize_rowwise(x: torch.Tensor, qdtype: torch.dtype = torch.int8) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_rowwise(
+    x: torch.Tensor, qdtype: torch.dtype = torch.int8, *, options: KernelOptions | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(M, K) float -> (q (M, K) qdtype, scale (M,) float32), one scale per row (per token)."""
     qmax = _check_qdtype(qdtype)
     xf = x.float()
@@ -46,7 +52,7 @@ def quantize_rowwise(x: torch.Tensor, qdtype: torch.dtype = torch.int8) -> tuple
 
 
 def quantize_rowwise_colsum(
-    x: torch.Tensor, qdtype: torch.dtype = torch.int8
+    x: torch.Tensor, qdtype: torch.dtype = torch.int8, *, options: KernelOptions | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """quantize_rowwise(x) and x.sum(dim=0) in float32: an output gradient's 8-bit form and its bias gradient.
 
@@ -57,7 +63,7 @@ def quantize_rowwise_colsum(
 
 
 def quantize_tensorwise(
-    x: torch.Tensor, qdtype: torch.dtype = torch.int8
+    x: torch.Tensor, qdtype: torch.dtype = torch.int8, *, options: KernelOptions | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(M, K) float -> (q (M, K) qdtype, scale () float32), one scale for the whole tensor."""
     qmax = _check_qdtype(qdtype)
@@ -67,7 +73,9 @@ def quantize_tensorwise(
     return _to_qdtype(xf / safe, qdtype, qmax), scale
 
 
-def quantize_rowwise_transposed(w: torch.Tensor, qdtype: torch.dtype = torch.int8):
+def quantize_rowwise_transposed(
+    w: torch.Tensor, qdtype: torch.dtype = torch.int8, *, options: KernelOptions | None = None
+):
     """(N, K) -> quantize_rowwise(w.T): (K, N) q with one scale per column of w (per input channel).
 
     This is the weight operand of grad-input for weight_scaling="row" (dX = G @ W, inner dim N).
@@ -75,14 +83,20 @@ def quantize_rowwise_transposed(w: torch.Tensor, qdtype: torch.dtype = torch.int
     return quantize_rowwise(w.t(), qdtype)
 
 
-def quantize_tensorwise_transposed(w: torch.Tensor, qdtype: torch.dtype = torch.int8):
+def quantize_tensorwise_transposed(
+    w: torch.Tensor, qdtype: torch.dtype = torch.int8, *, options: KernelOptions | None = None
+):
     """(N, K) -> quantize_tensorwise(w.T): the grad-input weight operand for weight_scaling="tensor"."""
     q, scale = quantize_tensorwise(w, qdtype)
     return q.t().contiguous(), scale
 
 
 def dequantize_rowwise(
-    q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32
+    q: torch.Tensor,
+    scale: torch.Tensor,
+    dtype: torch.dtype = torch.float32,
+    *,
+    options: KernelOptions | None = None,
 ) -> torch.Tensor:
     """Inverse of quantize_rowwise: (M, K) q, (M,) scale -> (M, K) dtype."""
     return (q.float() * scale[:, None]).to(dtype)
@@ -131,14 +145,20 @@ def activation_backward(grad: torch.Tensor, h: torch.Tensor, activation: str) ->
 
 
 def act_quantize_rowwise(
-    h: torch.Tensor, qdtype: torch.dtype, activation: str
+    h: torch.Tensor, qdtype: torch.dtype, activation: str, *, options: KernelOptions | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """quantize_rowwise(act(h)): fc2's input operand in a fused MLP. The Triton twin never writes act(h)."""
     return quantize_rowwise(apply_activation(h, activation), qdtype)
 
 
 def act_backward_quantize_colsum(
-    grad: torch.Tensor, h: torch.Tensor, qdtype: torch.dtype, activation: str, want_act: bool
+    grad: torch.Tensor,
+    h: torch.Tensor,
+    qdtype: torch.dtype,
+    activation: str,
+    want_act: bool,
+    *,
+    options: KernelOptions | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(grad_h, act(h) or an empty (0,) tensor, *quantize_rowwise_colsum(grad_h)) for grad_h = grad * act'(h).
 
@@ -150,6 +170,21 @@ def act_backward_quantize_colsum(
     return (grad_h, act, *quantize_rowwise_colsum(grad_h, qdtype))
 
 
+def scaled_matmul_recompute(
+    a_q: torch.Tensor,
+    b_q: torch.Tensor,
+    a_scale: torch.Tensor,
+    b_scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    out_dtype: torch.dtype,
+    *,
+    options: KernelOptions | None = None,
+) -> torch.Tensor:
+    """scaled_matmul, called by backward to recompute a forward GEMM's output (the kernel set used under
+    torch.compile makes it a separate op; see kernels/compiled.py)."""
+    return scaled_matmul(a_q, b_q, a_scale, b_scale, bias, out_dtype, options=options)
+
+
 def scaled_matmul_act_backward(
     a_q: torch.Tensor,
     b_q: torch.Tensor,
@@ -159,10 +194,11 @@ def scaled_matmul_act_backward(
     qdtype: torch.dtype,
     activation: str,
     want_act: bool,
+    *,
+    options: KernelOptions | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """fc2's grad-input GEMM followed by the activation backward of a fused MLP:
-    act_backward_quantize_colsum(scaled_matmul(a_q, b_q, a_scale, b_scale, None, h.dtype), h, ...).
-    The Triton twin runs the second step in the GEMM's epilogue on Hopper."""
+    act_backward_quantize_colsum(scaled_matmul(a_q, b_q, a_scale, b_scale, None, h.dtype), h, ...)."""
     grad_a = scaled_matmul(a_q, b_q, a_scale, b_scale, None, h.dtype)
     return act_backward_quantize_colsum(grad_a, h, qdtype, activation, want_act)
 
@@ -186,6 +222,8 @@ def scaled_matmul(
     b_scale: torch.Tensor,
     bias: torch.Tensor | None,
     out_dtype: torch.dtype,
+    *,
+    options: KernelOptions | None = None,
 ) -> torch.Tensor:
     """8-bit GEMM with the fused dequantize(+bias) epilogue.
 
@@ -221,4 +259,5 @@ __all__ = [
     "quantize_tensorwise_transposed",
     "scaled_matmul",
     "scaled_matmul_act_backward",
+    "scaled_matmul_recompute",
 ]

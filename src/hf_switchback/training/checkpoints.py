@@ -1,51 +1,142 @@
 """Checkpoints of examples/train_clip.py: accelerate's save_state (model, optimizer, scheduler, RNG of every rank)
-plus our data position, and the run's train_log.jsonl.
+plus our data position, and the run's output directory (train_log.jsonl, all_results.json).
 
-Layout: <output_dir>/checkpoints/step_<N>/ holds what `accelerator.save_state` writes and one
-train_state_rank<R>.json per rank ({"step", "epoch", "batch_in_epoch", "loss_sum", "num_skipped"}).
+Layout: <output_dir>/checkpoints/step_<N>/ holds what `accelerator.save_state` writes, one
+train_state_rank<R>.json per rank ({"step", "epoch", "batch_in_epoch", "loss_sum", "num_skipped", ...}) and
+checkpoint.json ({"step", "fingerprint"}), the completion marker.
+
+A checkpoint is never seen half written: every rank writes into .step_<N>.tmp/, the main process writes the
+marker last and renames the folder to step_<N>/ (a rename within a directory is atomic). A kill at any
+moment leaves either the new complete checkpoint or a temporary folder that `latest` never picks and the next
+save removes; the rotation deletes old checkpoints only after the new one is complete. `latest` is decided
+on the main process and broadcast, so every rank resumes from the same step (OpenCLIP does the same).
+
+The run fingerprint (model config, data, batch geometry, world size, schedule length) is stored in the
+marker and checked on resume: continuing a checkpoint under other settings silently trains something else.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import logging
 import os
 import re
 import shutil
 
+logger = logging.getLogger(__name__)
+
 CHECKPOINT_PREFIX = "step_"
+MARKER = "checkpoint.json"
+# What a finished or interrupted run leaves in its output_dir: a new run there would mix with it.
+RUN_FILES = ("checkpoints", "all_results.json", "train_log.jsonl", "model.safetensors")
+CLEARED_ON_OVERWRITE = ("checkpoints", "all_results.json", "train_log.jsonl", "spike_monitor.png")
 
 
 def checkpoint_dirs(output_dir: str) -> list[str]:
-    """The step_<N> checkpoint directories under <output_dir>/checkpoints, oldest (smallest N) first."""
+    """The complete step_<N> checkpoints under <output_dir>/checkpoints, oldest (smallest N) first."""
     root = os.path.join(output_dir, "checkpoints")
     if not os.path.isdir(root):
         return []
     names = [n for n in os.listdir(root) if re.fullmatch(rf"{CHECKPOINT_PREFIX}\d+", n)]
+    names = [n for n in names if os.path.isfile(os.path.join(root, n, MARKER))]
     return [os.path.join(root, n) for n in sorted(names, key=lambda n: int(n[len(CHECKPOINT_PREFIX) :]))]
 
 
-def resolve_checkpoint(args) -> str | None:
-    """The directory --resume_from_checkpoint names ('latest': the newest in output_dir), or None."""
+def check_checkpoint(path: str) -> None:
+    """Raise ValueError naming the problem when `path` is not a complete checkpoint of this script."""
+    if not os.path.isdir(path):
+        raise ValueError(f"--resume_from_checkpoint {path!r} is not a directory")
+    if os.path.isfile(os.path.join(path, MARKER)):
+        return
+    if checkpoint_dirs(path):
+        raise ValueError(
+            f"--resume_from_checkpoint {path!r} is an output_dir, not a checkpoint: pass "
+            f"--output_dir {path} --resume_from_checkpoint latest"
+        )
+    raise ValueError(
+        f"--resume_from_checkpoint {path!r} is not a complete checkpoint (no {MARKER}): an interrupted save, "
+        "another tool's folder, or not a checkpoint. Checkpoints are <output_dir>/checkpoints/step_<N>; "
+        "'latest' picks the newest complete one"
+    )
+
+
+def resolve_checkpoint(args, accelerator=None) -> str | None:
+    """The checkpoint --resume_from_checkpoint names ('latest': the newest complete one in output_dir, decided
+    on the main process and broadcast), or None. A named directory must be a complete checkpoint."""
     if not args.resume_from_checkpoint:
         return None
-    if args.resume_from_checkpoint == "latest":
+    if args.resume_from_checkpoint != "latest":
+        check_checkpoint(args.resume_from_checkpoint)
+        return args.resume_from_checkpoint
+    choice = [None]
+    if accelerator is None or accelerator.is_main_process:
         found = checkpoint_dirs(args.output_dir)
-        return found[-1] if found else None
-    return args.resume_from_checkpoint
+        choice = [found[-1] if found else None]
+    if accelerator is not None and accelerator.num_processes > 1:
+        from accelerate.utils import broadcast_object_list
+
+        broadcast_object_list(choice, from_process=0)
+    return choice[0]
 
 
-def save_checkpoint(accelerator, args, state: dict) -> None:
-    """save_state + every rank's train state; keeps the newest --checkpoints_total_limit checkpoints."""
-    path = os.path.join(args.output_dir, "checkpoints", f"{CHECKPOINT_PREFIX}{state['step']}")
-    accelerator.save_state(path)
+def save_checkpoint(accelerator, args, state: dict, fingerprint: dict | None = None) -> str:
+    """save_state + every rank's train state + the marker, made visible at once; keeps the newest
+    --checkpoints_total_limit complete checkpoints. Returns the checkpoint's path."""
+    root = os.path.join(args.output_dir, "checkpoints")
+    name = f"{CHECKPOINT_PREFIX}{state['step']}"
+    final, tmp = os.path.join(root, name), os.path.join(root, f".{name}.tmp")
+    if accelerator.is_main_process:
+        shutil.rmtree(tmp, ignore_errors=True)  # left by a save that was killed
+        os.makedirs(tmp)
+    accelerator.wait_for_everyone()
+    accelerator.save_state(tmp)
     # Every rank has its own data position (streams are per rank), so every rank writes its own file.
-    with open(os.path.join(path, f"train_state_rank{accelerator.process_index}.json"), "w") as f:
-        json.dump(state, f)
+    _write_json(os.path.join(tmp, f"train_state_rank{accelerator.process_index}.json"), state)
     accelerator.wait_for_everyone()
-    if accelerator.is_main_process and args.checkpoints_total_limit:
-        for old in checkpoint_dirs(args.output_dir)[: -args.checkpoints_total_limit]:
+    if accelerator.is_main_process:
+        _sync_tree(tmp)
+        _write_json(os.path.join(tmp, MARKER), {"step": state["step"], "fingerprint": fingerprint})
+        if os.path.exists(final):  # the same step saved again (a resumed run): the new one replaces it
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        _sync_dir(root)
+        _rotate(root, args.checkpoints_total_limit)
+    accelerator.wait_for_everyone()
+    return final
+
+
+def _rotate(root: str, keep: int | None) -> None:
+    """Drop complete checkpoints beyond the newest `keep`, and temporary folders of killed saves."""
+    for entry in os.listdir(root):
+        if entry.startswith(".") and entry.endswith(".tmp"):
+            shutil.rmtree(os.path.join(root, entry), ignore_errors=True)
+    if keep:
+        for old in checkpoint_dirs(os.path.dirname(root))[:-keep]:
             shutil.rmtree(old, ignore_errors=True)
-    accelerator.wait_for_everyone()
+
+
+def _write_json(path: str, data) -> None:
+    with open(path, "w") as f:
+        json.dump(data, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _sync_tree(path: str) -> None:
+    """fsync every file under `path`: the marker must not reach the disk before the data it vouches for."""
+    for folder, _dirs, files in os.walk(path):
+        for name in files:
+            with open(os.path.join(folder, name), "rb") as f:
+                os.fsync(f.fileno())
+
+
+def _sync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def load_train_state(path: str, rank: int) -> dict:
@@ -58,6 +149,107 @@ def load_train_state(path: str, rank: int) -> dict:
         return json.load(f)
 
 
+# ---------------------------------------------------------------------------------------------------------------
+# Run fingerprint: what must not change between a checkpoint and the run that resumes it.
+# ---------------------------------------------------------------------------------------------------------------
+def config_digest(config: dict) -> str:
+    """sha256 (16 hex) of a model config dict, without the keys that change with no effect on the model."""
+
+    def clean(value):
+        if isinstance(value, dict):
+            return {
+                str(k): clean(v)
+                for k, v in value.items()
+                if not str(k).startswith("_") and k != "transformers_version"
+            }
+        return value
+
+    text = json.dumps(clean(config), sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def data_description(args) -> str:
+    """The training data as the flags name it (synthetic: its size), for the fingerprint."""
+    flags = ("train_file", "train_data_dir", "train_shards", "dataset_name", "dataset_config_name")
+    given = [f"{k}={getattr(args, k)}" for k in flags if getattr(args, k, None)]
+    if not given:
+        return f"synthetic({args.synthetic_train_samples})"
+    return ", ".join(given + [f"split={args.train_split}"] * bool(args.dataset_name or args.train_data_dir))
+
+
+def run_fingerprint(args, model_config: dict, world_size: int) -> dict:
+    """The settings a checkpoint is only valid under; args.max_train_steps must be resolved already."""
+    return {
+        "model_config": config_digest(model_config),
+        "data": data_description(args),
+        "seed": args.seed,
+        "global_batch": args.batch_size * args.accum_freq * world_size,
+        "batch_size": args.batch_size,
+        "accum_freq": args.accum_freq,
+        "world_size": world_size,
+        "max_train_steps": args.max_train_steps,
+    }
+
+
+def check_fingerprint(checkpoint: str, current: dict, allow_mismatch: bool = False) -> list[str]:
+    """Compare the checkpoint's fingerprint with this run's; raise ValueError naming every changed field
+    unless `allow_mismatch` (then warn). Returns the differences."""
+    with open(os.path.join(checkpoint, MARKER)) as f:
+        saved = json.load(f).get("fingerprint") or {}
+    changed = [
+        f"{key}: {saved[key]!r} in the checkpoint, {value!r} now"
+        for key, value in current.items()
+        if key in saved and saved[key] != value
+    ]
+    if changed and not allow_mismatch:
+        raise ValueError(
+            f"{checkpoint} was written by a run with other settings ({'; '.join(changed)}): resuming it would not "
+            "continue that run. Use the original settings, another --output_dir, or --allow_resume_mismatch to "
+            "resume anyway"
+        )
+    if changed:
+        logger.warning("resuming %s with changed settings (--allow_resume_mismatch): %s", checkpoint, changed)
+    return changed
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The output directory: one run per directory, results and log
+# ---------------------------------------------------------------------------------------------------------------
+def check_output_dir(output_dir: str, resume: bool, overwrite: bool) -> None:
+    """Refuse an output_dir that is a file, or that holds a previous run unless resuming or overwriting it."""
+    if os.path.exists(output_dir) and not os.path.isdir(output_dir):
+        raise ValueError(f"--output_dir {output_dir!r} is a file, not a directory")
+    if resume or overwrite or not os.path.isdir(output_dir):
+        return
+    found = [name for name in RUN_FILES if os.path.exists(os.path.join(output_dir, name))]
+    if found:
+        raise ValueError(
+            f"--output_dir {output_dir!r} holds a previous run ({', '.join(found)}): pass "
+            "--resume_from_checkpoint latest to continue it, --overwrite_output_dir to replace it, or another "
+            "--output_dir"
+        )
+
+
+def clear_previous_run(output_dir: str) -> None:
+    """--overwrite_output_dir: remove the previous run's checkpoints, log and results (main process only), so
+    that neither `latest` nor a reader of the results can mistake them for this run's. The old model files
+    stay until the new ones replace them."""
+    for name in CLEARED_ON_OVERWRITE:
+        path = os.path.join(output_dir, name)
+        if os.path.isdir(path):
+            shutil.rmtree(path)
+        elif os.path.exists(path):
+            os.remove(path)
+
+
+def write_results(output_dir: str, results: dict) -> None:
+    """all_results.json, replaced at once (a reader never sees half a file)."""
+    path = os.path.join(output_dir, "all_results.json")
+    with open(path + ".tmp", "w") as f:
+        json.dump(results, f, indent=2)
+    os.replace(path + ".tmp", path)
+
+
 def append_log(accelerator, path: str, record: dict) -> None:
     """One JSON line per logging step / eval in <output_dir>/train_log.jsonl (main process; appends on resume)."""
     if accelerator.is_main_process:
@@ -66,10 +258,22 @@ def append_log(accelerator, path: str, record: dict) -> None:
 
 
 def reset_log(path: str, keep_until: int) -> None:
-    """Drop the lines of train_log.jsonl after step `keep_until` (a resumed run writes them again)."""
+    """Drop the lines of train_log.jsonl after step `keep_until` (a resumed run writes them again), and lines
+    that do not parse (a kill while a line was written leaves half of one)."""
     if not os.path.exists(path):
         return
+    kept, damaged = [], 0
     with open(path) as f:
-        kept = [line for line in f if line.strip() and json.loads(line)["step"] <= keep_until]
+        for line in f:
+            try:
+                record = json.loads(line)
+                step = int(record["step"])
+            except (ValueError, KeyError, TypeError):
+                damaged += line.strip() != ""
+                continue
+            if step <= keep_until:
+                kept.append(json.dumps(record) + "\n")
+    if damaged:
+        logger.warning("%s: dropped %d damaged line(s)", path, damaged)
     with open(path, "w") as f:
         f.writelines(kept)

@@ -12,12 +12,15 @@ import argparse
 import importlib.util
 import math
 import os
+import warnings
 
 from ..config import BACKENDS, GRAD_PRECISIONS, PRECISIONS, WEIGHT_SCALINGS, SwitchBackConfig
 from . import synthetic
-from .data import CAPTION_COLUMNS, IMAGE_COLUMNS
+from .checkpoints import check_checkpoint, check_output_dir
+from .data import CAPTION_COLUMNS, DEFAULT_MAX_IMAGE_PIXELS, IMAGE_COLUMNS
+from .guard import DEFAULT_MAX_CONSECUTIVE
 from .model_setup import SWITCHBACK_FLAGS, model_type
-from .optimizers import OPTIMIZER_CHOICES
+from .optim import OPTIMIZER_CHOICES
 from .runtime import COMPILE_MODES
 from .siglip_loss import DIST_IMPLS
 from .sources import has_real_data
@@ -32,7 +35,7 @@ UNSET_DEFAULTS = {
     "memory_efficient": _LIBRARY.memory_efficient,
     "precision": _LIBRARY.precision,
     "grad_precision": _LIBRARY.grad_precision,
-    "fuse_mlp": _LIBRARY.fuse_mlp,
+    "fuse_mlp": "on with --memory_efficient, else off",
     "target_modules": " ".join(_LIBRARY.target_modules),
     "exclude_modules": " ".join(_LIBRARY.exclude_modules),
     "backend": _LIBRARY.backend,
@@ -56,7 +59,7 @@ UNSET_DEFAULTS = {
     "compile_mode": "default",
     "resume_from_checkpoint": "none, start from scratch",
     "hub_model_id": "none",
-    "hub_token": "the logged-in one",
+    "hub_token": "HF_TOKEN, else the cached login",
 }
 
 
@@ -114,7 +117,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--memory_efficient",
         action=argparse.BooleanOptionalAction,
         default=None,
-        help="Save the 8-bit input for backward instead of the 16-bit one.",
+        help="The memory switch: save each linear's input in 8 bits for backward and fuse each MLP (its "
+        "fc1 output recomputed): about half of bf16's saved activations, so larger batches without "
+        "checkpointing; grad-weight from the 8-bit input (BENCHMARKS.md, Memory).",
     )
     g.add_argument(
         "--precision",
@@ -132,7 +137,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--fuse_mlp",
         action=argparse.BooleanOptionalAction,
         default=None,
-        help="Run each CLIP MLP as one fused SwitchBack op: ~20%% less activation memory, slower under compile.",
+        help="Run each CLIP MLP as one fused SwitchBack op: less activation memory, slower under compile "
+        "without --memory_efficient.",
     )
     g.add_argument("--target_modules", nargs="+", help="Module names / dotted suffixes to swap.")
     g.add_argument("--exclude_modules", nargs="+", help="Module names / dotted suffixes never to swap.")
@@ -186,6 +192,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--crop_scale_min", type=float, default=0.9, help="Random resized crop: smallest area kept."
     )
+    g.add_argument(
+        "--max_image_pixels",
+        type=int,
+        default=DEFAULT_MAX_IMAGE_PIXELS,
+        help="Skip images with more pixels, before decoding them (PIL's warning level, Image.MAX_IMAGE_PIXELS; 0: "
+        "no limit of ours; PIL itself refuses twice its level whatever this is).",
+    )
 
     g = parser.add_argument_group("optimization")
     g.add_argument(
@@ -223,6 +236,13 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=1.0,
         help="Clip the global grad norm (0: off).",
+    )
+    g.add_argument(
+        "--max_nonfinite_steps",
+        type=int,
+        default=DEFAULT_MAX_CONSECUTIVE,
+        help="A step with a NaN/inf loss or gradient norm is skipped (no update); stop the run (exit 1) after "
+        "this many in a row (0: never stop).",
     )
     g.add_argument(
         "--local_loss",
@@ -318,6 +338,23 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--resume_from_checkpoint", help="'latest' (in output_dir/checkpoints) or a checkpoint path."
     )
+    g.add_argument(
+        "--overwrite_output_dir",
+        action="store_true",
+        help="Start afresh in an --output_dir that holds a previous run (its checkpoints, log, results removed).",
+    )
+    g.add_argument(
+        "--allow_resume_mismatch",
+        action="store_true",
+        help="Resume although the checkpoint was written under other settings (model, data, batch geometry, "
+        "world size, steps).",
+    )
+    g.add_argument(
+        "--ddp_timeout",
+        type=float,
+        default=30,
+        help="Minutes a collective waits for a stuck rank before the run fails (30 as in HF Trainer).",
+    )
     g.add_argument("--push_to_hub", action="store_true", help="Upload the final model with a model card.")
     g.add_argument("--hub_model_id", help="Repository id for --push_to_hub, e.g. user/clip-switchback.")
     g.add_argument(
@@ -326,7 +363,11 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="Create the Hub repository as private.",
     )
-    g.add_argument("--hub_token", help="Hub token.")
+    g.add_argument(
+        "--hub_token",
+        help="Deprecated: a token on the command line shows in the process list and in launcher errors; set "
+        "HF_TOKEN or run `hf auth login`.",
+    )
     return parser
 
 
@@ -391,6 +432,34 @@ def check_args(parser: argparse.ArgumentParser, args) -> None:
         parser.error(
             f"--max_eval_samples: the synthetic eval set has {len(synthetic.all_specs())} distinct samples"
         )
-    ckpt = args.resume_from_checkpoint
-    if ckpt and ckpt != "latest" and not os.path.isdir(ckpt):
-        parser.error(f"--resume_from_checkpoint {ckpt!r} is not a directory")
+    for name in ("max_image_pixels", "max_nonfinite_steps"):
+        if getattr(args, name) < 0:
+            parser.error(f"--{name} must be >= 0, got {getattr(args, name)}")
+    if not args.ddp_timeout > 0:
+        parser.error(f"--ddp_timeout must be > 0 minutes, got {args.ddp_timeout}")
+    try:
+        check_output_dir(args.output_dir, bool(args.resume_from_checkpoint), args.overwrite_output_dir)
+        if args.resume_from_checkpoint not in (None, "latest"):
+            check_checkpoint(args.resume_from_checkpoint)
+    except ValueError as err:
+        parser.error(str(err))
+    check_hub_token(parser, args)
+
+
+def check_hub_token(parser: argparse.ArgumentParser, args) -> None:
+    """--hub_token moves to HF_TOKEN (nothing that prints args can echo it); --push_to_hub needs a token now,
+    not after training."""
+    if args.hub_token:
+        warnings.warn(
+            "--hub_token is deprecated: the token is visible in the process list and in launcher errors; set "
+            "HF_TOKEN or run `hf auth login` instead",
+            FutureWarning,
+            stacklevel=2,
+        )
+        os.environ["HF_TOKEN"] = args.hub_token
+        args.hub_token = None
+    if args.push_to_hub:
+        from ..hub import resolve_token
+
+        if resolve_token() is None:
+            parser.error("--push_to_hub needs a Hub token: set HF_TOKEN or run `hf auth login`")

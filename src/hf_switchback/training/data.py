@@ -9,7 +9,9 @@ Sources (pick one; the training script maps its flags to `load_source`):
 - any Hub data set by name (streaming or not).
 
 `CaptionStream` is the one iterable all of them go through. It decodes images itself (the `Image` feature is
-cast to `decode=False`), so an unreadable or empty sample is skipped and counted instead of ending the run;
+cast to `decode=False`; shards are read as raw bytes by `shards.py`), so an unreadable or empty sample (bad
+image, non-UTF-8 text, malformed JSON, an image over the pixel limit, an oversized or corrupt `.gz` member) is
+skipped, counted and logged (rate-limited) instead of ending the run, as OpenCLIP's `log_and_continue` does;
 the count rides along in each batch ("num_skipped"). Batches always have the full batch size: ranks must
 all-gather equal-sized features in the contrastive loss.
 
@@ -22,20 +24,28 @@ from __future__ import annotations
 
 import glob
 import io
+import json
 import logging
 import os
 import random
+from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
 from PIL import Image
 
+from .shards import DEFAULT_MAX_MEMBER_BYTES, ERROR_FIELD, shard_samples
 from .transforms import sample_rng
 
 logger = logging.getLogger(__name__)
 
 IMAGE_COLUMNS = ("image", "jpg", "png", "jpeg", "webp", "img")
+# Images with more pixels are skipped before they are decoded. PIL's own default (Image.MAX_IMAGE_PIXELS,
+# 89,478,485 = 1 GiB of 32-bit pixels / 4 / 3) only warns up to twice that: a 12000 x 12000 image still
+# decodes (+1.1 GB, seconds each). Here PIL's warning level is the hard limit; PIL still refuses anything
+# above twice its own limit whatever this is set to.
+DEFAULT_MAX_IMAGE_PIXELS = Image.MAX_IMAGE_PIXELS
 CAPTION_COLUMNS = ("caption", "txt", "text", "captions", "sentences")
 
 
@@ -88,7 +98,7 @@ def from_hf_dataset(dataset, *, image_column=None, caption_column=None, label_co
     if features is not None and image_column in features:
         if isinstance(features[image_column], datasets.Image):
             dataset = dataset.cast_column(image_column, datasets.Image(decode=False))
-    elif streaming:
+    elif streaming and features is not None:  # (raw-bytes shards declare no features: nothing to decode)
         dataset = dataset.decode(False)
     return DataSource(dataset, image_column, caption_column, streaming, base_dir, label_column)
 
@@ -108,6 +118,7 @@ def load_source(
     caption_column: str | None = None,
     label_column: str | None = None,
     seed: int = 0,
+    max_member_bytes: int = DEFAULT_MAX_MEMBER_BYTES,
 ) -> DataSource:
     """Exactly one of synthetic_samples / train_file / data_dir / shards / dataset_name."""
     given = [synthetic_samples, train_file, data_dir, shards, dataset_name]
@@ -143,7 +154,11 @@ def load_source(
         )
     if shards is not None:
         files = expand_shards(shards)
-        ds = datasets.load_dataset("webdataset", data_files={"train": files}, split="train", streaming=True)
+        # Raw bytes from our own tar reader (shards.py says why); a list in gen_kwargs makes every shard a
+        # unit that datasets shuffles and splits across ranks and workers.
+        ds = datasets.IterableDataset.from_generator(
+            shard_samples, gen_kwargs={"shards": files, "max_member_bytes": max_member_bytes}
+        )
         return from_hf_dataset(
             ds, image_column=image_column, caption_column=caption_column, label_column=label_column
         )
@@ -168,8 +183,11 @@ def expand_shards(shards: str | list[str]) -> list[str]:
     return files
 
 
-def decode_image(value, base_dir: str | None = None) -> Image.Image:
-    """PIL image / {"bytes", "path"} / raw bytes / path -> fully loaded RGB image. Raises on bad data."""
+def decode_image(
+    value, base_dir: str | None = None, max_pixels: int | None = DEFAULT_MAX_IMAGE_PIXELS
+) -> Image.Image:
+    """PIL image / {"bytes", "path"} / raw bytes / path -> fully loaded RGB image. Raises on bad data, and on
+    images over `max_pixels` (checked from the header, before decoding; None: no limit of ours)."""
     if isinstance(value, Image.Image):
         image = value
     elif isinstance(value, dict) and value.get("bytes"):
@@ -183,8 +201,23 @@ def decode_image(value, base_dir: str | None = None) -> Image.Image:
         if base_dir is not None and not os.path.isabs(path) and "://" not in path:
             path = os.path.join(base_dir, path)
         image = Image.open(path)
+    if max_pixels is not None and image.width * image.height > max_pixels:
+        raise ValueError(
+            f"image of {image.width}x{image.height} pixels is over the limit of {max_pixels} (--max_image_pixels)"
+        )
     image.load()  # truncated files fail here, not later in a worker's transform
     return image.convert("RGB")
+
+
+def field_value(example: dict, column: str):
+    """example[column], raw webdataset bytes decoded by the field's extension: JSON (".json") parsed, text
+    as UTF-8. Raises on a sample the shard reader marked unreadable, and on undecodable bytes."""
+    if ERROR_FIELD in example:
+        raise ValueError(example[ERROR_FIELD])
+    value = example.get(column)
+    if isinstance(value, (bytes, bytearray)) and column.lower().rsplit(".", 1)[-1] == "json":
+        value = json.loads(value.decode("utf-8"))
+    return value
 
 
 def pick_caption(value, rng: random.Random) -> str:
@@ -222,9 +255,11 @@ class CaptionStream(torch.utils.data.IterableDataset):
         world_size: int = 1,
         shuffle: bool = True,
         shuffle_buffer: int = 1000,
+        max_image_pixels: int | None = DEFAULT_MAX_IMAGE_PIXELS,
     ):
         super().__init__()
         self.source, self.transform = source, transform
+        self.max_image_pixels = max_image_pixels
         self.seed, self.rank, self.world_size = seed, rank, world_size
         self.shuffle, self.shuffle_buffer = shuffle, shuffle_buffer
         self.epoch = 0
@@ -275,14 +310,19 @@ class CaptionStream(torch.utils.data.IterableDataset):
         # One sample of look-ahead: skips after the last good sample of a worker's stream are added to that
         # sample rather than lost with the stream's end.
         held, skipped = None, 0
+        skip_log = SkipLog(f"rank {self.rank}")
         for key, example in self._raw():
             rng = sample_rng(self.seed, self.epoch, key)
             try:
-                caption = pick_caption(example.get(self.source.caption_column), rng)
-                image = decode_image(example.get(self.source.image_column), self.source.base_dir)
+                caption = pick_caption(field_value(example, self.source.caption_column), rng)
+                image = decode_image(
+                    field_value(example, self.source.image_column),
+                    self.source.base_dir,
+                    self.max_image_pixels,
+                )
                 pixel_values = self.transform(image, rng)
             except Exception as err:  # any unreadable sample: skip, count, keep training
-                logger.debug("skipping sample %s: %s", key, err)
+                skip_log.add(key, err, example.get("__url__"))
                 if held is None:
                     skipped += 1
                 else:
@@ -294,6 +334,28 @@ class CaptionStream(torch.utils.data.IterableDataset):
             skipped = 0
         if held is not None:
             yield held
+
+
+class SkipLog:
+    """Rate-limited log of skipped samples: the first `first` in full, then one line at every power of two
+    with the counts by error type, so a shard full of bad samples cannot flood the log."""
+
+    def __init__(self, where: str, first: int = 5):
+        self.where, self.first = where, first
+        self.total, self.by_type = 0, Counter()
+
+    def add(self, key: str, err: Exception, shard: str | None = None) -> None:
+        self.total += 1
+        self.by_type[type(err).__name__] += 1
+        if self.total <= self.first:
+            origin = f" of {shard}" if shard else ""
+            logger.warning(
+                "%s: skipping sample %s%s: %s: %s", self.where, key, origin, type(err).__name__, err
+            )
+        elif self.total & (self.total - 1) == 0:
+            logger.warning(
+                "%s: %d samples skipped so far (%s)", self.where, self.total, dict(self.by_type.most_common())
+            )
 
 
 class Collate:
@@ -342,6 +404,7 @@ def load_eval_samples(
     """The first `max_samples` readable (image, caption[, label]) triples, decoded, for the evaluator."""
     images, captions, labels = [], [], []
     rng = random.Random(0)
+    skip_log = SkipLog("eval")
     iterator = (
         iter(source.dataset) if source.streaming else (source.dataset[i] for i in range(len(source.dataset)))
     )
@@ -349,13 +412,16 @@ def load_eval_samples(
         if len(images) >= max_samples:
             break
         try:
-            caption = pick_caption(example.get(source.caption_column), rng)
-            image = decode_image(example.get(source.image_column), source.base_dir)
+            caption = pick_caption(field_value(example, source.caption_column), rng)
+            image = decode_image(field_value(example, source.image_column), source.base_dir)
+            label = (
+                int(field_value(example, source.label_column)) if source.label_column is not None else None
+            )
         except Exception as err:
-            logger.warning("eval: skipping an unreadable sample: %s", err)
+            skip_log.add(str(example.get("__key__", len(images))), err, example.get("__url__"))
             continue
         images.append(image)
         captions.append(caption)
-        if source.label_column is not None:
-            labels.append(int(example[source.label_column]))
+        if label is not None:
+            labels.append(label)
     return images, captions, (labels if source.label_column is not None else None)

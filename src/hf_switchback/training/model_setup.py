@@ -15,6 +15,7 @@ import math
 
 from ..config import SwitchBackConfig
 from . import synthetic
+from .runtime import kernel_options
 from .sources import SYNTHETIC_IMAGE_SIZE, has_real_data
 from .tokenizer import build_word_tokenizer
 
@@ -151,9 +152,11 @@ def load_model_and_processor(args):
 
 
 def switchback_config(args) -> SwitchBackConfig:
-    """SwitchBackConfig from the --switchback_* flags; unset flags keep the library defaults."""
+    """SwitchBackConfig from the --switchback_* flags (unset flags keep the library defaults), with the kernel
+    options the run's compile mode calls for."""
     fields = {name: getattr(args, name) for name in SWITCHBACK_FLAGS}
-    return SwitchBackConfig(**{k: v for k, v in fields.items() if v is not None})
+    given = {k: v for k, v in fields.items() if v is not None}
+    return SwitchBackConfig(**given, kernel_options=kernel_options(args))
 
 
 def lock_towers(model, lock_image: bool, lock_text: bool) -> None:

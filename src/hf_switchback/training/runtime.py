@@ -1,12 +1,16 @@
-"""What a train_clip.py run asks of Accelerate besides the defaults: the torch.compile plugin (and the GEMM it
-selects under CUDA graphs), and the checks a DeepSpeed launch needs before anything is loaded."""
+"""What a train_clip.py run asks of Accelerate besides the defaults: the torch.compile plugin (and the kernel
+options it calls for under CUDA graphs), the collective timeout, and the checks a DeepSpeed launch needs before
+anything is loaded."""
 
 from __future__ import annotations
 
 import logging
+from datetime import timedelta
 
 import torch
-from accelerate.utils import TorchDynamoPlugin
+from accelerate.utils import InitProcessGroupKwargs, TorchDynamoPlugin
+
+from ..kernels.options import KernelOptions
 
 logger = logging.getLogger(__name__)
 
@@ -14,18 +18,38 @@ COMPILE_MODES = ("default", "reduce-overhead", "max-autotune-no-cudagraphs")
 
 
 def dynamo_plugin(args) -> TorchDynamoPlugin | None:
-    """accelerate's torch.compile settings; with CUDA graphs on Hopper, the TMA 8-bit GEMM too."""
+    """accelerate's torch.compile settings (None without --torch_compile)."""
     if not args.torch_compile:
         return None
-    mode = args.compile_mode or "default"
-    if mode == "reduce-overhead" and args.switchback == "on" and tma_gemm_available():
-        # Alone the TMA GEMM is 10-15% faster than the portable one, but its host-side setup made launch-bound
-        # steps slower; replayed as a CUDA graph that setup is gone (ViT-B/16: 102.6 vs 106.9 ms/step).
-        from ..kernels import matmul
+    return TorchDynamoPlugin(backend="inductor", mode=args.compile_mode or "default")
 
-        matmul.USE_TMA = True
-        logger.info("CUDA graphs: using the Hopper TMA 8-bit GEMM (hf_switchback.kernels.matmul.USE_TMA)")
-    return TorchDynamoPlugin(backend="inductor", mode=mode)
+
+def kernel_options(args) -> KernelOptions:
+    """The run's SwitchBack KernelOptions: the defaults, and with CUDA graphs on Hopper the TMA 8-bit GEMM."""
+    graphs = args.torch_compile and args.compile_mode == "reduce-overhead"
+    if graphs and tma_gemm_available():
+        # Alone the TMA GEMM is 10-15% faster than the portable one, but its host-side setup made launch-bound
+        # steps slower; replayed as a CUDA graph that setup is gone (ViT-B/16: 102.6 vs 106.9 ms/step,
+        # BENCHMARKS.md, Whole training step).
+        logger.info("CUDA graphs: using the Hopper TMA 8-bit GEMM (KernelOptions(use_tma=True))")
+        return KernelOptions(use_tma=True)
+    return KernelOptions()
+
+
+def process_group_kwargs(timeout_minutes: float) -> InitProcessGroupKwargs:
+    """--ddp_timeout for `Accelerator(kwargs_handlers=[...])`: how long a collective waits for a stuck rank.
+
+    Without it the timeout is whatever torch picks per backend (30 min for gloo, 10 for NCCL), and nothing says
+    so. 30 min by default, as HF Trainer's `ddp_timeout`: the longest stretch one rank legitimately runs alone
+    (the main process writing the final model and a checkpoint, evaluating, pushing to the Hub) must fit, or a
+    healthy run dies; a stuck rank costs at most that long.
+    """
+    handler = InitProcessGroupKwargs(timeout=timedelta(minutes=timeout_minutes))
+    # accelerate passes on only the fields that differ from its defaults (10 min for NCCL), so 10 min would be
+    # dropped and gloo would keep torch's 30; the timeout always goes through (accelerate looks handlers up by
+    # exact class, so a subclass cannot do this).
+    handler.to_kwargs = lambda: {"timeout": handler.timeout}
+    return handler
 
 
 def tma_gemm_available() -> bool:

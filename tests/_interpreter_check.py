@@ -1,0 +1,114 @@
+"""The int8 Triton kernels under TRITON_INTERPRET=1 on the CPU, against the torch reference.
+
+Run by tests/test_kernels_triton.py::test_interpreter_int8_kernels in a process of its own (triton reads
+TRITON_INTERPRET at import); prints "interpreter ok" when every check passed.
+"""
+
+import torch
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from hf_switchback import KernelOptions
+from hf_switchback.kernels import matmul, ops
+from hf_switchback.kernels import reference as ref
+
+torch.manual_seed(0)
+
+# Tails on both axes (not multiples of the 64-wide tiles or 16-wide rows), a zero row, non-contiguous input.
+x = torch.randn(37, 70) * 3
+x[3] = 0
+for inp in (x, x.t(), x.bfloat16()):
+    for name in (
+        "quantize_rowwise",
+        "quantize_tensorwise",
+        "quantize_rowwise_transposed",
+        "quantize_tensorwise_transposed",
+    ):
+        q, s = getattr(ops, name)(inp, torch.int8)
+        q_ref, s_ref = getattr(ref, name)(inp, torch.int8)
+        assert torch.equal(q, q_ref) and torch.equal(s, s_ref), name
+# the last two: several rows per program, the last program with a tail past M
+for inp in (x, x.t(), torch.randn(200, 37).bfloat16(), torch.randn(3001, 37)):
+    q, s, cs = ops.quantize_rowwise_colsum(inp, torch.int8)
+    q_ref, s_ref, cs_ref = ref.quantize_rowwise_colsum(inp, torch.int8)
+    assert torch.equal(q, q_ref) and torch.equal(s, s_ref)
+    torch.testing.assert_close(cs, cs_ref, rtol=1e-5, atol=1e-4)
+q, s = ops.quantize_rowwise(x, torch.int8)
+assert torch.equal(ops.dequantize_rowwise(q, s, torch.float32), ref.dequantize_rowwise(q, s, torch.float32))
+a = torch.randint(-127, 128, (37, 200), dtype=torch.int8)
+b = torch.randint(-127, 128, (50, 200), dtype=torch.int8)
+one_a, one_b = torch.ones(37), torch.ones(50)
+assert torch.equal(
+    ops.scaled_matmul(a, b, one_a, one_b, None, torch.float32),
+    ref.scaled_matmul(a, b, one_a, one_b, None, torch.float32),
+)
+sa, sb, bias = torch.rand(37), torch.rand(50), torch.randn(50)
+torch.testing.assert_close(
+    ops.scaled_matmul(a, b, sa, sb[0], bias, torch.float32),
+    ref.scaled_matmul(a, b, sa, sb[0], bias, torch.float32),
+    rtol=1e-6,
+    atol=1e-3,
+)
+# The persistent TMA GEMM (sm90 only on a GPU; the interpreter runs it anywhere): 3 programs walking the
+# tiles, tails on M, N and K, both epilogue layouts, both weight-scale kinds, with and without bias.
+for m, n, k, sub, per_row, has_bias in ((37, 40, 48, True, True, True), (70, 24, 80, False, False, False)):
+    a = torch.randint(-127, 128, (m, k), dtype=torch.int8)
+    b = torch.randint(-127, 128, (n, k), dtype=torch.int8)
+    sa, sb = torch.rand(m), torch.rand(n) if per_row else torch.tensor(0.3)
+    bias = torch.randn(n) if has_bias else None
+    c = torch.empty(m, n)
+    descs = [
+        TensorDescriptor.from_tensor(t, shape)
+        for t, shape in ((a, [32, 16]), (b, [16, 16]), (c, [32, 8 if sub else 16]))
+    ]
+    matmul._scaled_mm_tma_kernel[(3,)](
+        *descs,
+        sa,
+        sb,
+        sa if bias is None else bias,
+        a,
+        c,
+        m,
+        n,
+        k,
+        128,
+        B_SCALE_PER_ROW=per_row,
+        HAS_BIAS=has_bias,
+        IS_INT=True,
+        NUM_SMS=3,
+        BLOCK_M=32,
+        BLOCK_N=16,
+        BLOCK_K=16,
+        GROUP_M=2,
+        EPILOGUE_SUBTILE=sub,
+    )
+    torch.testing.assert_close(c, ref.scaled_matmul(a, b, sa, sb, bias, torch.float32), rtol=1e-6, atol=1e-3)
+# Fused MLP kernels: activation + quantize (one and two passes), activation backward + quantize + sum.
+for act in ref.ACTIVATIONS:
+    for h, g in ((x, torch.randn(37, 70)), (x.t(), torch.randn(37, 70).t()), (x.bfloat16(), x.bfloat16())):
+        q, s = ops.act_quantize_rowwise(h, torch.int8, act)
+        q_ref, s_ref = ref.act_quantize_rowwise(h, torch.int8, act)
+        tol = 1.5e-5 if h.dtype == torch.float32 else 2**-7
+        assert ((s - s_ref).abs() <= tol * s_ref).all() and (q.int() - q_ref.int()).abs().max() <= 1, act
+        gh, a, q, s, cs = ops.act_backward_quantize_colsum(g, h, torch.int8, act, True)
+        gh_ref, a_ref, *_ = ref.act_backward_quantize_colsum(g, h, torch.int8, act, True)
+        torch.testing.assert_close(gh, gh_ref, rtol=tol, atol=tol)
+        torch.testing.assert_close(a, a_ref, rtol=tol, atol=tol)
+        q2, s2, cs2 = ref.quantize_rowwise_colsum(gh, torch.int8)
+        assert torch.equal(q, q2) and torch.equal(s, s2), act
+        torch.testing.assert_close(cs, cs2, rtol=1e-5, atol=1e-4)
+for impl in ("rows", "tiles"):  # the loop above ran "auto", which picks "rows" at these widths
+    options = KernelOptions(act_backward_impl=impl)
+    for act in ref.ACTIVATIONS:
+        g, h = torch.randn(70, 37).t(), x
+        gh, a, q, s, cs = ops.act_backward_quantize_colsum(g, h, torch.int8, act, True, options=options)
+        gh_ref, a_ref, *_ = ref.act_backward_quantize_colsum(g, h, torch.int8, act, True)
+        torch.testing.assert_close(gh, gh_ref, rtol=1.5e-5, atol=1.5e-5)
+        q2, s2, cs2 = ref.quantize_rowwise_colsum(gh, torch.int8)
+        assert torch.equal(q, q2) and torch.equal(s, s2), (impl, act)
+        torch.testing.assert_close(cs, cs2, rtol=1e-5, atol=1e-4)
+h = torch.randn(2, 8200)  # longer than one pass
+q, s = ops.act_quantize_rowwise(h, torch.int8, "gelu")
+q_ref, s_ref = ref.act_quantize_rowwise(h, torch.int8, "gelu")
+assert ((s - s_ref).abs() <= 2e-6 * s_ref).all() and (q.int() - q_ref.int()).abs().max() <= 1
+assert ops.act_backward_quantize_colsum(g, x, torch.int8, "gelu", False)[1].numel() == 0
+print("interpreter ok")

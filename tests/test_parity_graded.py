@@ -1,0 +1,265 @@
+"""The graded-shapes parity protocol: task, simulated gradient quantizers, pretrain -> save -> fine-tune, summary."""
+
+import importlib.util
+import math
+import statistics
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from hf_switchback.kernels import grad_quant_sim as gq
+from hf_switchback.training import graded_shapes as gs
+from hf_switchback.training.sim_switchback import SimSwitchBackLinear, apply_sim_switchback
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def load_script(name: str):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+pg = load_script("parity_graded")
+
+
+# --- task ---------------------------------------------------------------------------------------------------
+def test_batches_are_a_function_of_seed_and_step_and_captions_match_attributes():
+    a = gs.sample(gs.ALL, 64, 16, gs.step_generator("cpu", 3, 7))
+    b = gs.sample(gs.ALL, 64, 16, gs.step_generator("cpu", 3, 7))
+    c = gs.sample(gs.ALL, 64, 16, gs.step_generator("cpu", 3, 8))
+    assert torch.equal(a.pixels, b.pixels) and torch.equal(a.caption, b.caption)
+    assert not torch.equal(a.pixels, c.pixels)
+    table, classes = gs.caption_table(gs.ALL), gs.ALL.classnames()
+    for caption, label in zip(a.caption.tolist(), a.label.tolist(), strict=True):
+        words = table[caption]
+        assert classes[label].split()[0] in words.split() and classes[label].split()[1] in words.split()
+    assert a.pixels.shape == (64, 3, 16, 16) and a.pixels.min() >= 0 and a.pixels.max() <= 1
+
+
+def test_eval_set_uses_full_captions_and_tasks_are_shifted():
+    full = gs.FINETUNE.full_captions()
+    batch = next(gs.eval_batches(gs.FINETUNE, 50, 16, "cpu"))
+    for caption, label in zip(batch.caption.tolist(), batch.label.tolist(), strict=True):
+        assert gs.FINETUNE.classnames()[label] in full[caption]
+        assert len(full[caption].split()) >= 5  # size and position always present
+    assert not set(gs.FINETUNE.colors) & set(gs.PRETRAIN.colors)
+    assert set(gs.FINETUNE.shapes) - set(gs.PRETRAIN.shapes)
+    assert set(gs.vocabulary()) >= {w for c in gs.caption_table(gs.ALL) for w in c.split()}
+
+
+def test_shapes_render_distinct_masks():
+    n = len(gs.SHAPES)
+    pixels = gs.render(
+        torch.full((n,), 6),  # white
+        torch.arange(n),
+        torch.full((n,), 2),  # large
+        torch.full((n,), 4),  # centre
+        32,
+        gs.step_generator("cpu", 0, 0),
+    )
+    masks = pixels.mean(1) > 0.6
+    for i in range(n):
+        assert masks[i].sum() > 20, gs.SHAPES[i]
+        for j in range(i):
+            assert (masks[i] ^ masks[j]).sum() > 10, (gs.SHAPES[i], gs.SHAPES[j])
+
+
+# --- simulated gradient quantizers, against an independent loop-based reference ------------------------------
+def _ref_quant_row(row: list[float], scale_of) -> list[float]:
+    out = []
+    for start in range(0, len(row), scale_of):
+        block = row[start : start + scale_of]
+        absmax = max(abs(v) for v in block)
+        scale = absmax / 127 if absmax else 1.0
+        # round half to even, as torch.round
+        out += [max(-127, min(127, round(v / scale))) * scale for v in block]
+    return out
+
+
+def test_row_and_block_quantizers_match_a_loop_reference():
+    g = torch.randn(5, 40) * torch.logspace(-3, 1, 40)
+    row = gq.fake_quant_grad(g, "row")
+    block = gq.fake_quant_grad(g, "block16")
+    for i in range(5):
+        values = g[i].tolist()
+        torch.testing.assert_close(row[i], torch.tensor(_ref_quant_row(values, 40)), rtol=1e-5, atol=0)
+        torch.testing.assert_close(block[i], torch.tensor(_ref_quant_row(values, 16)), rtol=1e-5, atol=0)
+
+
+def test_blocks_keep_small_entries_that_rows_flush():
+    g = torch.full((4, 256), 1e-3)
+    g[:, 0] = 1.0  # one outlier per row: every other entry is below absmax / 254
+    assert (gq.fake_quant_grad(g, "row")[:, 1:] == 0).all()
+    assert (gq.fake_quant_grad(g, "block128")[:, 128:] - 1e-3).abs().max() < 1e-5
+    kept = gq.fake_quant_grad(g, "row-outlier1")
+    assert kept[:, 0].eq(1.0).all() and (kept[:, 1:] - 1e-3).abs().max() < 1e-5
+
+
+def test_stochastic_rounding_is_unbiased():
+    g = torch.full((2000, 64), 1e-3)
+    g[:, 0] = 1.0
+    generator = torch.Generator().manual_seed(0)
+    sr = gq.fake_quant_grad(g, "row-sr", generator)
+    assert sr[:, 1:].mean().item() == pytest.approx(1e-3, rel=0.05)
+    assert (sr[:, 1:] == 0).float().mean() > 0.5  # still mostly zeros, but unbiased on average
+
+
+def test_gradient_stats_name_the_flush_and_the_outlier_columns():
+    g = torch.randn(64, 128) * 1e-3
+    g[:, 5] = 1.0
+    stats = gq.gradient_stats(g, torch.randn(128, 32), ("row", "block32"))
+    assert stats["row/flushed"] > 0.9 and stats["block32/flushed"] < stats["row/flushed"]
+    assert stats["row_max_in_top1pct_cols"] == 1.0
+    assert stats["row/grad_input_rel_err"] > stats["block32/grad_input_rel_err"]
+    with pytest.raises(ValueError, match="unknown gradient quantizer"):
+        gq.parse_grad_quantizer("block")
+
+
+def test_sim_linear_gradients_follow_the_quantizer():
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(16, 8)
+    sim = SimSwitchBackLinear.from_linear(linear, "block4")
+    x = torch.randn(6, 16, requires_grad=True)
+    grad = torch.randn(6, 8)
+    sim(x).backward(grad)
+    expected_x = gq.fake_quant_grad(grad, "block4") @ gq.fake_quant_tensor(linear.weight)
+    torch.testing.assert_close(x.grad, expected_x)
+    torch.testing.assert_close(linear.weight.grad, grad.t() @ x.detach())  # grad-weight unquantized
+    expected_out = gq.fake_quant_rows(x.detach()) @ gq.fake_quant_tensor(linear.weight).t() + linear.bias
+    torch.testing.assert_close(sim(x).detach(), expected_out.detach())
+
+
+# --- pretrain -> save -> fine-tune -------------------------------------------------------------------------
+def _spec(**kw):
+    spec = dict(protocol="finetune", task="finetune", steps=3, batch_size=8, lr=1e-3, warmup=1, arch="tiny")
+    spec.update(eval_samples=20, log_every=1, init_from=None, variant="bf16", seed=0, name="t", stats_every=1)
+    spec.update(kw)
+    return spec
+
+
+def test_pretrain_save_finetune_round_trip(tmp_path):
+    ckpt = tmp_path / "pretrained"
+    pre = pg.train_one(_spec(protocol="pretrain", task="pretrain", save_to=str(ckpt)))
+    assert pre["status"] == "ok" and (ckpt / "config.json").exists()
+    assert set(pre["zero_shot_before_finetune"]) == {"zero_shot_top1", "caption_r1"}
+    from transformers import CLIPModel
+
+    saved = CLIPModel.from_pretrained(ckpt)
+    assert not any("Sim" in type(m).__name__ or "SwitchBack" in type(m).__name__ for m in saved.modules())
+    runs = [pg.train_one(_spec(init_from=str(ckpt), variant=v, seed=1)) for v in ("bf16", "sim-block8")]
+    for run in runs:
+        assert run["status"] == "ok" and len(run["train"]) == 3
+        assert 0 <= run["results"]["zero_shot_top1"] <= 1
+    # same start and batches: the first step's loss (before any update) is the same for both
+    assert runs[0]["train"][0]["loss"] == pytest.approx(runs[1]["train"][0]["loss"], rel=2e-2)
+    assert runs[1]["grad_stats"] and "block32/flushed" not in runs[1]["grad_stats"][0]
+    assert "row/flushed" in runs[1]["grad_stats"][0]
+    assert set(runs[1]["grad_stats"][0]["by_kind"]) >= {"vision fc1", "text q_proj"}
+
+
+def test_apply_sim_switchback_swaps_the_switchback_targets():
+    model = pg.build_model("tiny", 40)
+    sims = apply_sim_switchback(model, "row")
+    names = {n for n, m in model.named_modules() if isinstance(m, SimSwitchBackLinear)}
+    assert len(sims) == len(names) == 12  # q/k/v/out_proj/fc1/fc2 of one layer per tower
+    assert not isinstance(model.visual_projection, SimSwitchBackLinear)
+
+
+# --- summary maths on fabricated logs ---------------------------------------------------------------------
+def _run(variant, seed, zs, r1, losses, status="ok", protocol="finetune"):
+    spec = _spec(variant=variant, seed=seed, protocol=protocol, name=f"{variant}{seed}", steps=len(losses))
+    train = [dict(step=i, loss=v) for i, v in enumerate(losses)]
+    return dict(
+        spec=spec, status=status, train=train, evals=[], results=dict(zero_shot_top1=zs, caption_r1=r1)
+    )
+
+
+def test_summary_pairs_by_seed_and_reads_a_t_interval():
+    base = [0.80, 0.70, 0.75, 0.90, 0.85]
+    deltas = [0.001, -0.002, 0.003, 0.000, 0.001]
+    runs = []
+    for seed, (b, d) in enumerate(zip(base, deltas, strict=True)):
+        runs.append(_run("bf16", seed, b, b / 2, [2.0] * 10))
+        runs.append(_run("int8", seed, b + d, b / 2 - 0.01, [2.1] * 10))
+    runs.append(_run("int8", 9, 0.1, 0.1, [9.0] * 10))  # no bf16 partner: left out
+    runs.append(_run("int8", 0, 0.1, 0.1, [9.0] * 10, status="failed"))
+    summary = pg.summarize(runs)
+    (pool,) = summary["pooled"]
+    d = [100 * x for x in deltas]
+    assert pool["d_zero_shot_top1"]["n"] == 5
+    assert pool["d_zero_shot_top1"]["mean"] == pytest.approx(statistics.mean(d))
+    half = 2.78 * statistics.stdev(d) / math.sqrt(5)  # t(0.975, 4 df)
+    assert pool["d_zero_shot_top1"]["low"] == pytest.approx(statistics.mean(d) - half, rel=1e-3)
+    assert pool["verdict_zero_shot"].startswith("**parity within ±0.5 pp**")
+    assert pool["d_caption_r1"]["mean"] == pytest.approx(-1.0)
+    assert pool["d_final_loss"]["mean"] == pytest.approx(0.1)
+    text = pg.markdown(summary, dict(arch="tiny", eval_samples=10000))
+    assert "parity within" in text and "0.50 pp" in text
+
+
+def test_verdict_resolves_either_way_and_needs_five_pairs():
+    assert pg.verdict(pg.interval([-2.0, -2.1, -1.9, -2.0, -2.05])).startswith("**worse")
+    assert pg.verdict(pg.interval([1.0, 1.1, 0.9, 1.0, 1.05])).startswith("**better")
+    assert pg.verdict(pg.interval([1.0, -1.0, 0.5, -0.5, 0.0])).startswith("not resolved (95%")
+    assert pg.verdict(pg.interval([0.0, 0.1, 0.0, 0.1])).startswith("not resolved (4 pairs")
+
+
+def test_drop_spread_dates_a_late_escape():
+    early = [5.0] * 2 + [1.0] * 38
+    late = [5.0] * 30 + [1.0] * 10
+    runs = [
+        _run("bf16", 0, 0.5, 0.5, early, protocol="scratch"),
+        _run("bf16", 1, 0.5, 0.5, late, protocol="scratch"),
+    ]
+    for r in runs:
+        r["spec"]["batch_size"] = 148  # ln(148) ~ 5.0
+    spread = [s for s in pg.summarize(runs)["drop_spread"] if s["fraction"] == 0.5]
+    assert spread[0]["min"] < 10 and spread[0]["max"] >= 30
+
+
+def test_auto_steps_give_every_run_of_a_wave_the_same_count(tmp_path):
+    import threading
+
+    deadline = time.time() + 30
+    wave = [_spec(steps="auto", max_steps=10_000, name=f"r{i}") for i in range(3)]
+    wave = pg.plan_auto_steps(wave, tmp_path / "wave.steps", deadline)
+    counts = {}
+
+    def child(spec, elapsed):
+        counts[spec["name"]] = pg.decide_steps(spec, 10, elapsed, torch.device("cpu"))
+
+    threads = [
+        threading.Thread(target=child, args=(s, e)) for s, e in zip(wave, (1.0, 2.0, 0.5), strict=True)
+    ]
+    for t in threads:
+        t.start()
+    pg.wave_steps(wave, poll_s=0.01)
+    for t in threads:
+        t.join()
+    (count,) = set(counts.values())
+    # the slowest run (10 steps in 2 s) sets it: 10 + 0.8 * 5 steps/s * ~30 s
+    assert 10 + 0.8 * 5 * 20 <= count <= 10 + 0.8 * 5 * 30
+    alone = pg.plan_auto_steps([_spec(steps="auto", max_steps=50)], tmp_path / "x", deadline)[0]
+    assert alone["steps_file"] is None and pg.decide_steps(alone, 10, 0.1, torch.device("cpu")) == 50
+
+
+def test_pairs_use_the_step_count_the_runs_trained_with():
+    a, b = _run("bf16", 0, 0.5, 0.5, [2.0] * 10), _run("int8", 0, 0.5, 0.5, [2.0] * 10)
+    a["spec"]["steps"] = b["spec"]["steps"] = "auto"
+    a["steps"], b["steps"] = 100, 120
+    assert "d_zero_shot_top1" not in pg.summarize([a, b])["rows"][1]
+    b["steps"] = 100
+    assert pg.summarize([a, b])["rows"][1]["d_zero_shot_top1"] == 0.0
+
+
+def test_runs_of_one_process_each_leave_their_record(tmp_path):
+    specs = [_spec(steps=2, eval_samples=16, name="g_ok"), _spec(steps=2, name="g_bad", task="no-such-task")]
+    records = pg.run_specs(specs, tmp_path, parallel=1, budget_s=300, per_process=2)
+    assert [r["spec"]["name"] for r in records] == ["g_ok", "g_bad"]
+    assert [r["status"] for r in records] == ["ok", "failed"]
+    assert "no-such-task" in "\n".join(records[1]["output_tail"])
+    assert len(records[0]["train"]) == 2 and records[1]["train"] == []

@@ -1,0 +1,192 @@
+"""Checkpoints that survive a kill, one run per output_dir, resume guards, the command-line checks around them."""
+
+import json
+import logging
+import os
+import warnings
+from types import SimpleNamespace
+
+import pytest
+import torch
+from accelerate import Accelerator
+from torch import nn
+
+from hf_switchback.training import checkpoints as ckpt
+from hf_switchback.training import cli
+from hf_switchback.training.runtime import process_group_kwargs
+
+
+def _complete(root, step, fingerprint=None):
+    path = root / "checkpoints" / f"step_{step}"
+    path.mkdir(parents=True)
+    (path / "optimizer.bin").write_bytes(b"x" * 10)
+    (path / ckpt.MARKER).write_text(json.dumps({"step": step, "fingerprint": fingerprint}))
+    return path
+
+
+def test_latest_is_the_newest_complete_checkpoint(tmp_path):
+    _complete(tmp_path, 2)
+    killed = (
+        tmp_path / "checkpoints" / "step_4"
+    )  # a save killed before this change: 0-byte optimizer, no marker
+    killed.mkdir()
+    (killed / "optimizer.bin").write_bytes(b"")
+    (tmp_path / "checkpoints" / ".step_6.tmp").mkdir()  # a save killed now
+    args = SimpleNamespace(output_dir=str(tmp_path), resume_from_checkpoint="latest")
+    assert ckpt.resolve_checkpoint(args) == str(tmp_path / "checkpoints" / "step_2")
+    with pytest.raises(ValueError, match=r"is not a complete checkpoint \(no checkpoint.json\)"):
+        ckpt.check_checkpoint(str(killed))
+
+
+def _prepared(tmp_path):
+    accelerator = Accelerator(cpu=True)
+    model = nn.Linear(4, 2)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    args = SimpleNamespace(output_dir=str(tmp_path), checkpoints_total_limit=2)
+    return accelerator, model, optimizer, args
+
+
+def test_save_is_atomic_and_rotation_keeps_complete_ones(tmp_path, monkeypatch):
+    accelerator, _, _, args = _prepared(tmp_path)
+    for step in (1, 2, 3):
+        path = ckpt.save_checkpoint(accelerator, args, {"step": step}, fingerprint={"world_size": 1})
+        assert json.loads((tmp_path / "checkpoints" / f"step_{step}" / ckpt.MARKER).read_text()) == {
+            "step": step,
+            "fingerprint": {"world_size": 1},
+        }
+    assert path.endswith("step_3")
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["step_2", "step_3"]
+    assert json.loads((tmp_path / "checkpoints" / "step_3" / "train_state_rank0.json").read_text()) == {
+        "step": 3
+    }
+
+    real_save_state = accelerator.save_state
+
+    def killed_midway(folder):  # the process dies while accelerate writes the optimizer
+        real_save_state(folder)
+        open(os.path.join(folder, "optimizer.bin"), "w").close()
+        raise KeyboardInterrupt("kill -9")
+
+    monkeypatch.setattr(accelerator, "save_state", killed_midway)
+    with pytest.raises(KeyboardInterrupt):
+        ckpt.save_checkpoint(accelerator, args, {"step": 4})
+    assert ckpt.checkpoint_dirs(str(tmp_path))[-1].endswith("step_3")  # not the broken step_4
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == [".step_4.tmp", "step_2", "step_3"]
+    monkeypatch.setattr(accelerator, "save_state", real_save_state)
+    ckpt.save_checkpoint(accelerator, args, {"step": 5})  # the next save clears the leftovers
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["step_3", "step_5"]
+
+
+def test_named_directory_must_be_a_checkpoint(tmp_path):
+    with pytest.raises(ValueError, match="is not a directory"):
+        ckpt.check_checkpoint(str(tmp_path / "missing"))
+    with pytest.raises(ValueError, match="is not a complete checkpoint"):
+        ckpt.check_checkpoint(str(tmp_path))
+    _complete(tmp_path, 3)
+    with pytest.raises(ValueError, match=r"is an output_dir, not a checkpoint: pass --output_dir .* latest"):
+        ckpt.check_checkpoint(str(tmp_path))
+    ckpt.check_checkpoint(str(tmp_path / "checkpoints" / "step_3"))
+
+
+def _args(tmp_path, **kw):
+    parser = cli.build_parser()
+    argv = ["--output_dir", str(tmp_path / "run")]
+    for key, value in kw.items():
+        argv += [f"--{key}"] + ([] if value is True else [str(value)])
+    return parser, parser.parse_args(argv)
+
+
+def _check_fails(parser, args, capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli.check_args(parser, args)
+    assert exc.value.code == 2
+    return capsys.readouterr().err
+
+
+def test_output_dir_with_a_previous_run_is_refused(tmp_path, capsys):
+    (tmp_path / "run").mkdir()
+    cli.check_args(*_args(tmp_path))  # empty: fine
+    (tmp_path / "run" / "all_results.json").write_text("{}")
+    err = _check_fails(*_args(tmp_path), capsys)
+    assert "holds a previous run (all_results.json)" in err and "--overwrite_output_dir" in err
+    cli.check_args(*_args(tmp_path, resume_from_checkpoint="latest"))
+    cli.check_args(*_args(tmp_path, overwrite_output_dir=True))
+    (tmp_path / "file").write_text("")
+    parser, args = _args(tmp_path)
+    args.output_dir = str(tmp_path / "file")
+    assert "is a file, not a directory" in _check_fails(parser, args, capsys)
+    err = _check_fails(*_args(tmp_path, resume_from_checkpoint=tmp_path), capsys)
+    assert "is not a complete checkpoint" in err  # not accelerate's FileNotFoundError pytorch_model.bin
+
+
+def test_overwrite_clears_the_previous_runs_checkpoints_log_and_results(tmp_path):
+    _complete(tmp_path, 6)
+    for name in ("train_log.jsonl", "all_results.json", "model.safetensors"):
+        (tmp_path / name).write_text("old")
+    ckpt.clear_previous_run(str(tmp_path))
+    assert sorted(os.listdir(tmp_path)) == ["model.safetensors"]  # replaced only when the new one is written
+
+
+def test_fingerprint_mismatch_names_the_changed_fields(tmp_path, caplog):
+    args = SimpleNamespace(
+        train_file=None, train_data_dir=None, train_shards="/d/*.tar", dataset_name=None, dataset_config_name=None,
+        synthetic_train_samples=100, train_split="train", seed=0, batch_size=8, accum_freq=2, max_train_steps=6,
+    )  # fmt: skip
+    config = {"text_config": {"hidden_size": 32, "transformers_version": "5.0"}, "_name_or_path": "a", 0: "x"}
+    saved = ckpt.run_fingerprint(args, config, world_size=2)
+    assert saved["global_batch"] == 32 and saved["data"] == "train_shards=/d/*.tar"
+    path = _complete(tmp_path, 2, saved)
+    moved = {"text_config": {"hidden_size": 32, "transformers_version": "5.9"}, "_name_or_path": "b", 0: "x"}
+    assert ckpt.check_fingerprint(str(path), ckpt.run_fingerprint(args, moved, world_size=2)) == []
+    args.batch_size = 4
+    now = ckpt.run_fingerprint(args, {"text_config": {"hidden_size": 64}}, world_size=1)
+    with pytest.raises(ValueError) as exc:
+        ckpt.check_fingerprint(str(path), now)
+    message = str(exc.value)
+    for field in (
+        "model_config",
+        "global_batch: 32 in the checkpoint, 8 now",
+        "batch_size",
+        "world_size: 2",
+    ):
+        assert field in message, field
+    assert "--allow_resume_mismatch" in message and "accum_freq" not in message
+    with caplog.at_level(logging.WARNING):
+        assert len(ckpt.check_fingerprint(str(path), now, allow_mismatch=True)) == 4
+    assert "changed settings" in caplog.text
+
+
+def test_damaged_log_lines_are_dropped_on_resume(tmp_path):
+    log = tmp_path / "train_log.jsonl"
+    log.write_text('{"step": 1, "loss": 2.0}\n{"step": 2, "loss": 1.5}\n{"step": 3, "lo')  # killed mid-line
+    ckpt.reset_log(str(log), keep_until=2)
+    assert [json.loads(line)["step"] for line in log.read_text().splitlines()] == [1, 2]
+
+
+def test_hub_token_flag_is_deprecated_moved_to_the_environment_and_never_echoed(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_TOKEN", "")  # recorded, so the token check_args puts there is gone after the test
+    monkeypatch.delenv("HF_TOKEN")
+    parser, args = _args(tmp_path, hub_token="hf_do_not_echo")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        cli.check_args(parser, args)
+    assert [w.category for w in caught] == [FutureWarning]
+    assert "deprecated" in str(caught[0].message) and "hf_do_not_echo" not in str(caught[0].message)
+    assert args.hub_token is None and os.environ["HF_TOKEN"] == "hf_do_not_echo"
+
+
+def test_push_to_hub_without_a_token_fails_before_training(tmp_path, monkeypatch, capsys):
+    from huggingface_hub import constants
+
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    monkeypatch.setattr(constants, "HF_TOKEN_PATH", str(tmp_path / "no_token"))
+    err = _check_fails(*_args(tmp_path, push_to_hub=True, hub_model_id="me/clip"), capsys)
+    assert "--push_to_hub needs a Hub token: set HF_TOKEN" in err
+
+
+def test_ddp_timeout_always_reaches_the_process_group():
+    for minutes in (10, 30, 2.5):  # 10 min equals accelerate's NCCL default, which it would otherwise drop
+        handler = process_group_kwargs(minutes)
+        assert handler.to_kwargs() == {"timeout": handler.timeout}
+        assert handler.timeout.total_seconds() == minutes * 60

@@ -1,0 +1,144 @@
+"""Poisoned or odd data: every bad sample is skipped and counted, never the end of the run."""
+
+import gzip
+import io
+import logging
+import tarfile
+
+import pytest
+import torch
+from PIL import Image
+
+from hf_switchback.training.data import (
+    DEFAULT_MAX_IMAGE_PIXELS,
+    CaptionStream,
+    SkipLog,
+    decode_image,
+    field_value,
+    load_eval_samples,
+    load_source,
+)
+from hf_switchback.training.shards import DEFAULT_MAX_MEMBER_BYTES, read_shard, split_member_name
+from hf_switchback.training.transforms import TrainTransform
+
+TRANSFORM = TrainTransform(32, mean=(0.5, 0.5, 0.5), std=(0.5, 0.5, 0.5))
+
+
+def png(side=32, color=(200, 30, 30)) -> bytes:
+    buf = io.BytesIO()
+    Image.new("RGB", (side, side), color).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def write_tar(path, members: list[tuple[str, bytes]]) -> str:
+    with tarfile.open(path, "w") as tar:
+        for name, payload in members:
+            info = tarfile.TarInfo(name)
+            info.size = len(payload)
+            tar.addfile(info, io.BytesIO(payload))
+    return str(path)
+
+
+def good(i: int) -> list[tuple[str, bytes]]:
+    return [
+        (f"s{i:03d}.png", png()),
+        (f"s{i:03d}.txt", f"a red square {i}".encode()),
+        (f"s{i:03d}.json", b'{"id": %d}' % i),
+    ]
+
+
+@pytest.fixture
+def poisoned(tmp_path):
+    """Shard a: 6 good samples and 4 bad ones; shard b: 4 good samples, then cut in the middle of a member."""
+    members = []
+    for i in range(3):
+        members += good(i)
+    members += [("bad_utf8.png", png()), ("bad_utf8.txt", b"caf\xe9 \xff\xfe")]  # latin-1, not UTF-8
+    members += [("bad_json.png", png()), ("bad_json.txt", b"fine"), ("bad_json.json", b'{"id": ')]  # unused
+    members += [("bomb.png", png()), ("bomb.txt.gz", gzip.compress(b"x" * 5000))]  # over the 4 KiB cap
+    members += [("big.png", png(side=64)), ("big.txt", b"a big image")]  # over the pixel cap below
+    members += [("zipped.png", png()), ("zipped.txt.gz", gzip.compress(b"a zipped caption"))]
+    members += [("noimage.txt", b"only text")]
+    for i in range(3, 6):
+        members += good(i)
+    write_tar(tmp_path / "a.tar", members)
+    members = []
+    for i in range(6, 11):
+        members += good(i)
+    path = write_tar(tmp_path / "b.tar", members)
+    with tarfile.open(path) as tar:
+        cut = tar.getmember("s010.png").offset_data + 10
+    with open(path, "r+b") as f:  # cut inside the 5th sample's image
+        f.truncate(cut)
+    return tmp_path
+
+
+def read_all(source, num_workers=2, max_image_pixels=2000):
+    stream = CaptionStream(source, TRANSFORM, seed=0, max_image_pixels=max_image_pixels)
+    loader = torch.utils.data.DataLoader(stream, batch_size=None, num_workers=num_workers)
+    samples = list(loader)
+    return {s["__key__"]: s["caption"] for s in samples}, sum(int(s["skipped"]) for s in samples)
+
+
+def test_poisoned_shards_skip_and_count_every_bad_sample(poisoned, caplog):
+    source = load_source(shards=str(poisoned), max_member_bytes=4096)
+    with caplog.at_level(logging.WARNING):
+        captions, skipped = read_all(source, num_workers=0)
+    good_keys = {f"s{i:03d}" for i in range(10)} | {"bad_json", "zipped"}
+    assert set(captions) == good_keys  # s010 was cut off with the truncated shard
+    assert captions["zipped"] == "a zipped caption" and captions["bad_json"] == "fine"
+    assert skipped == 4  # bad_utf8, bomb, big, noimage
+    text = caplog.text
+    assert "bad_utf8" in text and "UnicodeDecodeError" in text
+    assert "more than 4096 bytes" in text and "over the limit of 2000" in text
+    assert f"shard {poisoned / 'b.tar'} is truncated or corrupt after 4 samples" in text
+    # the same with dataloader workers (each reads its own shard)
+    assert read_all(source, num_workers=2) == (captions, skipped)
+
+
+def test_eval_samples_skip_bad_ones_too(poisoned):
+    images, captions, labels = load_eval_samples(load_source(shards=str(poisoned)), 100)
+    # the 12 good ones + big and bomb, which fit the default pixel and member caps; bad_utf8 and noimage skipped
+    assert len(images) == len(captions) == 14 and labels is None
+
+
+def test_field_value_decodes_json_and_flags_unreadable_samples():
+    assert field_value({"json": b'{"caption": "x"}'}, "json") == {"caption": "x"}
+    assert field_value({"txt": b"raw"}, "txt") == b"raw"  # text is decoded by pick_caption (UTF-8)
+    with pytest.raises(ValueError):
+        field_value({"json": b'{"caption": '}, "json")
+    with pytest.raises(ValueError, match="too big"):
+        field_value({"__error__": "too big", "txt": b"x"}, "txt")
+
+
+def test_pixel_limit_is_checked_before_decoding():
+    assert DEFAULT_MAX_IMAGE_PIXELS == Image.MAX_IMAGE_PIXELS == 89_478_485
+    buf = io.BytesIO()
+    Image.new("1", (12000, 12000)).save(buf, format="PNG")  # 144 M pixels, a few KB on disk
+    over = pytest.raises(ValueError, match="12000x12000 pixels is over the limit of 89478485")
+    with pytest.warns(Image.DecompressionBombWarning), over:  # PIL only warns: it would decode it
+        decode_image(buf.getvalue())
+    assert decode_image(png(), max_pixels=32 * 32).size == (32, 32)
+
+
+def test_member_names_and_caps():
+    assert split_member_name("dir/0001.seg.png") == ("dir/0001", "seg.png")
+    assert split_member_name("0001.txt") == ("0001", "txt")
+    assert split_member_name(".DS_Store") == (None, None) and split_member_name("README") == (None, None)
+    assert DEFAULT_MAX_MEMBER_BYTES == 64 * 2**20
+
+
+def test_oversized_member_is_not_read(tmp_path):
+    path = write_tar(tmp_path / "c.tar", [("a.png", png()), ("a.txt", b"x" * 5000), ("b.png", png())])
+    samples = list(read_shard(path, max_member_bytes=4096))
+    assert [s["__key__"] for s in samples] == ["a", "b"]
+    assert "txt" not in samples[0] and "5000 bytes" in samples[0]["__error__"]
+
+
+def test_skip_log_is_rate_limited(caplog):
+    log = SkipLog("rank 0", first=5)
+    with caplog.at_level(logging.WARNING):
+        for i in range(100):
+            log.add(str(i), ValueError("bad"))
+    # 5 in full, then one summary at 8, 16, 32, 64
+    assert len(caplog.records) == 9 and "64 samples skipped so far ({'ValueError': 64})" in caplog.text

@@ -1,0 +1,118 @@
+"""examples/train_clip.py when things go wrong: a diverged run, NaN weights, a kill -9 mid-run, and what every rank
+of a 2-process run agrees on (the checkpoint to resume, the collective timeout)."""
+
+import hashlib
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from train_helpers import REPO, SCRIPT, clean_env, launch, read_results, write_tiny_model_config
+
+
+def run_script(args: list[str], timeout: int = 300) -> subprocess.CompletedProcess:
+    """One process, no launcher (the quickest start); returns whatever the exit code."""
+    cmd = [sys.executable, SCRIPT, *args]
+    return subprocess.run(cmd, env=clean_env(), cwd=REPO, capture_output=True, text=True, timeout=timeout)
+
+
+def sha256(path) -> str:
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
+@pytest.fixture
+def tiny(tmp_path):
+    config = write_tiny_model_config(str(tmp_path / "config.json"))
+    return ["--model_config", config, "--batch_size", "8", "--num_workers", "0", "--eval_steps", "0",
+            "--max_eval_samples", "16", "--synthetic_train_samples", "160"]  # fmt: skip
+
+
+@pytest.mark.slow
+def test_a_diverged_run_stops_with_an_error_and_keeps_the_previous_model(tmp_path, tiny):
+    out = tmp_path / "run"
+    good = run_script([*tiny, "--max_train_steps", "2", "--output_dir", str(out)])
+    assert good.returncode == 0, good.stderr[-3000:]
+    assert read_results(out)["status"] == "completed" and read_results(out)["nonfinite_skipped_steps"] == 0
+    model = sha256(out / "model.safetensors")
+
+    # lr 1e9: step 1 is finite, every later loss NaN. Before the guard: 46/46 NaN tensors saved, exit 0.
+    again = [*tiny, "--output_dir", str(out), "--overwrite_output_dir", "--checkpointing_steps", "1"]
+    diverged = run_script([*again, "--max_train_steps", "20", "--lr", "1e9", "--max_nonfinite_steps", "3"])
+    assert diverged.returncode == 1
+    assert "training failed: step 2: 3 consecutive steps with a non-finite loss" in diverged.stderr
+    assert read_results(out)["status"] == "failed" and "step 2" in read_results(out)["error"]
+    assert sha256(out / "model.safetensors") == model  # the good model is still there
+    assert sorted(os.listdir(out / "checkpoints")) == ["step_1"]  # only the finite step was saved
+
+    # lr inf: the first update itself makes the weights non-finite; they are never written
+    poisoned = run_script([*again, "--max_train_steps", "4", "--lr", "inf"])
+    assert poisoned.returncode == 1
+    assert "not writing a checkpoint" in poisoned.stderr and "hold NaN/inf" in poisoned.stderr
+    assert not os.path.exists(out / "checkpoints" / "step_1")
+    assert sha256(out / "model.safetensors") == model
+    assert read_results(out)["status"] == "failed"
+
+
+def test_an_output_dir_holding_a_run_is_refused_by_the_script(tmp_path, tiny):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "train_log.jsonl").write_text('{"step": 1}\n')
+    proc = run_script([*tiny, "--max_train_steps", "1", "--output_dir", str(out)])
+    assert proc.returncode == 2 and "holds a previous run (train_log.jsonl)" in proc.stderr
+
+
+WORKER = """
+import os, sys, types
+import torch
+from accelerate import Accelerator
+from torch.distributed import distributed_c10d as c10d
+from hf_switchback.training.checkpoints import resolve_checkpoint
+from hf_switchback.training.runtime import process_group_kwargs
+
+accelerator = Accelerator(cpu=True, kwargs_handlers=[process_group_kwargs(10)])
+backend = c10d._get_default_group()._get_backend(torch.device("cpu"))
+# rank 1 looks at a lagging copy of the output_dir: it must still resume from what the main process picked
+output_dir = sys.argv[1] if accelerator.is_main_process else sys.argv[2]
+args = types.SimpleNamespace(output_dir=output_dir, resume_from_checkpoint="latest")
+print(f"rank {accelerator.process_index}: {resolve_checkpoint(args, accelerator)} timeout {backend.options._timeout}")
+accelerator.end_training()
+"""
+
+
+@pytest.mark.slow
+def test_every_rank_resumes_from_the_checkpoint_the_main_process_picked_and_the_timeout_applies(tmp_path):
+    for folder, steps in (("main", (2, 4)), ("lagging", (2,))):
+        for step in steps:
+            path = tmp_path / folder / "checkpoints" / f"step_{step}"
+            path.mkdir(parents=True)
+            (path / "checkpoint.json").write_text(json.dumps({"step": step}))
+    worker = tmp_path / "worker.py"
+    worker.write_text(WORKER)
+    proc = launch([str(worker), str(tmp_path / "main"), str(tmp_path / "lagging")], num_processes=2)
+    expected = tmp_path / "main" / "checkpoints" / "step_4"
+    for rank in (0, 1):
+        # 10 min: accelerate drops a timeout equal to its NCCL default unless told otherwise; gloo's is 30
+        assert f"rank {rank}: {expected} timeout 0:10:00" in proc.stdout, proc.stdout
+
+
+def load_kill_resume():
+    spec = importlib.util.spec_from_file_location(
+        "kill_resume", os.path.join(REPO, "benchmarks", "kill_resume.py")
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.slow
+def test_kill_9_of_a_rank_mid_run_resumes_to_the_same_losses(tmp_path, capsys):
+    """One repetition of benchmarks/kill_resume.py (the full check runs 20): 2 ranks, a checkpoint every step,
+    one rank SIGKILLed at a random moment, resumed with 'latest': every logged loss equals the reference."""
+    kill_resume = load_kill_resume()
+    assert (
+        kill_resume.main(["--repeats", "1", "--steps", "8", "--seed", "5", "--workdir", str(tmp_path)]) == 0
+    )
+    assert "summary: 1/1 resumed to the reference losses" in capsys.readouterr().out
