@@ -78,6 +78,40 @@ def test_save_is_atomic_and_rotation_keeps_complete_ones(tmp_path, monkeypatch):
     assert sorted(os.listdir(tmp_path / "checkpoints")) == ["step_3", "step_5"]
 
 
+def test_saving_a_step_again_never_leaves_a_marked_incomplete_checkpoint(tmp_path, monkeypatch):
+    """A resumed run saves step N again: the old step_N leaves in one rename, never by a deletion a kill could
+    interrupt half-way (that left step_N with its marker but without its files)."""
+    accelerator, _, _, args = _prepared(tmp_path)
+    ckpt.save_checkpoint(accelerator, args, {"step": 2})
+    ckpt.save_checkpoint(accelerator, args, {"step": 4})
+    import shutil
+
+    real_rmtree = shutil.rmtree
+
+    def killed_while_deleting(path, *a, **kw):
+        if os.path.basename(str(path)) == "step_4":  # an in-place delete of the old step_4 dies mid-way
+            os.remove(os.path.join(path, "optimizer.bin"))
+            raise RuntimeError("killed while deleting")
+        return real_rmtree(path, *a, **kw)
+
+    monkeypatch.setattr(ckpt.shutil, "rmtree", killed_while_deleting)
+    path = ckpt.save_checkpoint(accelerator, args, {"step": 4, "again": True})
+    ckpt.check_checkpoint(path)
+    assert (tmp_path / "checkpoints" / "step_4" / "optimizer.bin").exists()
+    assert json.loads((tmp_path / "checkpoints" / "step_4" / "train_state_rank0.json").read_text())["again"]
+
+
+def test_reset_log_writes_aside_then_renames(tmp_path, monkeypatch):
+    log = tmp_path / "train_log.jsonl"
+    log.write_text("".join(json.dumps({"step": s}) + "\n" for s in (1, 2, 3)))
+    replaced = []
+    real_replace = os.replace
+    monkeypatch.setattr(ckpt.os, "replace", lambda a, b: (replaced.append((a, b)), real_replace(a, b)))
+    ckpt.reset_log(str(log), keep_until=2)
+    assert [json.loads(line)["step"] for line in log.read_text().splitlines()] == [1, 2]
+    assert replaced == [(f"{log}.tmp", str(log))]
+
+
 def test_named_directory_must_be_a_checkpoint(tmp_path):
     with pytest.raises(ValueError, match="is not a directory"):
         ckpt.check_checkpoint(str(tmp_path / "missing"))

@@ -98,7 +98,9 @@ def save_checkpoint(accelerator, args, state: dict, fingerprint: dict | None = N
         _sync_tree(tmp)
         _write_json(os.path.join(tmp, MARKER), {"step": state["step"], "fingerprint": fingerprint})
         if os.path.exists(final):  # the same step saved again (a resumed run): the new one replaces it
-            shutil.rmtree(final)
+            # Moved aside in one rename, not deleted in place: a kill during a slow rmtree would leave step_N
+            # with its marker but missing files, and `latest` would pick it. _rotate clears the .tmp later.
+            os.replace(final, os.path.join(root, f".{name}.old.tmp"))
         os.replace(tmp, final)
         _sync_dir(root)
         _rotate(root, args.checkpoints_total_limit)
@@ -275,5 +277,7 @@ def reset_log(path: str, keep_until: int) -> None:
                 kept.append(json.dumps(record) + "\n")
     if damaged:
         logger.warning("%s: dropped %d damaged line(s)", path, damaged)
-    with open(path, "w") as f:
+    tmp = f"{path}.tmp"  # a kill mid-write must not truncate the log: write aside, then rename
+    with open(tmp, "w") as f:
         f.writelines(kept)
+    os.replace(tmp, path)
