@@ -142,3 +142,9 @@ def test_skip_log_is_rate_limited(caplog):
             log.add(str(i), ValueError("bad"))
     # 5 in full, then one summary at 8, 16, 32, 64
     assert len(caplog.records) == 9 and "64 samples skipped so far ({'ValueError': 64})" in caplog.text
+
+
+def test_a_missing_shard_is_an_error_not_a_truncated_one(tmp_path):
+    """Only damaged data is skipped: a wrong path must stop the run, not read as 'truncated after 0 samples'."""
+    with pytest.raises(FileNotFoundError):
+        list(read_shard(str(tmp_path / "no-such-shard.tar")))

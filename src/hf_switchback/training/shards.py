@@ -51,7 +51,9 @@ def gunzip_capped(data: bytes, limit: int) -> bytes:
     except (OSError, EOFError, zlib.error) as err:
         raise ValueError(f"unreadable gzip member: {err}") from None
     if len(out) > limit:
-        raise ValueError(f"gzip member unpacks to more than {limit} bytes (--max_member_bytes)")
+        raise ValueError(
+            f"gzip member unpacks to more than {limit} bytes (the member size cap, hf_switchback.training.shards.DEFAULT_MAX_MEMBER_BYTES)"
+        )
     return out
 
 
@@ -75,6 +77,8 @@ def read_shard(path: str, max_member_bytes: int = DEFAULT_MAX_MEMBER_BYTES) -> I
                 if sample is None:
                     sample = {"__key__": key, "__url__": path}
                 _read_member(tar, member, field, sample, max_member_bytes)
+    except (FileNotFoundError, PermissionError):
+        raise  # a shard that cannot be opened is a wrong path, not damaged data: never skip it silently
     except (tarfile.TarError, EOFError, OSError, zlib.error) as err:
         logger.warning(
             "shard %s is truncated or corrupt after %d samples (%s): the rest of it is skipped",
