@@ -353,7 +353,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--ddp_timeout",
         type=float,
         default=30,
-        help="Minutes a collective waits for a stuck rank before the run fails (30 as in HF Trainer).",
+        help="Minutes a collective waits for a stuck rank before the run fails (30 as in HF Trainer: torch's own "
+        "default for gloo, up from its 10 for NCCL, so a rank writing the model or a checkpoint alone is not cut off).",
     )
     g.add_argument("--push_to_hub", action="store_true", help="Upload the final model with a model card.")
     g.add_argument("--hub_model_id", help="Repository id for --push_to_hub, e.g. user/clip-switchback.")
