@@ -73,11 +73,14 @@ from hf_switchback.training.checkpoints import resolve_checkpoint
 from hf_switchback.training.runtime import process_group_kwargs
 
 accelerator = Accelerator(cpu=True, kwargs_handlers=[process_group_kwargs(10)])
-backend = c10d._get_default_group()._get_backend(torch.device("cpu"))
+# read the timeout, then drop the backend: a gloo backend still referenced when the interpreter exits is torn
+# down after the process group, and its worker threads abort the process ("terminate called without an
+# active exception")
+timeout = c10d._get_default_group()._get_backend(torch.device("cpu")).options._timeout
 # rank 1 looks at a lagging copy of the output_dir: it must still resume from what the main process picked
 output_dir = sys.argv[1] if accelerator.is_main_process else sys.argv[2]
 args = types.SimpleNamespace(output_dir=output_dir, resume_from_checkpoint="latest")
-print(f"rank {accelerator.process_index}: {resolve_checkpoint(args, accelerator)} timeout {backend.options._timeout}")
+print(f"rank {accelerator.process_index}: {resolve_checkpoint(args, accelerator)} timeout {timeout}")
 accelerator.end_training()
 """
 
