@@ -63,11 +63,10 @@ from hf_switchback import apply_switchback
 from hf_switchback.training import data as data_lib
 from hf_switchback.training.checkpoints import (
     append_log,
-    check_fingerprint,
     clear_previous_run,
-    load_train_state,
     reset_log,
     resolve_checkpoint,
+    resume_from,
     run_fingerprint,
     save_checkpoint,
     write_results,
@@ -99,7 +98,7 @@ from hf_switchback.training.optim import (
     unstable_parameters,
 )
 from hf_switchback.training.patch_dropout import add_patch_dropout
-from hf_switchback.training.reporting import push_model, tracker_config
+from hf_switchback.training.reporting import push_model, switchback_results, tracker_config
 from hf_switchback.training.runtime import check_deepspeed, dynamo_plugin, process_group_kwargs
 from hf_switchback.training.siglip_loss import SigLipLoss
 from hf_switchback.training.sources import load_eval_set, load_train_source, micro_batch_stream
@@ -143,7 +142,8 @@ def training_function(args):
     set_seed(args.seed)
     os.makedirs(args.output_dir, exist_ok=True)
     accelerator.print(f"output directory: {os.path.abspath(args.output_dir)}")
-    if args.overwrite_output_dir and not args.resume_from_checkpoint and accelerator.is_main_process:
+    checkpoint = resolve_checkpoint(args, accelerator)  # None: a fresh run (`latest` may have found none)
+    if args.overwrite_output_dir and not checkpoint and accelerator.is_main_process:
         clear_previous_run(args.output_dir)  # its checkpoints must not become this run's `latest`
     accelerator.wait_for_everyone()
 
@@ -179,7 +179,7 @@ def training_function(args):
         rank=accelerator.process_index,
         world_size=accelerator.num_processes,
         shuffle_buffer=args.shuffle_buffer,
-        max_image_pixels=args.max_image_pixels or None,
+        max_image_pixels=args.max_image_pixels or None,  # the eval data gets the same cap (sources.py)
     )
     collate = data_lib.Collate(tokenizer, max_text_length)
     eval_set, classnames, templates = load_eval_set(args, train_source)
@@ -190,7 +190,7 @@ def training_function(args):
         steps_per_epoch = max(1, per_rank // (args.batch_size * args.accum_freq))
         args.max_train_steps = args.num_train_epochs * steps_per_epoch
     warmup = args.warmup_steps if args.warmup_steps is not None else max(1, args.max_train_steps // 20)
-    fingerprint = run_fingerprint(args, clip.config.to_dict(), accelerator.num_processes)
+    fingerprint = run_fingerprint(args, clip.config.to_dict(), accelerator.num_processes, sb_config)
 
     # What accelerate wraps: forward returns (image features, text features, exp(logit_scale)), OpenCLIP-style.
     # logit_scale becomes shape (1,) (FSDP2 and ZeRO-3 shard along dim 0; 0-d is refused), on every backend so
@@ -226,12 +226,10 @@ def training_function(args):
 
     # Resume: weights, optimizer, scheduler, RNG from save_state; step and data position from our json.
     state = {"step": 0, "epoch": 0, "batch_in_epoch": 0, "loss_sum": 0.0, "num_skipped": 0}
-    checkpoint = resolve_checkpoint(args, accelerator)
-    if checkpoint:
-        accelerator.print(f"resuming from {checkpoint}")
-        check_fingerprint(checkpoint, fingerprint, args.allow_resume_mismatch)
-        accelerator.load_state(checkpoint)
-        state = load_train_state(checkpoint, accelerator.process_index)
+    guard = NonFiniteGuard(args.max_nonfinite_steps)
+    if checkpoint:  # newer checkpoints of output_dir are moved aside: `latest` must continue this branch
+        state = resume_from(accelerator, args, checkpoint, fingerprint)
+        guard.load_state_dict(state)  # skipped-step count of the launches before
     elif args.resume_from_checkpoint:
         accelerator.print(f"no checkpoint found in {args.output_dir}/checkpoints: starting from scratch")
 
@@ -276,7 +274,6 @@ def training_function(args):
         reset_log(log_path, keep_until=state["step"])  # fresh run: empty; resumed: up to the checkpoint
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats(accelerator.device)
-    guard = NonFiniteGuard(args.max_nonfinite_steps)
     while state["step"] < args.max_train_steps:
         t0 = time.perf_counter()
         micro_batches = []
@@ -355,7 +352,7 @@ def training_function(args):
             run_eval(state["step"])
         if args.checkpointing_steps and state["step"] % args.checkpointing_steps == 0:
             check_finite_before_save(model, "a checkpoint", accelerator)  # never rotate good ones out for it
-            save_checkpoint(accelerator, args, state, fingerprint)
+            save_checkpoint(accelerator, args, {**state, **guard.state_dict()}, fingerprint)
     progress.close()
 
     # Final eval, model, results
@@ -381,14 +378,15 @@ def training_function(args):
         **peak_memory(accelerator),
         "train_steps": state["step"],
         "train_skipped_samples": sum_over_ranks(accelerator, state["num_skipped"]),
-        "nonfinite_skipped_steps": guard.skipped,
+        "nonfinite_skipped_steps": guard.skipped,  # every launch of the run (kept in checkpoints)
+        "last_nonfinite_step": guard.last_skipped_step,
         "eval_samples": len(eval_set[0]),
         # what ran: the model type and its loss, autocast dtype ("no", "bf16", "fp16") and the SwitchBack config
         # (null: --switchback off)
         "model_type": clip.config.model_type,
         "loss_fn": f"siglip/{args.siglip_dist_impl}" if siglip else "clip",
         "mixed_precision": accelerator.mixed_precision,
-        "switchback": sb_config.to_dict() if sb_config else None,
+        "switchback": switchback_results(sb_config),  # with the kernel options that ran
     }
     if monitor:
         results["spike_monitor_warnings"] = len(monitor.warnings)

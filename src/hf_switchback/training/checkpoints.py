@@ -11,8 +11,13 @@ moment leaves either the new complete checkpoint or a temporary folder that `lat
 save removes; the rotation deletes old checkpoints only after the new one is complete. `latest` is decided
 on the main process and broadcast, so every rank resumes from the same step (OpenCLIP does the same).
 
-The run fingerprint (model config, data, batch geometry, world size, schedule length) is stored in the
-marker and checked on resume: continuing a checkpoint under other settings silently trains something else.
+The run fingerprint (model config, data, batch geometry, world size, schedule, SwitchBack config, optimizer)
+is stored in the marker and checked on resume: continuing a checkpoint under other settings silently trains
+something else.
+
+Resuming from step N while <output_dir>/checkpoints holds complete checkpoints after N (a rollback, e.g. past a
+loss spike) moves those into checkpoints/abandoned_after_step_<N>/: nothing is deleted, and a later `latest`
+continues the resumed run, not the branch it left.
 """
 
 from __future__ import annotations
@@ -151,6 +156,55 @@ def load_train_state(path: str, rank: int) -> dict:
         return json.load(f)
 
 
+def checkpoint_step(path: str) -> int:
+    """The step a complete checkpoint was written at (its marker's)."""
+    with open(os.path.join(path, MARKER)) as f:
+        return int(json.load(f)["step"])
+
+
+def set_aside_newer_checkpoints(output_dir: str, checkpoint: str) -> str | None:
+    """Move the complete checkpoints of output_dir after `checkpoint`'s step into
+    checkpoints/abandoned_after_step_<N>/ (main process only): the run resumed from step N is a new branch, and a
+    later `latest` must continue it, not the one it abandoned. Returns the folder, or None when none is newer."""
+    step = checkpoint_step(checkpoint)
+    newer = [
+        path
+        for path in checkpoint_dirs(output_dir)
+        if checkpoint_step(path) > step and not os.path.samefile(path, checkpoint)
+    ]
+    if not newer:
+        return None
+    root = os.path.join(output_dir, "checkpoints")
+    target = base = os.path.join(root, f"abandoned_after_step_{step}")
+    for n in range(1, 1000):  # an earlier rollback to the same step keeps its folder
+        if not os.path.exists(target):
+            break
+        target = f"{base}.{n}"
+    os.makedirs(target)
+    for path in newer:  # renames within one file system: nothing is copied or deleted
+        os.replace(path, os.path.join(target, os.path.basename(path)))
+    _sync_dir(root)
+    logger.warning(
+        "resuming from step %d: moved the newer checkpoints (%s) to %s, so that `latest` continues this run",
+        step,
+        ", ".join(os.path.basename(p) for p in newer),
+        target,
+    )
+    return target
+
+
+def resume_from(accelerator, args, checkpoint: str, fingerprint: dict) -> dict:
+    """Check the fingerprint, set newer checkpoints aside, load accelerate's state; return this rank's train
+    state ({"step", "epoch", ...})."""
+    accelerator.print(f"resuming from {checkpoint}")
+    check_fingerprint(checkpoint, fingerprint, args.allow_resume_mismatch)
+    if accelerator.is_main_process:
+        set_aside_newer_checkpoints(args.output_dir, checkpoint)
+    accelerator.wait_for_everyone()
+    accelerator.load_state(checkpoint)
+    return load_train_state(checkpoint, accelerator.process_index)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Run fingerprint: what must not change between a checkpoint and the run that resumes it.
 # ---------------------------------------------------------------------------------------------------------------
@@ -179,8 +233,10 @@ def data_description(args) -> str:
     return ", ".join(given + [f"split={args.train_split}"] * bool(args.dataset_name or args.train_data_dir))
 
 
-def run_fingerprint(args, model_config: dict, world_size: int) -> dict:
-    """The settings a checkpoint is only valid under; args.max_train_steps must be resolved already."""
+def run_fingerprint(args, model_config: dict, world_size: int, switchback=None) -> dict:
+    """The settings a checkpoint is only valid under; args.max_train_steps must be resolved already.
+    `switchback`: the run's SwitchBackConfig (None: --switchback off); its kernel options are left out (they
+    compute the same result)."""
     return {
         "model_config": config_digest(model_config),
         "data": data_description(args),
@@ -190,7 +246,32 @@ def run_fingerprint(args, model_config: dict, world_size: int) -> dict:
         "accum_freq": args.accum_freq,
         "world_size": world_size,
         "max_train_steps": args.max_train_steps,
+        "switchback": switchback.to_dict() if switchback is not None else None,
+        # the optimizer and scheduler states resume as saved (lr and betas included): other flags would not apply
+        "optimizer": {
+            "name": args.optimizer,
+            "lr": args.lr,
+            "beta1": args.beta1,
+            "beta2": args.beta2,
+            "eps": args.eps,
+            "weight_decay": args.weight_decay,
+        },
+        "schedule": {"warmup_steps": args.warmup_steps, "min_lr_ratio": args.min_lr_ratio},
     }
+
+
+def _differences(saved: dict, current: dict, prefix: str = "") -> list[str]:
+    """ "key: old in the checkpoint, new now" per changed field, nested dicts by dotted key. A key the checkpoint
+    lacks (written before it was recorded) is unknown, not a change."""
+    changed = []
+    for key, value in current.items():
+        if key not in saved:
+            continue
+        if isinstance(value, dict) and isinstance(saved[key], dict):
+            changed += _differences(saved[key], value, f"{prefix}{key}.")
+        elif saved[key] != value:
+            changed.append(f"{prefix}{key}: {saved[key]!r} in the checkpoint, {value!r} now")
+    return changed
 
 
 def check_fingerprint(checkpoint: str, current: dict, allow_mismatch: bool = False) -> list[str]:
@@ -198,11 +279,8 @@ def check_fingerprint(checkpoint: str, current: dict, allow_mismatch: bool = Fal
     unless `allow_mismatch` (then warn). Returns the differences."""
     with open(os.path.join(checkpoint, MARKER)) as f:
         saved = json.load(f).get("fingerprint") or {}
-    changed = [
-        f"{key}: {saved[key]!r} in the checkpoint, {value!r} now"
-        for key, value in current.items()
-        if key in saved and saved[key] != value
-    ]
+    # through JSON as the checkpoint was: tuples become lists, int keys strings
+    changed = _differences(saved, json.loads(json.dumps(current)))
     if changed and not allow_mismatch:
         raise ValueError(
             f"{checkpoint} was written by a run with other settings ({'; '.join(changed)}): resuming it would not "
@@ -217,13 +295,24 @@ def check_fingerprint(checkpoint: str, current: dict, allow_mismatch: bool = Fal
 # ---------------------------------------------------------------------------------------------------------------
 # The output directory: one run per directory, results and log
 # ---------------------------------------------------------------------------------------------------------------
-def check_output_dir(output_dir: str, resume: bool, overwrite: bool) -> None:
-    """Refuse an output_dir that is a file, or that holds a previous run unless resuming or overwriting it."""
+def check_output_dir(output_dir: str, resume: str | None, overwrite: bool) -> None:
+    """Refuse an output_dir that is a file, or that holds a previous run unless resuming or overwriting it.
+
+    `resume` is --resume_from_checkpoint: "latest" with no complete checkpoint to pick starts from scratch,
+    so it is held to the rule of a fresh run (it would write over the previous run's results and model)."""
     if os.path.exists(output_dir) and not os.path.isdir(output_dir):
         raise ValueError(f"--output_dir {output_dir!r} is a file, not a directory")
-    if resume or overwrite or not os.path.isdir(output_dir):
+    resuming = bool(resume) and (resume != "latest" or bool(checkpoint_dirs(output_dir)))
+    if resuming or overwrite or not os.path.isdir(output_dir):
         return
     found = [name for name in RUN_FILES if os.path.exists(os.path.join(output_dir, name))]
+    if found and resume == "latest":
+        raise ValueError(
+            f"--resume_from_checkpoint latest: {os.path.join(output_dir, 'checkpoints')} holds no complete "
+            f"checkpoint, but --output_dir {output_dir!r} holds a previous run ({', '.join(found)}) that "
+            "starting from scratch would overwrite: pass --overwrite_output_dir to replace it, or another "
+            "--output_dir"
+        )
     if found:
         raise ValueError(
             f"--output_dir {output_dir!r} holds a previous run ({', '.join(found)}): pass "

@@ -336,7 +336,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="Keep only the newest N checkpoints.",
     )
     g.add_argument(
-        "--resume_from_checkpoint", help="'latest' (in output_dir/checkpoints) or a checkpoint path."
+        "--resume_from_checkpoint",
+        help="'latest' (in output_dir/checkpoints) or a checkpoint path; newer checkpoints of output_dir move to "
+        "checkpoints/abandoned_after_step_N/.",
     )
     g.add_argument(
         "--overwrite_output_dir",
@@ -347,7 +349,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--allow_resume_mismatch",
         action="store_true",
         help="Resume although the checkpoint was written under other settings (model, data, batch geometry, "
-        "world size, steps).",
+        "world size, steps, SwitchBack config, optimizer).",
     )
     g.add_argument(
         "--ddp_timeout",
@@ -439,7 +441,7 @@ def check_args(parser: argparse.ArgumentParser, args) -> None:
     if not args.ddp_timeout > 0:
         parser.error(f"--ddp_timeout must be > 0 minutes, got {args.ddp_timeout}")
     try:
-        check_output_dir(args.output_dir, bool(args.resume_from_checkpoint), args.overwrite_output_dir)
+        check_output_dir(args.output_dir, args.resume_from_checkpoint, args.overwrite_output_dir)
         if args.resume_from_checkpoint not in (None, "latest"):
             check_checkpoint(args.resume_from_checkpoint)
     except ValueError as err:

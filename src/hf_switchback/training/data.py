@@ -399,9 +399,10 @@ def epoch_loader(stream: CaptionStream, collate: Collate, batch_size: int, epoch
 
 
 def load_eval_samples(
-    source: DataSource, max_samples: int
+    source: DataSource, max_samples: int, max_image_pixels: int | None = DEFAULT_MAX_IMAGE_PIXELS
 ) -> tuple[list[Image.Image], list[str], list[int] | None]:
-    """The first `max_samples` readable (image, caption[, label]) triples, decoded, for the evaluator."""
+    """The first `max_samples` readable (image, caption[, label]) triples, decoded, for the evaluator. Images
+    over `max_image_pixels` (None: no cap of ours) are skipped before decoding, as in training."""
     images, captions, labels = [], [], []
     rng = random.Random(0)
     skip_log = SkipLog("eval")
@@ -413,7 +414,7 @@ def load_eval_samples(
             break
         try:
             caption = pick_caption(field_value(example, source.caption_column), rng)
-            image = decode_image(field_value(example, source.image_column), source.base_dir)
+            image = decode_image(field_value(example, source.image_column), source.base_dir, max_image_pixels)
             label = (
                 int(field_value(example, source.label_column)) if source.label_column is not None else None
             )

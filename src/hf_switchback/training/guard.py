@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
@@ -41,13 +41,15 @@ class NonFiniteError(RuntimeError):
 
 @dataclass
 class NonFiniteGuard:
-    """Counts skipped steps; raises NonFiniteError after `max_consecutive` counted skips in a row (0: never)."""
+    """Counts skipped steps; raises NonFiniteError after `max_consecutive` counted skips in a row (0: never).
+
+    `skipped` and `last_skipped_step` go into checkpoints (state_dict) and come back on resume, so the run's
+    results count the skips of every launch."""
 
     max_consecutive: int = DEFAULT_MAX_CONSECUTIVE
-    skipped: int = 0  # every skipped step of this launch, overflow skips included
+    skipped: int = 0  # every skipped step of the run, overflow skips included
     consecutive: int = 0
     last_skipped_step: int | None = None
-    history: list[int] = field(default_factory=list)  # steps skipped (the first 100, for the results)
 
     def __post_init__(self) -> None:
         if self.max_consecutive < 0:
@@ -60,8 +62,6 @@ class NonFiniteGuard:
             return
         self.skipped += 1
         self.last_skipped_step = step
-        if len(self.history) < 100:
-            self.history.append(step)
         if counts:
             self.consecutive += 1
         logger.warning(
@@ -77,6 +77,15 @@ class NonFiniteGuard:
                 f"({detail}); stopping. The weights are those before the first of them; lower --lr, check the "
                 "data, or resume from the last checkpoint"
             )
+
+    def state_dict(self) -> dict:
+        """What a checkpoint keeps (keys of the train state json)."""
+        return {"nonfinite_skipped_steps": self.skipped, "last_nonfinite_step": self.last_skipped_step}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore from a train state; one written before these keys existed counts from zero."""
+        self.skipped = int(state.get("nonfinite_skipped_steps", 0))
+        self.last_skipped_step = state.get("last_nonfinite_step")
 
 
 def _finite(value) -> torch.Tensor:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 logger = logging.getLogger(__name__)
@@ -36,3 +37,11 @@ def push_model(model, processor, args, sb_config, metrics) -> None:
         token=args.hub_token,
     )
     logger.info("pushed to %s", url)
+
+
+def switchback_results(sb_config) -> dict | None:
+    """all_results.json's `switchback`: the config as config.json has it, plus the kernel options that ran
+    (to_dict leaves them out of config.json: they are this process's choice, not the model's)."""
+    if sb_config is None:
+        return None
+    return {**sb_config.to_dict(), "kernel_options": dataclasses.asdict(sb_config.kernel_options)}

@@ -23,6 +23,11 @@ def has_real_data(args) -> bool:
     return any((args.train_file, args.train_data_dir, args.train_shards, args.dataset_name))
 
 
+def max_image_pixels(args) -> int | None:
+    """--max_image_pixels for training and eval data alike (0: no cap of ours)."""
+    return args.max_image_pixels or None
+
+
 def load_train_source(args) -> data_lib.DataSource:
     return data_lib.load_source(
         synthetic_samples=None if has_real_data(args) else args.synthetic_train_samples,
@@ -45,7 +50,7 @@ def load_eval_set(args, train_source):
     if not has_real_data(args):
         data = synthetic.SyntheticShapes(args.max_eval_samples, image_size=SYNTHETIC_IMAGE_SIZE, split="eval")
         source = data_lib.DataSource(data, "image", "caption", streaming=False, label_column="label")
-        eval_set = data_lib.load_eval_samples(source, args.max_eval_samples)
+        eval_set = data_lib.load_eval_samples(source, args.max_eval_samples, max_image_pixels(args))
         return eval_set, synthetic.zeroshot_classnames(), synthetic.ZEROSHOT_TEMPLATES
     if args.validation_file or args.validation_shards or args.validation_split:
         source = data_lib.load_source(
@@ -79,7 +84,8 @@ def load_eval_set(args, train_source):
                 f"--zeroshot_label_column {args.zeroshot_label_column!r} is not a ClassLabel: pass --zeroshot_classnames"
             )
     templates = tuple(args.zeroshot_templates.split("|"))
-    return data_lib.load_eval_samples(source, args.max_eval_samples), classnames, templates
+    eval_set = data_lib.load_eval_samples(source, args.max_eval_samples, max_image_pixels(args))
+    return eval_set, classnames, templates
 
 
 def micro_batch_stream(stream, collate, batch_size: int, num_workers: int, epoch: int, skip: int):
