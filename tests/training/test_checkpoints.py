@@ -144,7 +144,6 @@ def test_output_dir_with_a_previous_run_is_refused(tmp_path, capsys):
     (tmp_path / "run" / "all_results.json").write_text("{}")
     err = _check_fails(*_args(tmp_path), capsys)
     assert "holds a previous run (all_results.json)" in err and "--overwrite_output_dir" in err
-    cli.check_args(*_args(tmp_path, resume_from_checkpoint="latest"))
     cli.check_args(*_args(tmp_path, overwrite_output_dir=True))
     (tmp_path / "file").write_text("")
     parser, args = _args(tmp_path)
@@ -152,6 +151,50 @@ def test_output_dir_with_a_previous_run_is_refused(tmp_path, capsys):
     assert "is a file, not a directory" in _check_fails(parser, args, capsys)
     err = _check_fails(*_args(tmp_path, resume_from_checkpoint=tmp_path), capsys)
     assert "is not a complete checkpoint" in err  # not accelerate's FileNotFoundError pytorch_model.bin
+
+
+def test_latest_without_a_checkpoint_in_a_used_output_dir_is_refused_like_a_fresh_run(tmp_path, capsys):
+    """`latest` finding no checkpoint starts from scratch: in an output_dir holding a run, that would write over
+    its results and model, so it needs --overwrite_output_dir as a fresh run does."""
+    cli.check_args(*_args(tmp_path, resume_from_checkpoint="latest"))  # missing: starts fresh
+    (tmp_path / "run").mkdir()
+    cli.check_args(*_args(tmp_path, resume_from_checkpoint="latest"))  # empty: starts fresh
+    (tmp_path / "run" / "model.safetensors").write_text("old")
+    (tmp_path / "run" / "all_results.json").write_text("{}")
+    err = _check_fails(*_args(tmp_path, resume_from_checkpoint="latest"), capsys)
+    assert "holds no complete checkpoint" in err and "(all_results.json, model.safetensors)" in err
+    assert "--overwrite_output_dir" in err
+    (tmp_path / "run" / "checkpoints" / ".step_4.tmp").mkdir(parents=True)  # a first save that was killed
+    err = _check_fails(*_args(tmp_path, resume_from_checkpoint="latest"), capsys)
+    assert "(checkpoints, all_results.json, model.safetensors)" in err
+    cli.check_args(*_args(tmp_path, resume_from_checkpoint="latest", overwrite_output_dir=True))
+    _complete(tmp_path / "run", 2)  # a checkpoint to continue: resuming is what was asked
+    cli.check_args(*_args(tmp_path, resume_from_checkpoint="latest"))
+
+
+def test_resuming_an_older_step_moves_the_newer_checkpoints_aside(tmp_path):
+    """A rollback to step 2 while step_4 and step_6 exist: a later `latest` (after a crash) must continue the
+    run resumed from step 2, not the abandoned one; nothing is deleted."""
+    for step in (2, 4, 6):
+        _complete(tmp_path, step)
+    root = tmp_path / "checkpoints"
+    assert ckpt.set_aside_newer_checkpoints(str(tmp_path), str(root / "step_6")) is None  # nothing newer
+    target = ckpt.set_aside_newer_checkpoints(str(tmp_path), str(root / "step_2"))
+    assert target == str(root / "abandoned_after_step_2")
+    assert sorted(os.listdir(target)) == ["step_4", "step_6"]
+    assert (root / "abandoned_after_step_2" / "step_6" / ckpt.MARKER).is_file()
+    args = SimpleNamespace(output_dir=str(tmp_path), resume_from_checkpoint="latest")
+    assert ckpt.resolve_checkpoint(args) == str(root / "step_2")
+    # the resumed branch got to step 4, then the user rolls back to step 2 again: the earlier folder stays
+    _complete(tmp_path, 4)
+    assert ckpt.set_aside_newer_checkpoints(str(tmp_path), str(root / "step_2")).endswith("step_2.1")
+    assert sorted(os.listdir(root)) == ["abandoned_after_step_2", "abandoned_after_step_2.1", "step_2"]
+    # a checkpoint from elsewhere counts by its step
+    other = _complete(tmp_path / "elsewhere", 1)
+    ckpt.set_aside_newer_checkpoints(str(tmp_path), str(other))
+    assert ckpt.checkpoint_dirs(str(tmp_path)) == [] and os.listdir(root / "abandoned_after_step_1") == [
+        "step_2"
+    ]
 
 
 def test_overwrite_clears_the_previous_runs_checkpoints_log_and_results(tmp_path):
@@ -162,11 +205,18 @@ def test_overwrite_clears_the_previous_runs_checkpoints_log_and_results(tmp_path
     assert sorted(os.listdir(tmp_path)) == ["model.safetensors"]  # replaced only when the new one is written
 
 
-def test_fingerprint_mismatch_names_the_changed_fields(tmp_path, caplog):
+def _fingerprint_args(**changes):
     args = SimpleNamespace(
         train_file=None, train_data_dir=None, train_shards="/d/*.tar", dataset_name=None, dataset_config_name=None,
         synthetic_train_samples=100, train_split="train", seed=0, batch_size=8, accum_freq=2, max_train_steps=6,
+        optimizer="adamw", lr=1e-3, beta1=0.9, beta2=0.98, eps=1e-6, weight_decay=0.1, warmup_steps=None,
+        min_lr_ratio=0.0,
     )  # fmt: skip
+    return SimpleNamespace(**{**vars(args), **changes})
+
+
+def test_fingerprint_mismatch_names_the_changed_fields(tmp_path, caplog):
+    args = _fingerprint_args()
     config = {"text_config": {"hidden_size": 32, "transformers_version": "5.0"}, "_name_or_path": "a", 0: "x"}
     saved = ckpt.run_fingerprint(args, config, world_size=2)
     assert saved["global_batch"] == 32 and saved["data"] == "train_shards=/d/*.tar"
@@ -189,6 +239,45 @@ def test_fingerprint_mismatch_names_the_changed_fields(tmp_path, caplog):
     with caplog.at_level(logging.WARNING):
         assert len(ckpt.check_fingerprint(str(path), now, allow_mismatch=True)) == 4
     assert "changed settings" in caplog.text
+
+
+def test_fingerprint_covers_switchback_and_optimizer_and_old_checkpoints_still_resume(tmp_path):
+    from hf_switchback import KernelOptions, SwitchBackConfig
+
+    config = {"text_config": {"hidden_size": 32}}
+    int8 = SwitchBackConfig(backend="torch")
+    saved = ckpt.run_fingerprint(_fingerprint_args(), config, 1, int8)
+    path = _complete(tmp_path, 2, saved)
+    # other kernel options compute the same result: not a change
+    same = SwitchBackConfig(backend="torch", kernel_options=KernelOptions(use_tma=True, fp8_gemm="triton"))
+    assert ckpt.check_fingerprint(str(path), ckpt.run_fingerprint(_fingerprint_args(), config, 1, same)) == []
+    fp8 = SwitchBackConfig(backend="torch", precision="fp8", weight_scaling="row")
+    now = ckpt.run_fingerprint(
+        _fingerprint_args(optimizer="stableadamw", lr=5e-4, warmup_steps=10), config, 1, fp8
+    )
+    with pytest.raises(ValueError) as exc:
+        ckpt.check_fingerprint(str(path), now)
+    message = str(exc.value)
+    for field in (
+        "switchback.precision: 'int8' in the checkpoint, 'fp8' now",
+        "switchback.weight_scaling",
+        "optimizer.name: 'adamw' in the checkpoint, 'stableadamw' now",
+        "optimizer.lr",
+        "schedule.warmup_steps",
+    ):
+        assert field in message, field
+    assert "beta1" not in message and "grad_precision" not in message
+    off = ckpt.run_fingerprint(_fingerprint_args(), config, 1, None)
+    with pytest.raises(
+        ValueError, match=r"switchback: \{.*'precision': 'int8'.*\} in the checkpoint, None now"
+    ):
+        ckpt.check_fingerprint(str(path), off)
+    # a checkpoint written before these fields were recorded: unknown, not a mismatch
+    old = {k: v for k, v in saved.items() if k not in ("switchback", "optimizer", "schedule")}
+    assert ckpt.check_fingerprint(str(_complete(tmp_path / "old", 2, old)), now) == []
+    partly = {**saved, "optimizer": {"name": "adamw"}}  # a nested field it lacks is unknown too
+    assert ckpt.check_fingerprint(str(_complete(tmp_path / "partly", 2, partly)), ckpt.run_fingerprint(
+        _fingerprint_args(lr=5e-4), config, 1, int8)) == []  # fmt: skip
 
 
 def test_damaged_log_lines_are_dropped_on_resume(tmp_path):
