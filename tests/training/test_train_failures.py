@@ -9,7 +9,17 @@ import sys
 
 import pytest
 from helpers import load_script
-from train_helpers import REPO, SCRIPT, clean_env, launch, read_results, write_tiny_model_config
+from train_helpers import (
+    REPO,
+    SCRIPT,
+    clean_env,
+    launch,
+    read_results,
+    run_in_process,
+    write_tiny_model_config,
+)
+
+from hf_switchback.training.checkpoints import checkpoint_dirs
 
 
 def run_script(args: list[str], timeout: int = 300) -> subprocess.CompletedProcess:
@@ -62,6 +72,71 @@ def test_an_output_dir_holding_a_run_is_refused_by_the_script(tmp_path, tiny):
     (out / "train_log.jsonl").write_text('{"step": 1}\n')
     proc = run_script([*tiny, "--max_train_steps", "1", "--output_dir", str(out)])
     assert proc.returncode == 2 and "holds a previous run (train_log.jsonl)" in proc.stderr
+
+
+def test_resume_keeps_the_skip_count_checks_the_quantization_and_sets_newer_checkpoints_aside(
+    tmp_path, tiny, monkeypatch, capsys
+):
+    """In process: a 4-step run with a NaN loss at the second step attempt and a checkpoint every step, then
+    resumed from step_2 (a rollback). The skip survives the resume; another quantization or optimizer is refused
+    before anything moves; the abandoned step_3, step_4 go aside, so `latest` continues the resumed run."""
+    script = load_script(SCRIPT, "train_clip_failures")
+    real_backward, calls = script.contrastive_backward, []
+
+    def nan_at_second_call(*args):
+        calls.append(1)
+        loss = real_backward(*args)
+        return loss * float("nan") if len(calls) == 2 else loss
+
+    out = tmp_path / "run"
+    run = [*tiny, "--max_train_steps", "4", "--output_dir", str(out)]
+    monkeypatch.setattr(script, "contrastive_backward", nan_at_second_call)
+    first = run_in_process(script, [*run, "--checkpointing_steps", "1", "--checkpoints_total_limit", "4"])
+    assert (first["nonfinite_skipped_steps"], first["last_nonfinite_step"], first["train_steps"]) == (1, 2, 4)
+    monkeypatch.setattr(script, "contrastive_backward", real_backward)
+    step_2 = str(out / "checkpoints" / "step_2")
+
+    changed = ["--weight_scaling", "row", "--optimizer", "stableadamw"]
+    with pytest.raises(ValueError) as exc:
+        run_in_process(script, [*run, "--resume_from_checkpoint", step_2, *changed])
+    assert "switchback.weight_scaling: 'tensor' in the checkpoint, 'row' now" in str(exc.value)
+    assert "optimizer.name: 'adamw' in the checkpoint, 'stableadamw' now" in str(exc.value)
+    assert [os.path.basename(p) for p in checkpoint_dirs(str(out))] == [
+        "step_1",
+        "step_2",
+        "step_3",
+        "step_4",
+    ]
+
+    resumed = run_in_process(script, [*run, "--resume_from_checkpoint", step_2, "--checkpointing_steps", "0"])
+    assert (resumed["nonfinite_skipped_steps"], resumed["last_nonfinite_step"]) == (
+        1,
+        2,
+    )  # from step_2's state
+    assert resumed["train_steps"] == 4
+    assert [os.path.basename(p) for p in checkpoint_dirs(str(out))] == ["step_1", "step_2"]
+    assert sorted(os.listdir(out / "checkpoints" / "abandoned_after_step_2")) == ["step_3", "step_4"]
+
+    # `latest` with no checkpoint: a used output_dir is refused, an overwrite (or an empty dir) starts fresh
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "all_results.json").write_text("{}")
+    (other / "spike_monitor.png").write_text("stale")
+    fresh = [
+        *tiny,
+        "--max_train_steps",
+        "1",
+        "--output_dir",
+        str(other),
+        "--resume_from_checkpoint",
+        "latest",
+    ]
+    with pytest.raises(SystemExit):
+        run_in_process(script, fresh)
+    assert "holds no complete checkpoint" in capsys.readouterr().err
+    assert run_in_process(script, [*fresh, "--overwrite_output_dir"])["train_steps"] == 1
+    assert f"no checkpoint found in {other}/checkpoints: starting from scratch" in capsys.readouterr().out
+    assert not (other / "spike_monitor.png").exists()  # the previous run's files went, as for a fresh run
 
 
 WORKER = """
