@@ -102,6 +102,24 @@ def test_eval_samples_skip_bad_ones_too(poisoned):
     assert len(images) == len(captions) == 14 and labels is None
 
 
+def test_eval_data_gets_the_training_pixel_cap(poisoned):
+    """--max_image_pixels caps the eval images too (a decompression bomb in the validation shards)."""
+    from hf_switchback.training import cli
+    from hf_switchback.training.sources import load_eval_set
+
+    assert len(load_eval_samples(load_source(shards=str(poisoned)), 100, max_image_pixels=2000)[0]) == 13
+
+    def eval_images(*flags):
+        shards = ["--train_shards", str(poisoned), "--validation_shards", str(poisoned)]
+        args = cli.build_parser().parse_args(
+            [*shards, "--max_train_steps", "1", "--max_eval_samples", "100", *flags]
+        )
+        return len(load_eval_set(args, train_source=None)[0][0])
+
+    assert eval_images("--max_image_pixels", "2000") == 13  # the 64x64 "big" one skipped
+    assert eval_images("--max_image_pixels", "0") == 14  # 0: no cap of ours
+
+
 def test_field_value_decodes_json_and_flags_unreadable_samples():
     assert field_value({"json": b'{"caption": "x"}'}, "json") == {"caption": "x"}
     assert field_value({"txt": b"raw"}, "txt") == b"raw"  # text is decoded by pick_caption (UTF-8)

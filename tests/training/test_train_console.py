@@ -1,6 +1,7 @@
 """What a train_clip.py run prints and records: lines above the progress bar (never glued onto it), where the
 outputs went, and all_results.json naming the mixed precision and SwitchBack config that ran."""
 
+import dataclasses
 import io
 import json
 import logging
@@ -10,7 +11,8 @@ import sys
 import pytest
 from train_helpers import load_script, run_in_process, write_tiny_model_config
 
-from hf_switchback import SwitchBackConfig
+from hf_switchback import KernelOptions, SwitchBackConfig
+from hf_switchback.kernels.options import FP8_GEMM_ENV
 from hf_switchback.training.console import TqdmLoggingHandler
 
 
@@ -66,15 +68,18 @@ def test_log_records_go_above_the_progress_bar(monkeypatch):
     assert "spike at step 1" in terminal_lines(terminal.getvalue())
 
 
-def test_results_record_mixed_precision_and_the_switchback_config(script, tmp_path):
+def test_results_record_mixed_precision_and_the_switchback_config(script, tmp_path, monkeypatch):
+    monkeypatch.setenv(FP8_GEMM_ENV, "triton")  # a non-default kernel option: the results must name it
     flags = ["--eval_steps", "0", "--mixed_precision", "bf16", "--weight_scaling", "row", "--min_tokens", "0"]
     results = run_in_process(script, tiny_run(tmp_path, *flags))
     with open(tmp_path / "run" / "all_results.json") as f:
         assert json.load(f) == results
     assert results["mixed_precision"] == "bf16"
-    assert SwitchBackConfig.from_dict(results["switchback"]) == SwitchBackConfig(
-        weight_scaling="row", min_tokens=0
-    )
+    loaded = SwitchBackConfig.from_dict(results["switchback"])
+    assert loaded == SwitchBackConfig(weight_scaling="row", min_tokens=0)
+    # the kernel options that ran (config.json leaves them out; the results keep them)
+    assert results["switchback"]["kernel_options"] == dataclasses.asdict(KernelOptions(fp8_gemm="triton"))
+    assert loaded.kernel_options.fp8_gemm == "triton"
 
     (tmp_path / "off").mkdir()
     off = run_in_process(script, tiny_run(tmp_path / "off", "--eval_steps", "0", "--switchback", "off"))

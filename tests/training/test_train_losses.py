@@ -35,9 +35,15 @@ def reference(per_rank: int, world: int, switchback: bool = False):
     return loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
-def max_grad_error(grads, ref_grads):
+def grads_off(grads, ref_grads, switchback: bool) -> list[str]:
+    """Names of the gradients outside the bound. fp32: only the order of summation differs, 1e-5 absolute.
+    SwitchBack int8 quantizes per token (and weights per tensor), so a rank's rows quantize as in the whole
+    batch, but the float-order noise of the loss gradient can move an output-gradient entry across an int8
+    rounding boundary (1/127 of its row's absmax): each gradient within 1e-3 of its tensor's largest entry, as
+    in test_siglip_loss.py (an absolute 1e-5 would fail on such a flip)."""
     assert grads.keys() == ref_grads.keys()
-    return max((grads[n] - ref_grads[n]).abs().max().item() for n in ref_grads)
+    bound = {n: 1e-3 * ref.abs().max().item() + 1e-7 if switchback else 1e-5 for n, ref in ref_grads.items()}
+    return [n for n, ref in ref_grads.items() if (grads[n] - ref).abs().max().item() > bound[n]]
 
 
 @pytest.mark.slow
@@ -50,9 +56,9 @@ def test_two_process_loss_and_grads_equal_single_process(tmp_path, accum_freq):
         ref_loss, ref_grads = reference(per_rank=4, world=2, switchback=bool(sb))
         for exact in (f"sb{sb}_local1_gwg1", f"sb{sb}_local0_gwg1"):
             assert abs(results[exact]["loss"] - ref_loss) <= 1e-5, exact
-            assert max_grad_error(results[exact]["grads"], ref_grads) <= 1e-5, exact
+            assert grads_off(results[exact]["grads"], ref_grads, switchback=bool(sb)) == [], exact
         # Without the differentiable gather each rank's gradient ignores the other rank's samples: the loss is
         # the same but the gradients are not. (Shows the comparison above can fail.)
         inexact = results[f"sb{sb}_local1_gwg0"]
         assert abs(inexact["loss"] - ref_loss) <= 1e-5
-        assert max_grad_error(inexact["grads"], ref_grads) > 1e-4
+        assert grads_off(inexact["grads"], ref_grads, switchback=bool(sb))
