@@ -3,9 +3,10 @@ the same losses as the uninterrupted one?
 
 Each repetition launches examples/train_clip.py on 2 CPU processes (accelerate_configs/cpu.yaml) with a tiny
 CLIP and a checkpoint after every step, SIGKILLs one rank (or the launcher and every rank at once) at a
-random time after step 1 (see `trial`), then relaunches with `--resume_from_checkpoint
-latest` until a launch exits 0. The run passes when train_log.jsonl holds the reference's loss at every step
-(relative 1e-6) and all_results.json the same train_loss. Linux only (reads /proc to find the ranks).
+random time after step 1 (see `trial`), then relaunches with `--resume_from_checkpoint latest` until a launch exits
+0 (with `--overwrite_output_dir` too when the kill came before the first complete checkpoint: `latest` alone refuses
+an output_dir holding a run but no checkpoint). The run passes when train_log.jsonl holds the reference's loss at
+every step (relative 1e-6) and all_results.json the same train_loss. Linux only (reads /proc to find the ranks).
 
     python benchmarks/kill_resume.py --repeats 20            # the full check (~20-40 min on 2 cores)
     python benchmarks/kill_resume.py --repeats 1 --steps 8 --seed 5   # what CI runs (tests/training/test_train_failures.py)
@@ -54,7 +55,9 @@ def env() -> dict:
     return out
 
 
-def command(config: str, output_dir: str, steps: int, port: int, resume: bool) -> list[str]:
+def command(
+    config: str, output_dir: str, steps: int, port: int, resume: bool, overwrite: bool = False
+) -> list[str]:
     launcher = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", CPU_CONFIG]
     launcher += [
         "--num_processes",
@@ -68,7 +71,7 @@ def command(config: str, output_dir: str, steps: int, port: int, resume: bool) -
     args += ["--synthetic_train_samples", "160", "--num_workers", "0", "--eval_steps", "0"]
     args += ["--max_eval_samples", "16", "--logging_steps", "1", "--checkpointing_steps", "1", "--lr", "1e-3"]
     args += ["--output_dir", output_dir] + (["--resume_from_checkpoint", "latest"] if resume else [])
-    return launcher + args
+    return launcher + args + ["--overwrite_output_dir"] * overwrite
 
 
 def free_port() -> int:
@@ -177,10 +180,16 @@ def trial(config: str, workdir: str, steps: int, wall: float, rng: random.Random
         os.kill(pid, signal.SIGKILL)
     checkpoints = os.path.join(out, "checkpoints")
     left = sorted(os.listdir(checkpoints)) if os.path.isdir(checkpoints) else []
+    # killed before step_1 was complete: nothing to resume, and the killed run's log must go (the refusal says so)
+    none_complete = not any(
+        n.startswith("step_") and os.path.isfile(os.path.join(checkpoints, n, "checkpoint.json"))
+        for n in left
+    )
     relaunches = 0
     while True:
         relaunches += 1
-        done = launch(command(config, out, steps, free_port(), resume=True), timeout=600)
+        cmd = command(config, out, steps, free_port(), resume=True, overwrite=none_complete)
+        done = launch(cmd, timeout=600)
         if done.returncode == 0 or relaunches >= 3:
             break
     result = {"delay_s": round(delay, 1), "killed": victim, "left": left, "relaunches": relaunches}
