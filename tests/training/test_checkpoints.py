@@ -215,6 +215,15 @@ def _fingerprint_args(**changes):
     return SimpleNamespace(**{**vars(args), **changes})
 
 
+def _refusal(checkpoint, fingerprint, *fields) -> str:
+    """check_fingerprint's error message, which must name every one of `fields`."""
+    with pytest.raises(ValueError) as exc:
+        ckpt.check_fingerprint(str(checkpoint), fingerprint)
+    for field in fields:
+        assert field in str(exc.value), field
+    return str(exc.value)
+
+
 def test_fingerprint_mismatch_names_the_changed_fields(tmp_path, caplog):
     args = _fingerprint_args()
     config = {"text_config": {"hidden_size": 32, "transformers_version": "5.0"}, "_name_or_path": "a", 0: "x"}
@@ -225,16 +234,8 @@ def test_fingerprint_mismatch_names_the_changed_fields(tmp_path, caplog):
     assert ckpt.check_fingerprint(str(path), ckpt.run_fingerprint(args, moved, world_size=2)) == []
     args.batch_size = 4
     now = ckpt.run_fingerprint(args, {"text_config": {"hidden_size": 64}}, world_size=1)
-    with pytest.raises(ValueError) as exc:
-        ckpt.check_fingerprint(str(path), now)
-    message = str(exc.value)
-    for field in (
-        "model_config",
-        "global_batch: 32 in the checkpoint, 8 now",
-        "batch_size",
-        "world_size: 2",
-    ):
-        assert field in message, field
+    message = _refusal(path, now, "model_config", "global_batch: 32 in the checkpoint, 8 now", "batch_size")
+    assert "world_size: 2" in message
     assert "--allow_resume_mismatch" in message and "accum_freq" not in message
     with caplog.at_level(logging.WARNING):
         assert len(ckpt.check_fingerprint(str(path), now, allow_mismatch=True)) == 4
@@ -255,17 +256,15 @@ def test_fingerprint_covers_switchback_and_optimizer_and_old_checkpoints_still_r
     now = ckpt.run_fingerprint(
         _fingerprint_args(optimizer="stableadamw", lr=5e-4, warmup_steps=10), config, 1, fp8
     )
-    with pytest.raises(ValueError) as exc:
-        ckpt.check_fingerprint(str(path), now)
-    message = str(exc.value)
-    for field in (
+    message = _refusal(
+        path,
+        now,
         "switchback.precision: 'int8' in the checkpoint, 'fp8' now",
         "switchback.weight_scaling",
         "optimizer.name: 'adamw' in the checkpoint, 'stableadamw' now",
         "optimizer.lr",
         "schedule.warmup_steps",
-    ):
-        assert field in message, field
+    )
     assert "beta1" not in message and "grad_precision" not in message
     off = ckpt.run_fingerprint(_fingerprint_args(), config, 1, None)
     with pytest.raises(
