@@ -177,3 +177,29 @@ def test_real_gpu_reads_the_table_of_its_capability(tmp_path, monkeypatch):
     x = torch.randn(AUTO_MIN_TOKENS_CUDA * 2, 256, device="cuda", dtype=torch.bfloat16)
     assert torch.equal(sb(x), lin(x))  # never pays: 16-bit even far above the fallback constant
     assert token_floor(SwitchBackConfig(), x.device, (128, 256)) == 64
+
+
+def test_the_wheel_carries_the_tables(tmp_path):
+    """`pip install .` (not -e) must ship the JSON tables: setuptools leaves non-Python files out of a wheel
+    unless pyproject.toml's package-data names them. Builds a wheel of a copy of the tree with a table added."""
+    import shutil
+    import subprocess
+    import sys
+    import zipfile
+
+    from helpers import REPO
+
+    pytest.importorskip("setuptools")
+    shutil.copytree(
+        REPO / "src", tmp_path / "src", ignore=shutil.ignore_patterns("*.egg-info", "__pycache__")
+    )
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(REPO / name, tmp_path / name)
+    write_table(tmp_path / "src/hf_switchback/kernels/crossover")
+    build = "from setuptools import build_meta; print(build_meta.build_wheel('dist'))"
+    proc = subprocess.run(
+        [sys.executable, "-c", build], cwd=tmp_path, capture_output=True, text=True, timeout=120, check=False
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    wheel = tmp_path / "dist" / proc.stdout.strip().splitlines()[-1]
+    assert "hf_switchback/kernels/crossover/sm90.json" in zipfile.ZipFile(wheel).namelist()
