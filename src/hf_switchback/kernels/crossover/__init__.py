@@ -10,15 +10,17 @@ of one forward + backward of bf16 `nn.Linear` and of SwitchBack (library default
 grad_precision="auto", default KernelOptions) over a grid of token counts, and `crossover`: the smallest grid M
 from which SwitchBack was at least the table's `margin` faster at that M and every larger one, or null (never
 paid on the grid: the layer stays 16-bit at every M). Between grid points the crossover is conservative (the
-8-bit path starts at the first grid point where it was measured to pay).
+8-bit path starts at the first grid point where it was measured to pay). One table per precision serves every
+config of that precision (row-wise weight scale, grad_precision="int8", other KernelOptions): kept simple, at
+the cost of a crossover measured for the defaults only.
 
 A layer's threshold, `min_tokens_for(capability, k, n, precision)`:
 1. exact (K, N) in the table;
 2. else the nearest measured family: same N/K ratio class (log2(N/K) rounded: 0 for q/k/v/out_proj d->d, 2 for
    fc1 d->4d, -2 for fc2 4d->d) and the closest K*N in log space, within a factor of 4 (NEAREST_MAX_LOG2_AREA);
    on a tie the larger threshold;
-3. else (no table for this GPU, no family close enough) FALLBACK_MIN_TOKENS, the single constant used before
-   tables existed (measured on the H100 at d=1280, BENCHMARKS.md, MLP block).
+3. else (no table for this GPU, no family close enough) FALLBACK_MIN_TOKENS, one constant for every shape
+   (from the MLP block at d=1280 on the H100, BENCHMARKS.md, MLP block).
 Table lookups are cached, and both entry points are torch.compile constants (evaluated once while tracing).
 
 This module is a leaf: it imports nothing from the package, and never triton.
