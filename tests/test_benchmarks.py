@@ -429,3 +429,39 @@ def test_bench_memory_fit_search_and_verify_find_the_largest_batch(monkeypatch):
     args.fit = "verify"
     found = bench.fit("vit-h-14", "int8-memeff+compile", first, args, cap)
     assert tried[0] == 336 and found["max_batch"] == 296 and len(tried) <= 3  # 336 OOM, 312 OOM, 296 fits
+
+
+def test_bench_crossover_cpu_smoke_writes_a_table_the_loader_reads(tmp_path, capsys):
+    """bench_crossover.py --device cpu --tiny in process: every shape family and precision gets times and a
+    crossover, and its JSON is a table that kernels/crossover loads (the format the GPU run ships)."""
+    from hf_switchback.kernels import crossover
+
+    bench = load_script("bench_crossover")
+    out = tmp_path / "sm90.json"
+    result = bench.main(["--device", "cpu", "--tiny", "--out", str(out)])
+    data = json.loads(out.read_text())
+    assert data == result and data["complete"] and data["format"] == crossover.FORMAT
+    assert set(data["precisions"]) == {"int8", "fp8"}
+    table = crossover.load_table(out)
+    for precision, entries in data["precisions"].items():
+        assert {(e["K"], e["N"]) for e in entries.values()} == {(k, n) for k, n, _ in bench.shapes([16, 32])}
+        for entry in entries.values():
+            assert set(entry["speedup"]) == {"8", "16", "32"}
+            assert all(t > 0 for t in entry["bf16_ms"].values()) and all(
+                t > 0 for t in entry["switchback_ms"].values()
+            )
+            want = crossover.NEVER if entry["crossover"] is None else entry["crossover"]
+            assert table[(precision, entry["K"], entry["N"])] == want
+    assert "crossover" in capsys.readouterr().out
+    with pytest.raises(SystemExit):  # a table must be measured on the GPU it is for
+        bench.main(["--device", "cpu", "--tiny", "--write_table", str(tmp_path)])
+
+
+def test_bench_crossover_is_the_first_m_from_which_every_larger_m_pays():
+    bench = load_script("bench_crossover")
+    tokens = [1024, 2048, 4096, 8192, 16384]
+    assert bench.crossover_of(tokens, [0.5, 1.1, 0.99, 1.03, 1.2], 1.02) == 8192  # 2048 paid, 4096 did not
+    assert bench.crossover_of(tokens, [1.05] * 5, 1.02) == 1024
+    assert bench.crossover_of(tokens, [1.05, 1.05, 1.05, 1.05, 1.01], 1.02) is None  # the largest M must pay
+    families = [(512, 512, "d->d"), (512, 2048, "d->4d"), (2048, 512, "4d->d")]
+    assert bench.shapes([512, 512]) == families  # a repeated width is measured once

@@ -220,10 +220,14 @@ def test_torch_compile_traces_the_layer_without_graph_breaks():
     assert explanation.graph_count == 1
 
 
-def test_automatic_token_floor_only_applies_to_cuda_under_auto():
+def test_automatic_token_floor_only_applies_to_cuda_under_auto(monkeypatch):
     from hf_switchback.functional import AUTO_MIN_TOKENS_CUDA, token_floor
+    from hf_switchback.kernels import crossover
 
+    # A CUDA device of a capability with no crossover table (per-shape tables: tests/test_crossover.py).
+    monkeypatch.setattr(crossover, "cuda_capability", lambda kind, index: (0, 0) if kind == "cuda" else None)
     assert token_floor(SwitchBackConfig(), "cuda") == AUTO_MIN_TOKENS_CUDA
+    assert token_floor(SwitchBackConfig(), "cuda", (768, 3072)) == AUTO_MIN_TOKENS_CUDA
     assert token_floor(SwitchBackConfig(), "cpu") == 0
     assert token_floor(SwitchBackConfig(backend="triton"), "cuda") == 0
     assert token_floor(SwitchBackConfig(min_tokens=0), "cuda") == 0  # explicit: always quantize

@@ -162,8 +162,11 @@ class SwitchBackConfig:
     # kernels (error at apply time if absent). "torch": the reference path (CPU, or GPU for debugging).
     backend: str = "auto"
     # Batches with fewer rows (tokens) than this run the plain 16-bit matmul: at small sizes the quantize
-    # passes and launches cost more than the 8-bit GEMM saves. None = automatic: 16384 for CUDA tensors
-    # under backend="auto" (measured on H100, BENCHMARKS.md, MLP block), 0 elsewhere. 0 = always quantize.
+    # passes and launches cost more than the 8-bit GEMM saves. None = automatic, for CUDA tensors under
+    # backend="auto": each layer's measured crossover for its (in, out) shape and precision on this GPU
+    # (kernels/crossover; a shape whose 8-bit path never paid stays 16-bit), 16384 where the GPU has no table
+    # or the shape no close family, and with memory_efficient (whose 8-bit saved inputs are the point);
+    # 0 elsewhere. 0 = always quantize.
     min_tokens: int | None = None
     # When fc1 and fc2 of a transformers CLIPMLP are both converted with this config, run the block
     # fc1 -> activation -> fc2 as one fused SwitchBack op (hf_switchback.mlp): the activation runs inside

@@ -16,16 +16,18 @@ import torch
 import torch.nn.functional as F
 
 from .config import SwitchBackConfig
+from .kernels import crossover
 from .kernels.backends import KernelSet, get_kernels
 from .kernels.options import KernelOptions
 from .kernels.reference import ACTIVATIONS, apply_activation
 
 FP8_FORMATS = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
-# min_tokens=None (automatic) with backend="auto" on CUDA: below this many rows (tokens) the 16-bit matmul is
-# used. At small M the 8-bit GEMMs cannot amortize the quantize passes and launches (measured on H100,
-# BENCHMARKS.md, MLP block). An explicit config.min_tokens replaces it on any backend.
-AUTO_MIN_TOKENS_CUDA = 16384
+# min_tokens=None (automatic) with backend="auto" on CUDA, where no measured per-shape crossover applies
+# (kernels/crossover): below this many rows (tokens) the 16-bit matmul is used. At small M the 8-bit GEMMs
+# cannot amortize the quantize passes and launches (measured on H100, BENCHMARKS.md, MLP block). An explicit
+# config.min_tokens replaces it on any backend.
+AUTO_MIN_TOKENS_CUDA = crossover.FALLBACK_MIN_TOKENS
 
 
 def has_fp8_tensor_cores(device_index: int) -> bool:
@@ -295,18 +297,36 @@ def check_input(x: torch.Tensor, weight: torch.Tensor) -> None:
         )
 
 
-def token_floor(config: SwitchBackConfig, device_type: str) -> int:
-    """Rows below which the exact 16-bit matmul runs instead of SwitchBack (see config.min_tokens)."""
+def token_floor(config: SwitchBackConfig, device: torch.device | str, *shapes: tuple[int, int]) -> int:
+    """Rows below which the exact 16-bit matmul runs instead of SwitchBack (see config.min_tokens).
+
+    shapes: the (K, N) = (in_features, out_features) of the linears the call runs in 8 bits (two for a fused
+    MLP, which then needs both to pay). With min_tokens=None under backend="auto" on CUDA each shape's
+    threshold is its measured crossover on this GPU (kernels/crossover; crossover.NEVER where 8-bit never
+    paid), else AUTO_MIN_TOKENS_CUDA; no shapes, or memory_efficient (whose point is the memory, and which
+    the tables do not measure), keep AUTO_MIN_TOKENS_CUDA.
+    """
     if config.min_tokens is not None:
         return config.min_tokens
-    return AUTO_MIN_TOKENS_CUDA if config.backend == "auto" and device_type == "cuda" else 0
+    if isinstance(device, str):
+        device = torch.device(device)
+    capability = crossover.cuda_capability(device.type, device.index) if config.backend == "auto" else None
+    if capability is None:
+        return 0
+    if not shapes or config.memory_efficient:
+        return AUTO_MIN_TOKENS_CUDA
+    return max(crossover.min_tokens_for(capability, k, n, config.precision) for k, n in shapes)
 
 
 def _flatten_input(
-    name: str, x: torch.Tensor, weight: torch.Tensor, config: SwitchBackConfig | None
+    name: str,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    config: SwitchBackConfig | None,
+    shapes: tuple[tuple[int, int], ...],
 ) -> tuple[SwitchBackConfig, torch.Tensor, torch.Size, bool]:
     """Shared entry of the functional ops: (config, x as (M, K) in the compute dtype, leading shape,
-    whether to run the exact 16-bit path because M is below the token floor)."""
+    whether to run the exact 16-bit path because M is below the token floor of the (K, N) `shapes`)."""
     config = config or SwitchBackConfig()
     if not isinstance(config, SwitchBackConfig):
         raise TypeError(f"{name}: config must be a SwitchBackConfig, got {type(config).__name__}")
@@ -316,7 +336,7 @@ def _flatten_input(
         x = x.to(torch.get_autocast_dtype(device_type))
     x2d = x.reshape(-1, x.shape[-1])
     tokens = x2d.shape[0]
-    return config, x2d, x.shape[:-1], tokens == 0 or tokens < token_floor(config, device_type)
+    return config, x2d, x.shape[:-1], tokens == 0 or tokens < token_floor(config, x.device, *shapes)
 
 
 def switchback_linear(
@@ -330,7 +350,8 @@ def switchback_linear(
     x (*, K) float32/bfloat16/float16; weight (N, K); bias (N,) or None -> (*, N) in x's dtype, or in the
     autocast dtype when called under torch.autocast (as F.linear would).
     """
-    config, x2d, leading, exact = _flatten_input("switchback_linear", x, weight, config)
+    shape = (weight.shape[1], weight.shape[0])
+    config, x2d, leading, exact = _flatten_input("switchback_linear", x, weight, config, (shape,))
     device_type = x2d.device.type
     if exact:
         # Small batches: quantization overhead exceeds the 8-bit speed-up; the 16-bit matmul is exact.
@@ -379,7 +400,8 @@ def switchback_mlp(
         raise RuntimeError(
             f"switchback_mlp: fc2_weight {tuple(fc2_weight.shape)} does not take fc1's {fc1_weight.shape[0]} outputs"
         )
-    config, x2d, leading, exact = _flatten_input("switchback_mlp", x, fc1_weight, config)
+    shapes = ((fc1_weight.shape[1], fc1_weight.shape[0]), (fc2_weight.shape[1], fc2_weight.shape[0]))
+    config, x2d, leading, exact = _flatten_input("switchback_mlp", x, fc1_weight, config, shapes)
     device_type, dtype = x2d.device.type, x2d.dtype
     n_out = fc2_weight.shape[0]
     if exact:

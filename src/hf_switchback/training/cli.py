@@ -39,7 +39,7 @@ UNSET_DEFAULTS = {
     "target_modules": " ".join(_LIBRARY.target_modules),
     "exclude_modules": " ".join(_LIBRARY.exclude_modules),
     "backend": _LIBRARY.backend,
-    "min_tokens": "16384 for CUDA tensors under backend auto, 0 elsewhere",
+    "min_tokens": "per layer shape, measured on this GPU (16384 without a table); 0 off CUDA",
     "train_file": "none",
     "train_data_dir": "none",
     "train_shards": "none",
