@@ -384,10 +384,10 @@ def launch(specs: list[dict], path: Path, timeout_s: float) -> list[dict]:
             records.append(record)
             continue
         # a killed or failed run: its curve so far (written every 25 steps), no final eval
+        # (the partial record carries its own spec and status: ours replace them, not collide with them)
         empty = dict(train=[], evals=[], grad_stats=[])
-        records.append(
-            dict(empty, **record, spec=spec, status=status, output_tail=tail, wall_s=time.perf_counter() - t0)
-        )
+        ended = dict(spec=spec, status=status, output_tail=tail, wall_s=time.perf_counter() - t0)
+        records.append({**empty, **record, **ended})
     return records
 
 

@@ -263,3 +263,22 @@ def test_runs_of_one_process_each_leave_their_record(tmp_path):
     assert [r["status"] for r in records] == ["ok", "failed"]
     assert "no-such-task" in "\n".join(records[1]["output_tail"])
     assert len(records[0]["train"]) == 2 and records[1]["train"] == []
+
+
+def test_a_killed_run_keeps_its_partial_curve_and_is_marked_timeout(tmp_path, monkeypatch):
+    """A run killed by the time budget leaves a partial record (spec, status "partial", curve so far): the
+    launcher must mark it "timeout" and keep its curve, not crash on the duplicate keys."""
+    spec = dict(name="scratch_fp8_seed0", protocol="scratch", variant="fp8", seed=0)
+    partial_path = tmp_path / "scratch_fp8_seed0.out.json"
+
+    def killed(cmd, **kwargs):
+        partial = dict(spec=dict(spec, progress_to=str(partial_path)), status="partial", steps=1000)
+        partial["train"] = [dict(step=5, loss=6.0), dict(step=10, loss=5.5)]
+        partial_path.write_text(pg.json.dumps(partial))
+        raise pg.subprocess.TimeoutExpired(cmd, kwargs.get("timeout"))
+
+    monkeypatch.setattr(pg.subprocess, "run", killed)
+    (record,) = pg.launch([spec], tmp_path / "group.json", timeout_s=5)
+    assert record["status"] == "timeout" and record["output_tail"] == ["timeout"]
+    assert record["spec"]["name"] == spec["name"] and record["spec"]["progress_to"] == str(partial_path)
+    assert [x["step"] for x in record["train"]] == [5, 10] and record["evals"] == []
