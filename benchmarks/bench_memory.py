@@ -160,14 +160,8 @@ def run_row(name: str, spec: str, batch: int, args: argparse.Namespace) -> dict:
         bench_train.synchronize(device)
         saved = torch.cuda.memory_allocated() - resting if cuda else 0
         finish(loss)
-        t0 = time.perf_counter()
-        for _ in range(args.steps):
-            loss = finish(forward())
-        bench_train.synchronize(device)
-        ms = (time.perf_counter() - t0) * 1000 / args.steps
+        ms, loss = bench_train.timed_steps(lambda: finish(forward()), args.steps, device)
         peak = torch.cuda.max_memory_allocated() if cuda else 0
-        if not torch.isfinite(loss).item():
-            raise FloatingPointError(f"loss is {loss.item()}")
         row = dict(
             model=name,
             variant=spec,
