@@ -131,6 +131,8 @@ def recompute_budget(budget: float | None):
     """Context in which torch.compile partitions the layers under `budget` (None: the default, 1.0)."""
     if budget is None:
         return contextlib.nullcontext()
+    import torch._functorch.config  # not an attribute of torch._functorch until imported (first row, CPU)
+
     return torch._functorch.config.patch(activation_memory_budget=budget)
 
 

@@ -530,3 +530,17 @@ def test_bench_memory_fit_search_and_verify_find_the_largest_batch(monkeypatch):
     args.fit = "verify"
     found = bench.fit("vit-h-14", "int8-memeff+compile", first, args, cap)
     assert tried[0] == 336 and found["max_batch"] == 296 and len(tried) <= 3  # 336 OOM, 312 OOM, 296 fits
+
+
+def test_bench_memory_budget_context_in_a_fresh_process():
+    """+budgetF on the first row of a process: torch._functorch.config is not an attribute of torch._functorch
+    until imported (the CPU table's first budget row failed with AttributeError)."""
+    code = (
+        "import bench_memory, torch\n"
+        "with bench_memory.recompute_budget(0.25):\n"
+        "    assert torch._functorch.config.activation_memory_budget == 0.25\n"
+        "assert torch._functorch.config.activation_memory_budget == 1.0\n"
+    )
+    env = {"PYTHONPATH": f"{ROOT / 'benchmarks'}:{ROOT / 'src'}", "PATH": "/usr/bin:/bin"}
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
