@@ -49,6 +49,8 @@ kernel family (16-bit GEMMs, 8-bit GEMMs, quantize/dequantize, attention, optimi
 (forward, backward), and the recompute seen (attention forward kernels in backward, backward GEMMs beyond two per
 forward GEMM); benchmarks/step_profile.py says how each is told apart.
 
+--profile_variants SPEC...: profile only these rows (default: all); --fit runs are never profiled.
+
 Needs CUDA except for the --device cpu smoke mode (no memory figures there).
 """
 
@@ -136,9 +138,9 @@ def recompute_budget(budget: float | None):
     return torch._functorch.config.patch(activation_memory_budget=budget)
 
 
-def run_row(name: str, spec: str, batch: int, args: argparse.Namespace) -> dict:
+def run_row(name: str, spec: str, batch: int, args: argparse.Namespace, profile: bool = False) -> dict:
     """Train `steps` steps of one configuration at one batch: speed and memory (CUDA), or a smoke run (CPU);
-    with --profile, then profile --profile_steps more steps (after the figures, so they do not enter them)."""
+    with `profile`, then profile --profile_steps more steps (after the figures, so they do not enter them)."""
     device = args.device
     base, grad_ckpt, budget, compiled, _ = parse_variant(spec)
     config = bench_train.clip_config(name, tiny=args.tiny)
@@ -184,7 +186,7 @@ def run_row(name: str, spec: str, batch: int, args: argparse.Namespace) -> dict:
                 fixed_gib=fixed / GIB,
                 peak_mib_per_sample=(peak - fixed) / batch / 2**20,
             )
-        if args.profile:
+        if profile:
             path = Path(args.profile) / f"{name}_{spec.partition('@')[0].replace('+', '_')}_b{batch}.txt"
             title = (
                 f"{name} {spec} batch {batch}: {args.profile_steps} steps profiled, timed {ms:.1f} ms/step"
@@ -226,7 +228,14 @@ class Clock:
         self.longest[model] = max(self.longest.get(model, 0.0), seconds)
 
 
-def attempt(name: str, spec: str, batch: int, args: argparse.Namespace, clock: Clock | None = None) -> dict:
+def attempt(
+    name: str,
+    spec: str,
+    batch: int,
+    args: argparse.Namespace,
+    clock: Clock | None = None,
+    profile: bool = False,
+) -> dict:
     """run_row, with a failure (out of memory above all) recorded in the row instead of raised, and a row that
     cannot run here (torchao missing) or would overrun --time_budget_s recorded as skipped."""
     reason = missing_requirement(parse_variant(spec).base)
@@ -236,7 +245,7 @@ def attempt(name: str, spec: str, batch: int, args: argparse.Namespace, clock: C
         return dict(model=name, variant=spec, batch=batch, status="skipped", error=reason)
     t0 = time.perf_counter()
     try:
-        row = run_row(name, spec, batch, args)
+        row = run_row(name, spec, batch, args, profile)
     except Exception as err:  # one failing row must not lose the rest of the table
         row = dict(model=name, variant=spec, batch=batch, status="oom" if is_oom(err) else "error")
         row["error"] = repr(err)[:300]
@@ -482,7 +491,8 @@ def run(args: argparse.Namespace) -> list[dict]:
     for name in args.models:
         for spec in args.variants:
             t0 = clock.elapsed()
-            row = attempt(name, spec, row_batch(name, spec, args), args, clock)
+            profile = bool(args.profile) and (not args.profile_variants or spec in args.profile_variants)
+            row = attempt(name, spec, row_batch(name, spec, args), args, clock, profile)
             if args.device == "cuda" and row.get("status") != "skipped":
                 fitting = not args.fit_variants or spec in args.fit_variants
                 row.update(fit(name, spec, row, args, cap, args.fit if fitting else "estimate", clock))
@@ -550,11 +560,18 @@ def main() -> None:
         "in the row's JSON and the printed table, the full report in DIR/<model>_<variant>_b<batch>.txt "
         "(benchmarks/step_profile.py; on the CPU the report lists CPU ops, a smoke test)",
     )
+    parser.add_argument(
+        "--profile_variants",
+        nargs="+",
+        default=None,
+        metavar="SPEC",
+        help="rows (as written in --variants) that --profile profiles (default: all rows; never the --fit runs)",
+    )
     parser.add_argument("--profile_steps", type=int, default=2, help="steps profiled per row with --profile")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="cpu: smoke test only")
     parser.add_argument("--tiny", action="store_true", help="shrink the models to CPU-test size (smoke test)")
     args = parser.parse_args()
-    for spec in args.variants + (args.fit_variants or []):
+    for spec in args.variants + (args.fit_variants or []) + (args.profile_variants or []):
         try:
             parse_variant(spec)
         except ValueError as err:

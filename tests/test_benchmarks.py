@@ -395,10 +395,13 @@ def test_bench_memory_profile_sees_checkpoint_recompute(tmp_path, monkeypatch):
     bench = load_script("bench_memory")
     out = tmp_path / "mem.json"
     argv = ["bench_memory.py", "--device", "cpu", "--tiny", "--models", "vit-b-16", "--steps", "1"]
-    argv += ["--warmup", "0", "--variants", "bf16", "bf16+ckpt", "--profile", str(tmp_path / "prof")]
+    argv += ["--warmup", "0", "--variants", "bf16", "bf16+ckpt", "int8-memeff@4", "--profile", str(tmp_path)]
+    argv += ["--profile_variants", "bf16", "bf16+ckpt"]  # not the int8 row
     monkeypatch.setattr(sys, "argv", [*argv, "--json", str(out)])
     bench.main()
-    plain, ckpt = (r["profile"] for r in json.loads(out.read_text())["rows"])
+    rows = json.loads(out.read_text())["rows"]
+    assert "profile" not in rows[2] and "ms_per_step" in rows[2]
+    plain, ckpt = rows[0]["profile"], rows[1]["profile"]
     layers = 2 * bench.bench_train.TINY_TOWER["num_hidden_layers"]  # both towers
     assert plain["gemm_calls_per_step"]["backward"] == 2 * plain["gemm_calls_per_step"]["forward"] > 0
     assert plain["recompute"]["extra_backward_gemm_calls"] == 0
