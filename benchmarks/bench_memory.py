@@ -406,13 +406,16 @@ def print_saved(reports: list[dict]) -> None:
 
 def print_table(rows: list[dict]) -> None:
     best: dict = {}  # the fastest bf16 row that recomputes, per (model, batch)
+    plain: dict = {}  # bf16 + compile without recompute, per (model, batch)
     for r in rows:
         v = parse_variant(r["variant"])
+        key = (r["model"], r["batch"])
         if "samples_per_s" in r and v.base == "bf16" and (v.grad_ckpt or v.budget is not None):
-            key = (r["model"], r["batch"])
             best[key] = max(best.get(key, 0.0), r["samples_per_s"])
+        elif "samples_per_s" in r and v.base == "bf16" and v.compiled:
+            plain[key] = r["samples_per_s"]
     header = (
-        f"{'model':9} {'variant':40} {'batch':>5} {'ms/step':>8} {'samples/s':>9} {'x bf16 rec':>10} "
+        f"{'model':9} {'variant':40} {'batch':>5} {'ms/step':>8} {'samples/s':>9} {'x bf16 rec':>10} {'x bf16+c':>8} "
         f"{'peak GiB':>8} {'saved MiB/s':>11} {'max b est':>9} {'max b':>6} {'1st s':>6}"
     )
     print(header)
@@ -424,6 +427,8 @@ def print_table(rows: list[dict]) -> None:
             continue
         ref = best.get((r["model"], r["batch"]))
         ratio = f"{r['samples_per_s'] / ref:.2f}x" if ref else "-"
+        ref = plain.get((r["model"], r["batch"]))
+        ratio_plain = f"{r['samples_per_s'] / ref:.2f}x" if ref else "-"
         mem = (
             f"{r['peak_gib']:8.1f} {r['saved_mib_per_sample']:11.1f}"
             if "peak_gib" in r
@@ -431,11 +436,12 @@ def print_table(rows: list[dict]) -> None:
         )
         est = r.get("max_batch_est")
         print(
-            f"{lead} {r['ms_per_step']:8.1f} {r['samples_per_s']:9.1f} {ratio:>10} {mem} "
+            f"{lead} {r['ms_per_step']:8.1f} {r['samples_per_s']:9.1f} {ratio:>10} {ratio_plain:>8} {mem} "
             f"{est if est is not None else '-':>9} {r.get('max_batch', '-')!s:>6} {r['first_step_s']:6.1f}"
         )
     print(
-        "x bf16 rec: samples/s over the fastest bf16 row with recompute (+ckpt or +budget) at the same batch"
+        "x bf16 rec: samples/s over the fastest bf16 row with recompute (+ckpt or +budget) at the same batch; "
+        "x bf16+c: over bf16+compile (no recompute) at the same batch"
     )
     print_profiles(rows)
 

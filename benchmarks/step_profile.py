@@ -148,7 +148,9 @@ def collect(prof, device_type=None) -> tuple[list[Kernel], frozenset[str]]:
     kernels = [
         Kernel(e.name, phase_of(e.time_range.start, ranges), e.time_range.elapsed_us() / 1000)
         for e in events
-        if e.device_type == device_type and not e.name.startswith(MARK)
+        # record_function ranges (Inductor's "## Call CompiledFxGraph ##", the phase marks) also appear on the
+        # GPU's timeline as user annotations spanning kernels: not kernels themselves
+        if e.device_type == device_type and not e.is_user_annotation and not e.name.startswith(MARK)
     ]
     return kernels, eight_bit
 
