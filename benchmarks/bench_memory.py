@@ -8,8 +8,8 @@ loss, fused AdamW), reports samples/s, the peak memory, the memory the forward l
 largest batch that fits the memory cap. One process, one table; each finished row is printed as one JSON line
 and rewritten to --json at once.
 
-    PYTHONPATH=src python benchmarks/bench_memory.py --models vit-h-14 --batch 192 --variants \
-        bf16+ckpt+compile bf16+budget0.5+compile int8-memeff+compile int8-memeff-unfused+budget0.8+compile \
+    PYTHONPATH=src python benchmarks/bench_memory.py --models vit-h-14 --batch 192 --variants \\
+        bf16+ckpt+compile bf16+budget0.5+compile int8-memeff+compile int8-memeff-unfused+budget0.8+compile \\
         bf16+compile@128 --fit search --fit_variants bf16+compile@128 --profile $OUT/prof --json $OUT/mem.json
     PYTHONPATH=src python benchmarks/bench_memory.py --device cpu --tiny --variants bf16 int8-memeff  # smoke
 
