@@ -8,30 +8,48 @@ loss, fused AdamW), reports samples/s, the peak memory, the memory the forward l
 largest batch that fits the memory cap. One process, one table; each finished row is printed as one JSON line
 and rewritten to --json at once.
 
-    PYTHONPATH=src python benchmarks/bench_memory.py --models vit-h-14 --batch 192 --variants \
-        bf16+compile bf16+ckpt+compile bf16+budget0.5+compile int8-memeff-fused+compile --json $OUT/mem.json
+    PYTHONPATH=src python benchmarks/bench_memory.py --models vit-h-14 --batch 192 --variants \\
+        bf16+ckpt+compile bf16+budget0.5+compile int8-memeff+compile int8-memeff-unfused+budget0.8+compile \\
+        bf16+compile@128 --fit search --fit_variants bf16+compile@128 --profile $OUT/prof --json $OUT/mem.json
     PYTHONPATH=src python benchmarks/bench_memory.py --device cpu --tiny --variants bf16 int8-memeff  # smoke
 
-Variants: a base, then modifiers joined by '+':
-  bf16, int8, fp8, int8-memeff, fp8-memeff, int8-memeff-unfused, torchao-float8-<recipe>, ...
-                  (every base of bench_train.py; -memeff = SwitchBackConfig(memory_efficient=True), the memory
-                  switch, which fuses each CLIP MLP too; -memeff-fused says so explicitly, -memeff-unfused keeps
-                  separate MLP layers)
+Variants: BASE[+MODIFIER...][@B]
+  BASE            every base of bench_train.py:
+    bf16                      bf16 autocast, nn.Linear
+    int8, fp8, ...            SwitchBack with the library defaults (and bench_train.py's other SwitchBack rows)
+    int8-memeff, fp8-memeff   the memory switch, SwitchBackConfig(memory_efficient=True): 8-bit saved inputs,
+                              each CLIP MLP fused with its fc1 output recomputed in backward; -memeff-fused
+                              says so explicitly, -memeff-unfused keeps separate MLP layers (fc1's output saved)
+    torchao-float8-tensorwise, torchao-float8-rowwise, torchao-float8-rowwise_with_gw_hp
+                              torchao's float8 training recipes on the encoder linears, for reference; recorded
+                              as skipped, with the reason, where torchao is not installed
   +ckpt           full gradient checkpointing of every encoder layer (HF gradient_checkpointing_enable)
   +budgetF        torch._functorch.config.activation_memory_budget = F (0..1) while the row compiles: Inductor's
-                  partitioner recomputes cheap ops so that at most F of the activations are saved (needs
-                  +compile)
+                  partitioner recomputes (cheapest first) until at most F of the activations it would save are
+                  saved (needs +compile); on a SwitchBack base it recomputes on top of the 8-bit saving
   +compile        each encoder layer compiled (bench_train.py --compile layers)
+  @B              this row's batch (default: --batch, else the model's); e.g. bf16+compile@128 beside rows at
+                  --batch 192, where bf16 + compile runs out of memory without recompute
+  Examples: bf16+ckpt+compile, bf16+budget0.5+compile, int8-memeff+compile, fp8-memeff-unfused+budget0.8+compile,
+  torchao-float8-rowwise+compile.
 
-Largest batch (`--fit`):
+Largest batch (`--fit`, for the rows in --fit_variants, default all):
   estimate  (default) from the row's own run: peak(batch) = fixed + batch x per-sample, fixed = the memory
             between steps (parameters, optimizer state) + the gradients (one per parameter). Everything else
             is counted as growing with the batch, so the estimate errs low (the bf16 weight copies and
             workspaces do not grow). No extra runs.
   verify    the estimate, then a run at that batch (rounded down to --batch_multiple), stepping down 5% per
             out-of-memory, at most --fit_tries runs.
-  search    bisection between the row's batch and 2x the estimate, OOM caught, at most --fit_tries runs.
+  search    a run at the estimate, then bisection between the largest batch that fit and the smallest that
+            did not (1.25x the estimate until one fails), out-of-memory caught, at most --fit_tries runs.
 Each run of a compiled row at a new batch compiles again (the layers are compiled with dynamic=False).
+
+--profile DIR: after a row's figures, torch.profiler over --profile_steps more steps: GPU ms per step by
+kernel family (16-bit GEMMs, 8-bit GEMMs, quantize/dequantize, attention, optimizer, elementwise/other) and phase
+(forward, backward), and the recompute seen (attention forward kernels in backward, backward GEMMs beyond two per
+forward GEMM); benchmarks/step_profile.py says how each is told apart.
+
+--profile_variants SPEC...: profile only these rows (default: all); --fit runs are never profiled.
 
 Needs CUDA except for the --device cpu smoke mode (no memory figures there).
 """
@@ -40,16 +58,19 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.util
 import json
 import math
 import sys
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_train
+import step_profile
 
 DEFAULT_VARIANTS = (
     "bf16+compile",
@@ -57,13 +78,30 @@ DEFAULT_VARIANTS = (
     "bf16+budget0.5+compile",
     "int8-memeff-fused+compile",
     "fp8-memeff-fused+compile",
+    "torchao-float8-rowwise+compile",
 )
 MODIFIERS = ("ckpt", "compile")
 GIB = 2**30
 
 
-def parse_variant(spec: str) -> tuple[str, bool, float | None, bool]:
-    """'bf16+budget0.5+compile' -> (base 'bf16', checkpointing False, budget 0.5, compiled True)."""
+class Variant(NamedTuple):
+    """One row's configuration, parsed from its spec (see the module docstring)."""
+
+    base: str  # a base of bench_train.py: bf16, int8-memeff, torchao-float8-rowwise, ...
+    grad_ckpt: bool  # +ckpt
+    budget: float | None  # +budgetF (None: the partitioner's default, 1.0)
+    compiled: bool  # +compile
+    batch: int | None = None  # @B (None: --batch, or the model's default)
+
+
+def parse_variant(spec: str) -> Variant:
+    """'bf16+budget0.5+compile@128' -> Variant('bf16', False, 0.5, True, 128)."""
+    spec, at, batch_text = spec.partition("@")
+    batch = None
+    if at:
+        if not batch_text.isdigit() or int(batch_text) <= 0:
+            raise ValueError(f"{spec}@{batch_text}: @B needs a positive batch, e.g. @128")
+        batch = int(batch_text)
     base, *mods = spec.split("+")
     if base not in bench_train.BASES:
         raise ValueError(f"unknown base {base!r} in {spec!r}; choose from {bench_train.BASES}")
@@ -81,20 +119,30 @@ def parse_variant(spec: str) -> tuple[str, bool, float | None, bool]:
     compiled = "compile" in mods
     if budget is not None and not compiled:
         raise ValueError(f"{spec!r}: +budgetF is a torch.compile setting; add +compile")
-    return base, "ckpt" in mods, budget, compiled
+    return Variant(base, "ckpt" in mods, budget, compiled, batch)
+
+
+def missing_requirement(base: str) -> str | None:
+    """Why a row cannot run here (None: it can): torchao rows need torchao, an optional reference."""
+    if base.startswith("torchao-") and importlib.util.find_spec("torchao") is None:
+        return "torchao is not installed (pip install torchao; on the GPU machine carry it as a wheel)"
+    return None
 
 
 def recompute_budget(budget: float | None):
     """Context in which torch.compile partitions the layers under `budget` (None: the default, 1.0)."""
     if budget is None:
         return contextlib.nullcontext()
+    import torch._functorch.config  # not an attribute of torch._functorch until imported (first row, CPU)
+
     return torch._functorch.config.patch(activation_memory_budget=budget)
 
 
-def run_row(name: str, spec: str, batch: int, args: argparse.Namespace) -> dict:
-    """Train `steps` steps of one configuration at one batch: speed and memory (CUDA), or a smoke run (CPU)."""
+def run_row(name: str, spec: str, batch: int, args: argparse.Namespace, profile: bool = False) -> dict:
+    """Train `steps` steps of one configuration at one batch: speed and memory (CUDA), or a smoke run (CPU);
+    with `profile`, then profile --profile_steps more steps (after the figures, so they do not enter them)."""
     device = args.device
-    base, grad_ckpt, budget, compiled = parse_variant(spec)
+    base, grad_ckpt, budget, compiled, _ = parse_variant(spec)
     config = bench_train.clip_config(name, tiny=args.tiny)
     cuda = device == "cuda"
     with recompute_budget(budget):
@@ -116,34 +164,39 @@ def run_row(name: str, spec: str, batch: int, args: argparse.Namespace) -> dict:
         bench_train.synchronize(device)
         saved = torch.cuda.memory_allocated() - resting if cuda else 0
         finish(loss)
-        t0 = time.perf_counter()
-        for _ in range(args.steps):
-            loss = finish(forward())
-        bench_train.synchronize(device)
-        ms = (time.perf_counter() - t0) * 1000 / args.steps
-    if not torch.isfinite(loss).item():
-        raise FloatingPointError(f"loss is {loss.item()}")
-    grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
-    row = dict(
-        model=name,
-        variant=spec,
-        batch=batch,
-        ms_per_step=ms,
-        samples_per_s=batch * 1000 / ms,
-        first_step_s=first_step_s,
-        loss=loss.item(),
-    )
-    if cuda:
-        peak = torch.cuda.max_memory_allocated()
-        fixed = resting + grad_bytes
-        row.update(
-            peak_gib=peak / GIB,
-            resting_gib=resting / GIB,
-            saved_gib=saved / GIB,
-            saved_mib_per_sample=saved / batch / 2**20,
-            fixed_gib=fixed / GIB,
-            peak_mib_per_sample=(peak - fixed) / batch / 2**20,
+        ms, loss = bench_train.timed_steps(lambda: finish(forward()), args.steps, device)
+        peak = torch.cuda.max_memory_allocated() if cuda else 0
+        row = dict(
+            model=name,
+            variant=spec,
+            batch=batch,
+            ms_per_step=ms,
+            samples_per_s=batch * 1000 / ms,
+            first_step_s=first_step_s,
+            loss=loss.item(),
         )
+        if cuda:
+            grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+            fixed = resting + grad_bytes
+            row.update(
+                peak_gib=peak / GIB,
+                resting_gib=resting / GIB,
+                saved_gib=saved / GIB,
+                saved_mib_per_sample=saved / batch / 2**20,
+                fixed_gib=fixed / GIB,
+                peak_mib_per_sample=(peak - fixed) / batch / 2**20,
+            )
+        if profile:
+            path = Path(args.profile) / f"{name}_{spec.partition('@')[0].replace('+', '_')}_b{batch}.txt"
+            title = (
+                f"{name} {spec} batch {batch}: {args.profile_steps} steps profiled, timed {ms:.1f} ms/step"
+            )
+            try:
+                row["profile"] = step_profile.profile_row(
+                    forward, finish, args.profile_steps, device, path, title
+                )
+            except Exception as err:  # a profiler failure must not lose the row's figures
+                row["profile_error"] = repr(err)[:300]
     return row
 
 
@@ -159,51 +212,103 @@ def is_oom(err: BaseException) -> bool:
     return isinstance(err, torch.OutOfMemoryError) or "out of memory" in str(err).lower()
 
 
-def attempt(name: str, spec: str, batch: int, args: argparse.Namespace) -> dict:
-    """run_row, with a failure (out of memory above all) recorded in the row instead of raised."""
+class Clock:
+    """--time_budget_s: a run starts only if the longest run so far of the same model would still end in time."""
+
+    def __init__(self, budget_s: float | None):
+        self.start, self.budget_s, self.longest = time.perf_counter(), budget_s, {}
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.start
+
+    def allows(self, model: str) -> bool:
+        return not self.budget_s or self.elapsed() + self.longest.get(model, 0.0) <= self.budget_s
+
+    def record(self, model: str, seconds: float) -> None:
+        self.longest[model] = max(self.longest.get(model, 0.0), seconds)
+
+
+def attempt(
+    name: str,
+    spec: str,
+    batch: int,
+    args: argparse.Namespace,
+    clock: Clock | None = None,
+    profile: bool = False,
+) -> dict:
+    """run_row, with a failure (out of memory above all) recorded in the row instead of raised, and a row that
+    cannot run here (torchao missing) or would overrun --time_budget_s recorded as skipped."""
+    reason = missing_requirement(parse_variant(spec).base)
+    if reason is None and clock is not None and not clock.allows(name):
+        reason = f"time budget ({clock.elapsed():.0f} s used)"
+    if reason is not None:
+        return dict(model=name, variant=spec, batch=batch, status="skipped", error=reason)
+    t0 = time.perf_counter()
     try:
-        row = run_row(name, spec, batch, args)
+        row = run_row(name, spec, batch, args, profile)
     except Exception as err:  # one failing row must not lose the rest of the table
         row = dict(model=name, variant=spec, batch=batch, status="oom" if is_oom(err) else "error")
         row["error"] = repr(err)[:300]
     bench_train.cleanup(args.device)  # after the except block, so the traceback no longer pins the model
+    row["run_s"] = time.perf_counter() - t0
+    if clock is not None:
+        clock.record(name, row["run_s"])
     return row
 
 
-def fit(name: str, spec: str, first: dict, args: argparse.Namespace, cap: int) -> dict:
-    """The largest batch found for one configuration (see --fit); `first` is its run at --batch."""
+def fit(
+    name: str,
+    spec: str,
+    first: dict,
+    args: argparse.Namespace,
+    cap: int,
+    mode: str | None = None,
+    clock: Clock | None = None,
+) -> dict:
+    """The largest batch found for one configuration (see --fit; `mode` overrides args.fit); `first` is its
+    run at the row's batch."""
+    mode = mode or args.fit
     estimate = estimate_max_batch(first, cap) if "ms_per_step" in first else None
     out = dict(max_batch_est=estimate)
-    if args.fit == "estimate" or estimate is None:
+    if mode == "estimate" or estimate is None:
         return out
     step = args.batch_multiple
     runs = []
-    if args.fit == "verify":
+
+    def run_at(batch: int) -> bool:
+        """One run at `batch`; True if it fits. A skipped run (time budget) ends the search."""
+        row = attempt(name, spec, batch, args, clock)
+        runs.append(row)
+        if "ms_per_step" in row:
+            out.update(max_batch=batch, max_batch_samples_per_s=row["samples_per_s"])
+        return "ms_per_step" in row
+
+    if mode == "verify":
         batch = estimate // step * step
         for _ in range(args.fit_tries):
-            if batch <= 0:
-                break
-            row = attempt(name, spec, batch, args)
-            runs.append(row)
-            if "ms_per_step" in row:
-                out.update(max_batch=batch, max_batch_samples_per_s=row["samples_per_s"])
+            if batch <= 0 or run_at(batch) or runs[-1].get("status") == "skipped":
                 break
             batch = int(batch * 0.95) // step * step
-    else:  # bisection between a batch known to fit and one known (or assumed) not to
-        ok, bad = first["batch"], max(2 * estimate, first["batch"] + step)
-        out.update(max_batch=ok, max_batch_samples_per_s=first["samples_per_s"])
+    else:  # search: the estimate first, then bisection between a batch that fits and one that does not
+        # (the estimate errs low: 1.25x it is assumed not to fit until a run says otherwise)
+        ok, bad = first["batch"], max(math.ceil(1.25 * estimate / step) * step, first["batch"] + step)
+        out.update(max_batch=ok, max_batch_samples_per_s=first["samples_per_s"], search_upper=bad)
+        batch = estimate // step * step
         for _ in range(args.fit_tries):
-            batch = (ok + bad) // 2 // step * step
+            if not ok < batch < bad:
+                batch = (ok + bad) // 2 // step * step
             if batch <= ok:
                 break
-            row = attempt(name, spec, batch, args)
-            runs.append(row)
-            if "ms_per_step" in row:
+            if run_at(batch):
                 ok = batch
-                out.update(max_batch=batch, max_batch_samples_per_s=row["samples_per_s"])
+            elif runs[-1].get("status") == "skipped":
+                break
             else:
                 bad = batch
-    out["fit_runs"] = [{k: r.get(k) for k in ("batch", "status", "samples_per_s", "peak_gib")} for r in runs]
+            batch = (ok + bad) // 2 // step * step
+        out["oom_at"] = bad if bad != out["search_upper"] else None
+    keys = ("batch", "status", "samples_per_s", "peak_gib", "run_s")
+    out["fit_runs"] = [{k: r.get(k) for k in keys} for r in runs]
     return out
 
 
@@ -255,7 +360,7 @@ def layer_saved_tensors(name: str, spec: str, args: argparse.Namespace, batch: i
 
     from hf_switchback import SwitchBackConfig, apply_switchback
 
-    base, _, budget, compiled = parse_variant(spec)
+    base, _, budget, compiled, _ = parse_variant(spec)
     device = args.device
     config = bench_train.clip_config(name, tiny=args.tiny).vision_config
     config._attn_implementation = "sdpa"
@@ -301,24 +406,29 @@ def print_saved(reports: list[dict]) -> None:
 
 def print_table(rows: list[dict]) -> None:
     best: dict = {}  # the fastest bf16 row that recomputes, per (model, batch)
+    plain: dict = {}  # bf16 + compile without recompute, per (model, batch)
     for r in rows:
-        base, grad_ckpt, budget, _ = parse_variant(r["variant"])
-        if "samples_per_s" in r and base == "bf16" and (grad_ckpt or budget is not None):
-            key = (r["model"], r["batch"])
+        v = parse_variant(r["variant"])
+        key = (r["model"], r["batch"])
+        if "samples_per_s" in r and v.base == "bf16" and (v.grad_ckpt or v.budget is not None):
             best[key] = max(best.get(key, 0.0), r["samples_per_s"])
+        elif "samples_per_s" in r and v.base == "bf16" and v.compiled:
+            plain[key] = r["samples_per_s"]
     header = (
-        f"{'model':9} {'variant':32} {'batch':>5} {'ms/step':>8} {'samples/s':>9} {'x bf16 rec':>10} "
-        f"{'peak GiB':>8} {'saved MiB/s':>11} {'max b est':>9} {'max b':>6}"
+        f"{'model':9} {'variant':40} {'batch':>5} {'ms/step':>8} {'samples/s':>9} {'x bf16 rec':>10} {'x bf16+c':>8} "
+        f"{'peak GiB':>8} {'saved MiB/s':>11} {'max b est':>9} {'max b':>6} {'1st s':>6}"
     )
     print(header)
     print("-" * len(header))
     for r in rows:
-        lead = f"{r['model']:9} {r['variant']:32} {r['batch']:5}"
+        lead = f"{r['model']:9} {r['variant']:40} {r['batch']:5}"
         if "ms_per_step" not in r:
-            print(f"{lead} {r.get('status', 'error')}: {r.get('error', '')[:80]}")
+            print(f"{lead} {r.get('status', 'error')}: {r.get('error', '')[:100]}")
             continue
         ref = best.get((r["model"], r["batch"]))
         ratio = f"{r['samples_per_s'] / ref:.2f}x" if ref else "-"
+        ref = plain.get((r["model"], r["batch"]))
+        ratio_plain = f"{r['samples_per_s'] / ref:.2f}x" if ref else "-"
         mem = (
             f"{r['peak_gib']:8.1f} {r['saved_mib_per_sample']:11.1f}"
             if "peak_gib" in r
@@ -326,12 +436,44 @@ def print_table(rows: list[dict]) -> None:
         )
         est = r.get("max_batch_est")
         print(
-            f"{lead} {r['ms_per_step']:8.1f} {r['samples_per_s']:9.1f} {ratio:>10} {mem} "
-            f"{est if est is not None else '-':>9} {r.get('max_batch', '-')!s:>6}"
+            f"{lead} {r['ms_per_step']:8.1f} {r['samples_per_s']:9.1f} {ratio:>10} {ratio_plain:>8} {mem} "
+            f"{est if est is not None else '-':>9} {r.get('max_batch', '-')!s:>6} {r['first_step_s']:6.1f}"
         )
     print(
-        "x bf16 rec: samples/s over the fastest bf16 row with recompute (+ckpt or +budget) at the same batch"
+        "x bf16 rec: samples/s over the fastest bf16 row with recompute (+ckpt or +budget) at the same batch; "
+        "x bf16+c: over bf16+compile (no recompute) at the same batch"
     )
+    print_profiles(rows)
+
+
+def print_profiles(rows: list[dict]) -> None:
+    """GPU ms per step by kernel family (forward + backward) of the profiled rows (--profile)."""
+    profiled = [r for r in rows if "profile" in r]
+    if not profiled:
+        return
+    families = step_profile.FAMILIES
+    print(
+        f"\n{'GPU ms/step':50} " + " ".join(f"{f[:12]:>12}" for f in families) + f" {'busy':>7} {'wall':>7}"
+    )
+    for r in profiled:
+        prof = r["profile"]
+        cells = " ".join(f"{sum(prof['ms'][f].values()):12.1f}" for f in families)
+        print(
+            f"{r['model'] + ' ' + r['variant']:44} {r['batch']:5} {cells} {prof['gpu_ms_per_step']:7.1f} "
+            f"{r['ms_per_step']:7.1f}"
+        )
+        rec = prof["recompute"]
+        print(
+            f"{'':50} recompute: attention forward in backward {rec['attention_forward_in_backward_ms']:.1f} ms, "
+            f"{rec['extra_backward_gemm_calls']:.0f} extra backward GEMMs ~{rec['extra_backward_gemm_ms_est']:.1f} "
+            f"ms (est.); report {prof['report']}"
+        )
+
+
+def row_batch(name: str, spec: str, args: argparse.Namespace) -> int:
+    """@B of the spec, else --batch, else the model's default (bench_train.MODELS; TINY_BATCH with --tiny)."""
+    batch = parse_variant(spec).batch or args.batch
+    return batch or (bench_train.TINY_BATCH if args.tiny else bench_train.MODELS[name]["batch"])
 
 
 def run(args: argparse.Namespace) -> list[dict]:
@@ -351,19 +493,16 @@ def run(args: argparse.Namespace) -> list[dict]:
         print_saved(reports)
         return reports
     rows: list[dict] = []
-    start = time.perf_counter()
+    clock = Clock(args.time_budget_s)
     for name in args.models:
-        batch = args.batch or (bench_train.TINY_BATCH if args.tiny else bench_train.MODELS[name]["batch"])
         for spec in args.variants:
-            elapsed = time.perf_counter() - start
-            if args.time_budget_s and elapsed > args.time_budget_s:
-                row = dict(model=name, variant=spec, batch=batch, status="skipped")
-                row["error"] = f"time budget ({elapsed:.0f} s used)"
-            else:
-                row = attempt(name, spec, batch, args)
-                if args.device == "cuda":
-                    row.update(fit(name, spec, row, args, cap))
-                row["row_s"] = time.perf_counter() - start - elapsed
+            t0 = clock.elapsed()
+            profile = bool(args.profile) and (not args.profile_variants or spec in args.profile_variants)
+            row = attempt(name, spec, row_batch(name, spec, args), args, clock, profile)
+            if args.device == "cuda" and row.get("status") != "skipped":
+                fitting = not args.fit_variants or spec in args.fit_variants
+                row.update(fit(name, spec, row, args, cap, args.fit if fitting else "estimate", clock))
+            row["row_s"] = clock.elapsed() - t0
             rows.append(row)
             print(json.dumps(row), flush=True)
             if args.json:
@@ -386,12 +525,31 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=4, help="timed steps per run")
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps after the first (compile) step")
     parser.add_argument("--mem_cap_gib", type=float, default=None, help="memory cap (default: the GPU's)")
-    parser.add_argument("--fit", choices=("estimate", "verify", "search"), default="estimate")
+    parser.add_argument(
+        "--fit",
+        choices=("estimate", "verify", "search"),
+        default="estimate",
+        help="largest batch (see above)",
+    )
+    parser.add_argument(
+        "--fit_variants",
+        nargs="+",
+        default=None,
+        metavar="SPEC",
+        help="rows (as written in --variants) that --fit verify/search runs for; the others estimate "
+        "(default: all rows)",
+    )
     parser.add_argument("--fit_tries", type=int, default=3, help="runs per row that --fit may add")
     parser.add_argument(
         "--batch_multiple", type=int, default=8, help="batches --fit tries are multiples of this"
     )
-    parser.add_argument("--time_budget_s", type=float, default=None, help="skip rows started past this time")
+    parser.add_argument(
+        "--time_budget_s",
+        type=float,
+        default=None,
+        help="skip a run (row or --fit try) that would end past this many seconds, judged by the longest run "
+        "of the same model so far",
+    )
     parser.add_argument(
         "--json", default=None, help="also write the rows to this JSON file (after every row)"
     )
@@ -400,10 +558,26 @@ def main() -> None:
         action="store_true",
         help="instead of training: list what one vision encoder layer saves for backward, bytes per token",
     )
+    parser.add_argument(
+        "--profile",
+        default=None,
+        metavar="DIR",
+        help="after each row's figures, profile --profile_steps more steps: GPU ms by kernel family and phase "
+        "in the row's JSON and the printed table, the full report in DIR/<model>_<variant>_b<batch>.txt "
+        "(benchmarks/step_profile.py; on the CPU the report lists CPU ops, a smoke test)",
+    )
+    parser.add_argument(
+        "--profile_variants",
+        nargs="+",
+        default=None,
+        metavar="SPEC",
+        help="rows (as written in --variants) that --profile profiles (default: all rows; never the --fit runs)",
+    )
+    parser.add_argument("--profile_steps", type=int, default=2, help="steps profiled per row with --profile")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="cpu: smoke test only")
     parser.add_argument("--tiny", action="store_true", help="shrink the models to CPU-test size (smoke test)")
     args = parser.parse_args()
-    for spec in args.variants:
+    for spec in args.variants + (args.fit_variants or []) + (args.profile_variants or []):
         try:
             parse_variant(spec)
         except ValueError as err:

@@ -208,6 +208,18 @@ def synchronize(device: str) -> None:
         torch.cuda.synchronize()
 
 
+def timed_steps(step, steps: int, device: str) -> tuple[float, torch.Tensor]:
+    """Wall ms per step of `steps` calls of step() -> loss, and the last loss (a non-finite one raises)."""
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        loss = step()
+    synchronize(device)
+    ms = (time.perf_counter() - t0) * 1000 / steps
+    if not torch.isfinite(loss).item():
+        raise FloatingPointError(f"loss is {loss.item()}")
+    return ms, loss
+
+
 def time_training(
     name: str, variant: str, grad_ckpt: bool, steps: int, warmup: int, args: argparse.Namespace
 ) -> dict:
@@ -239,13 +251,7 @@ def time_training(
     if device == "cuda":
         # steady state: parameters, gradients' high-water mark and optimizer state, not the compile/autotune step
         torch.cuda.reset_peak_memory_stats()
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        loss = step()
-    synchronize(device)
-    ms = (time.perf_counter() - t0) * 1000 / steps
-    if not torch.isfinite(loss).item():
-        raise FloatingPointError(f"loss is {loss.item()}")
+    ms, loss = timed_steps(step, steps, device)
     row = dict(
         model=name,
         variant=variant,

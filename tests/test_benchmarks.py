@@ -334,24 +334,118 @@ def test_stochastic_int8_rounding_is_unbiased_where_nearest_flushes():
 def test_bench_memory_cpu_smoke_and_variant_grammar(tmp_path, monkeypatch, capsys):
     """Eager rows of bench_memory.py on a tiny model, in process (compile rows cost minutes on the CI CPUs)."""
     bench = load_script("bench_memory")
-    assert bench.parse_variant("bf16+budget0.5+compile") == ("bf16", False, 0.5, True)
-    assert bench.parse_variant("int8-memeff-fused+ckpt") == ("int8-memeff-fused", True, None, False)
-    for bad in ("bf16+budget0.5", "bf16+budget2+compile", "int4", "bf16+fast"):
+    assert bench.parse_variant("bf16+budget0.5+compile") == ("bf16", False, 0.5, True, None)
+    assert bench.parse_variant("int8-memeff-fused+ckpt") == ("int8-memeff-fused", True, None, False, None)
+    # SwitchBack with selective recompute on top, and a row's own batch
+    assert bench.parse_variant("int8-memeff-unfused+budget0.8+compile@128") == (
+        "int8-memeff-unfused",
+        False,
+        0.8,
+        True,
+        128,
+    )
+    assert bench.parse_variant("torchao-float8-rowwise+compile").base == "torchao-float8-rowwise"
+    for bad in ("bf16+budget0.5", "bf16+budget2+compile", "int4", "bf16+fast", "bf16@0", "bf16@x", "bf16@-8"):
         with pytest.raises(ValueError):
             bench.parse_variant(bad)
     out = tmp_path / "mem.json"
     argv = ["bench_memory.py", "--device", "cpu", "--tiny", "--models", "vit-b-16", "--steps", "1"]
-    argv += ["--warmup", "0", "--variants", "bf16+ckpt", "int8-memeff-fused", "--json", str(out)]
+    argv += ["--warmup", "0", "--variants", "bf16+ckpt", "int8-memeff-fused@4", "--json", str(out)]
     monkeypatch.setattr(sys, "argv", argv)
     bench.main()
     rows = json.loads(out.read_text())["rows"]
-    assert [r["variant"] for r in rows] == ["bf16+ckpt", "int8-memeff-fused"]
+    assert [(r["variant"], r["batch"]) for r in rows] == [("bf16+ckpt", 8), ("int8-memeff-fused@4", 4)]
     for row in rows:
         assert "error" not in row, row
-        assert row["samples_per_s"] > 0 and math.isfinite(row["loss"]) and row["batch"] == 8
+        assert row["samples_per_s"] > 0 and math.isfinite(row["loss"])
     # the checkpointed row is compared with itself (the only bf16 row that recomputes)
     lines = capsys.readouterr().out.splitlines()
     assert any(line.startswith("vit-b-16") and "bf16+ckpt" in line and "1.00x" in line for line in lines)
+
+
+def test_bench_memory_torchao_row_is_skipped_with_its_reason_where_torchao_is_missing(monkeypatch):
+    bench = load_script("bench_memory")
+    real_find_spec = bench.importlib.util.find_spec
+    monkeypatch.setattr(
+        bench.importlib.util, "find_spec", lambda name: None if name == "torchao" else real_find_spec(name)
+    )
+    args = bench.argparse.Namespace(device="cpu", tiny=True)
+    row = bench.attempt("vit-b-16", "torchao-float8-rowwise+compile", 8, args)
+    assert row["status"] == "skipped" and "torchao is not installed" in row["error"]
+    assert bench.missing_requirement("bf16") is None and bench.missing_requirement("int8-memeff") is None
+
+
+def test_bench_memory_time_budget_skips_runs_that_would_overrun():
+    bench = load_script("bench_memory")
+    clock = bench.Clock(100.0)
+    assert clock.allows("vit-h-14")  # nothing known yet
+    clock.start -= 60  # 60 s used
+    clock.record("vit-h-14", 50.0)  # a ViT-H run took 50 s: another would end at 110 s
+    assert not clock.allows("vit-h-14") and clock.allows("vit-b-16")
+    row = bench.attempt("vit-h-14", "bf16+compile", 8, bench.argparse.Namespace(device="cpu"), clock)
+    assert row["status"] == "skipped" and row["error"].startswith("time budget")
+    assert bench.Clock(None).allows("vit-h-14")
+
+
+def test_bench_memory_profile_sees_checkpoint_recompute(tmp_path, monkeypatch):
+    """--profile on the CPU (CPU ops stand in for kernels): full checkpointing re-runs each encoder layer's
+    forward in backward, which the profile reports as attention forward in backward and 6 extra backward GEMMs
+    per layer (q, k, v, out_proj, fc1, fc2); without checkpointing, backward runs exactly 2 GEMMs per forward
+    GEMM."""
+    bench = load_script("bench_memory")
+    out = tmp_path / "mem.json"
+    argv = ["bench_memory.py", "--device", "cpu", "--tiny", "--models", "vit-b-16", "--steps", "1"]
+    argv += ["--warmup", "0", "--variants", "bf16", "bf16+ckpt", "int8-memeff@4", "--profile", str(tmp_path)]
+    argv += ["--profile_variants", "bf16", "bf16+ckpt"]  # not the int8 row
+    monkeypatch.setattr(sys, "argv", [*argv, "--json", str(out)])
+    bench.main()
+    rows = json.loads(out.read_text())["rows"]
+    assert "profile" not in rows[2] and "ms_per_step" in rows[2]
+    plain, ckpt = rows[0]["profile"], rows[1]["profile"]
+    layers = 2 * bench.bench_train.TINY_TOWER["num_hidden_layers"]  # both towers
+    assert plain["gemm_calls_per_step"]["backward"] == 2 * plain["gemm_calls_per_step"]["forward"] > 0
+    assert plain["recompute"]["extra_backward_gemm_calls"] == 0
+    assert plain["recompute"]["attention_forward_in_backward_calls"] == 0
+    assert ckpt["recompute"]["extra_backward_gemm_calls"] == 6 * layers
+    assert ckpt["recompute"]["attention_forward_in_backward_calls"] >= layers
+    assert ckpt["recompute"]["extra_backward_gemm_ms_est"] > 0
+    report = Path(ckpt["report"]).read_text()
+    assert "GEMM 16-bit" in report and "24 beyond 2 per forward GEMM" in report
+
+
+def test_step_profile_families_and_recompute_estimate():
+    prof = load_script("step_profile")
+    K = prof.Kernel
+    cublas_fp8 = "nvjet_sm90_tst_128x256_64x4_2x1_v_bz_coopA_TNT"  # named like a bf16 one: known by its op
+    assert prof.family(cublas_fp8, frozenset({cublas_fp8})) == prof.GEMM_8BIT
+    assert prof.family(cublas_fp8) == prof.GEMM_16BIT
+    assert prof.family("_scaled_mm_tma_kernel") == prof.GEMM_8BIT
+    assert prof.family("_rowwise_colsum_kernel") == prof.QUANT
+    assert prof.family("triton_red_fused__to_copy_abs_amax_clamp_div_0") == prof.QUANT
+    assert prof.family("triton_poi_fused_add_mul_sigmoid_1") == prof.OTHER
+    assert (
+        prof.family("void at::native::clamp_min_kernel") == prof.OTHER
+    )  # eager, not Inductor: not a quantize
+    assert prof.family("multi_tensor_apply_kernel<FusedAdamMathFunctor>") == prof.OPTIMIZER
+    assert prof.is_attention_forward("pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits>")
+    assert not prof.is_attention_forward("pytorch_flash::flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel")
+    F, B = prof.FORWARD, prof.BACKWARD
+    # one step: 2 forward GEMMs (3 and 1 ms), 5 backward GEMMs (one recomputed), a split-K helper, a flash
+    # forward re-run in backward
+    kernels = [K("gemm_a", F, 3.0), K("gemm_b", F, 1.0)] + [K("gemm_c", B, 1.0)] * 5
+    kernels += [
+        K("splitKreduce_kernel", B, 0.5),
+        K("flash_fwd_kernel", B, 2.0),
+        K("flash_fwd_kernel", F, 2.0),
+    ]
+    summary = prof.summarize(kernels, steps=1)
+    assert summary["gemm_calls_per_step"] == {F: 2, B: 5, prof.OUTSIDE: 0}
+    rec = summary["recompute"]
+    assert rec["extra_backward_gemm_calls"] == 1 and rec["extra_backward_gemm_ms_est"] == 2.0  # forward mean
+    assert rec["attention_forward_in_backward_ms"] == 2.0 and rec["attention_forward_in_backward_calls"] == 1
+    assert summary["ms"][prof.GEMM_16BIT][B] == 5.5 and summary["gpu_ms_per_step"] == 13.5
+    assert prof.phase_of(5.0, [(0.0, 4.0, F), (4.5, 9.0, B)]) == B
+    assert prof.phase_of(4.2, [(0.0, 4.0, F), (4.5, 9.0, B)]) == prof.OUTSIDE
 
 
 def test_bench_memory_max_batch_estimate_and_saved_tensors():
@@ -412,7 +506,7 @@ def test_bench_memory_fit_search_and_verify_find_the_largest_batch(monkeypatch):
     bench = load_script("bench_memory")
     tried = []
 
-    def fake_attempt(name, spec, batch, args):
+    def fake_attempt(name, spec, batch, args, clock=None):
         tried.append(batch)
         if batch > 300:
             return dict(model=name, variant=spec, batch=batch, status="oom", error="out of memory")
@@ -424,7 +518,17 @@ def test_bench_memory_fit_search_and_verify_find_the_largest_batch(monkeypatch):
     args = bench.argparse.Namespace(fit="search", fit_tries=8, batch_multiple=8)
     found = bench.fit("vit-h-14", "int8-memeff+compile", first, args, cap)
     assert found["max_batch_est"] == 340 and found["max_batch"] == 296  # the largest multiple of 8 <= 300
+    assert tried[0] == 336 and found["oom_at"] == 304  # the estimate first; bracketed to one step of 8
     assert any(r["status"] == "oom" for r in found["fit_runs"])
+    # an estimate that errs low: the search climbs above it, up to 1.25x
+    tried.clear()
+    low = dict(first, peak_mib_per_sample=200.0 * 340 / 272)  # estimate 272
+    found = bench.fit("vit-h-14", "bf16+compile", low, args, cap)
+    assert tried[0] == 272 and found["max_batch"] == 296 and found["oom_at"] == 304
+    # --fit_variants: rows not listed only estimate (mode="estimate"), no runs
+    tried.clear()
+    assert "max_batch" not in bench.fit("vit-h-14", "bf16+compile", first, args, cap, mode="estimate")
+    assert tried == []
     tried.clear()
     args.fit = "verify"
     found = bench.fit("vit-h-14", "int8-memeff+compile", first, args, cap)
@@ -465,3 +569,17 @@ def test_bench_crossover_is_the_first_m_from_which_every_larger_m_pays():
     assert bench.crossover_of(tokens, [1.05, 1.05, 1.05, 1.05, 1.01], 1.02) is None  # the largest M must pay
     families = [(512, 512, "d->d"), (512, 2048, "d->4d"), (2048, 512, "4d->d")]
     assert bench.shapes([512, 512]) == families  # a repeated width is measured once
+
+
+def test_bench_memory_budget_context_in_a_fresh_process():
+    """+budgetF on the first row of a process: torch._functorch.config is not an attribute of torch._functorch
+    until imported (the CPU table's first budget row failed with AttributeError)."""
+    code = (
+        "import bench_memory, torch\n"
+        "with bench_memory.recompute_budget(0.25):\n"
+        "    assert torch._functorch.config.activation_memory_budget == 0.25\n"
+        "assert torch._functorch.config.activation_memory_budget == 1.0\n"
+    )
+    env = {"PYTHONPATH": f"{ROOT / 'benchmarks'}:{ROOT / 'src'}", "PATH": "/usr/bin:/bin"}
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
