@@ -203,3 +203,24 @@ def test_the_wheel_carries_the_tables(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     wheel = tmp_path / "dist" / proc.stdout.strip().splitlines()[-1]
     assert "hf_switchback/kernels/crossover/sm90.json" in zipfile.ZipFile(wheel).namelist()
+
+
+def test_the_shipped_hopper_table_is_complete_and_its_crossovers_follow_its_own_timings():
+    """sm90.json is a measured table (benchmarks/bench_crossover.py on an H100): complete, for sm90, every CLIP
+    family of d = 512..1280 in both precisions, and each crossover is the smallest token count from which the
+    recorded speed-up (bf16 ms / SwitchBack ms) is at least the margin at that count and every larger one
+    (recomputed here from the timings), which is what the default config then reads."""
+    path = crossover.TABLE_DIR / "sm90.json"
+    data = json.loads(path.read_text())
+    assert data["complete"] and data["capability"] == "sm90" and data["format"] == crossover.FORMAT
+    margin, tokens = data["margin"], sorted(data["tokens"])
+    for precision in ("int8", "fp8"):
+        entries = data["precisions"][precision]
+        for d in (512, 768, 1024, 1280):
+            for k, n in ((d, d), (d, 4 * d), (4 * d, d)):
+                entry = entries[f"{k}x{n}"]
+                speedup = {m: entry["bf16_ms"][str(m)] / entry["switchback_ms"][str(m)] for m in tokens}
+                paying = [m for i, m in enumerate(tokens) if all(speedup[t] >= margin for t in tokens[i:])]
+                assert entry["crossover"] == (paying[0] if paying else None), (precision, k, n)
+                expected = crossover.NEVER if entry["crossover"] is None else entry["crossover"]
+                assert crossover.min_tokens_for(HOPPER, k, n, precision) == expected
