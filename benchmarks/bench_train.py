@@ -14,9 +14,10 @@ printed as one JSON line and rewritten to --json at once, so a killed process ke
 
 Variants:
   int8 / fp8             SwitchBack with the library defaults (backend="auto"): what a user gets. Under "auto"
-                         a call with fewer than 16,384 tokens runs the bf16 matmul (the measured crossover), so
-                         at ViT-L/14 batch 128 and ViT-H/14 batch 64 the text tower (77 tokens per caption)
-                         stays bf16 and only the vision tower is 8-bit.
+                         a call below its layer's measured crossover runs the bf16 matmul: on Hopper the
+                         shipped table (kernels/crossover/sm90.json) keeps nearly every CLIP linear bf16, so
+                         these rows measure the default, not the 8-bit path (int8-triton forces it); without
+                         a table the floor is 16,384 tokens (at ViT-H/14 batch 64 the text tower stays bf16).
   int8-int8grad          grad_precision="int8": int8 gradients too (the paper's SwitchBack). Plain int8 uses
                          the default grad_precision="auto", which on GPUs with fp8 tensor cores quantizes the
                          output gradients to fp8 (BENCHMARKS.md, Accuracy: int8 gradients lost it).
