@@ -358,7 +358,7 @@ def layer_saved_tensors(name: str, spec: str, args: argparse.Namespace, batch: i
     """What one vision encoder layer saves for backward, per token (bf16 autocast, SDPA attention)."""
     from transformers.models.clip.modeling_clip import CLIPEncoderLayer
 
-    from hf_switchback import SwitchBackConfig, apply_switchback
+    from hf_switchback import apply_switchback
 
     base, _, budget, compiled, _ = parse_variant(spec)
     device = args.device
@@ -368,7 +368,7 @@ def layer_saved_tensors(name: str, spec: str, args: argparse.Namespace, batch: i
         layer = CLIPEncoderLayer(config).train()
     if base in bench_train.SWITCHBACK_VARIANTS:
         # min_tokens=0: the layer alone sees few tokens; the 8-bit path must run to be measured
-        apply_switchback(layer, SwitchBackConfig(**bench_train.SWITCHBACK_VARIANTS[base], min_tokens=0))
+        apply_switchback(layer, bench_train.switchback_config(base, min_tokens=0))
     elif base != "bf16":
         raise ValueError(f"--saved_tensors takes bf16 or SwitchBack variants, got {spec!r}")
     seq = (config.image_size // config.patch_size) ** 2 + 1

@@ -96,6 +96,11 @@ SWITCHBACK_VARIANTS = {
     "fp8-memeff": dict(precision="fp8", memory_efficient=True),
     "fp8-memeff-fused": dict(precision="fp8", memory_efficient=True, fuse_mlp=True),
     "fp8-memeff-unfused": dict(precision="fp8", memory_efficient=True, fuse_mlp=False),
+    # the A/B of KernelOptions.triton_act_quantize: the fused MLP's activation passes left to Inductor
+    "int8-memeff-inductor-act": dict(memory_efficient=True, kernel_changes=dict(triton_act_quantize=False)),
+    "fp8-memeff-inductor-act": dict(
+        precision="fp8", memory_efficient=True, kernel_changes=dict(triton_act_quantize=False)
+    ),
 }
 BASES = ("bf16", *SWITCHBACK_VARIANTS, "torchao-float8-tensorwise")
 BASES += ("torchao-float8-rowwise", "torchao-float8-rowwise_with_gw_hp")
@@ -134,6 +139,16 @@ def kernel_options(args: argparse.Namespace):
     )
 
 
+def switchback_config(base: str, kernel_options=None, **changes):
+    """The SwitchBackConfig of a SwitchBack row (SWITCHBACK_VARIANTS[base]), its kernel_changes applied to
+    kernel_options (default KernelOptions()), then `changes`."""
+    from hf_switchback import KernelOptions, SwitchBackConfig
+
+    fields = dict(SWITCHBACK_VARIANTS[base])
+    options = (kernel_options or KernelOptions()).replace(**fields.pop("kernel_changes", {}))
+    return SwitchBackConfig(**{**fields, **changes}, kernel_options=options)
+
+
 def build_model(
     config,
     variant: str,
@@ -146,7 +161,7 @@ def build_model(
     """The CLIPModel / SiglipModel of one table row, converted and (for +compile) compiled, in training mode."""
     from transformers import CLIPModel, SiglipModel
 
-    from hf_switchback import KernelOptions, SwitchBackConfig, apply_switchback
+    from hf_switchback import apply_switchback
     from hf_switchback.functional import AUTO_MIN_TOKENS_CUDA
 
     with torch.device(device):  # init on the GPU: ViT-H/14's random init on the CPU takes tens of seconds
@@ -156,8 +171,7 @@ def build_model(
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     base = variant.removesuffix("+compile")
     if base in SWITCHBACK_VARIANTS:
-        options = kernel_options or KernelOptions()
-        config = SwitchBackConfig(**SWITCHBACK_VARIANTS[base], kernel_options=options)
+        config = switchback_config(base, kernel_options)
         if torch.device(device).type == "cuda" and config.min_tokens is None and base != "int8-default":
             # the 8-bit path above the 16,384-token floor, as every row here was measured; int8-default is the
             # library default (on Hopper the per-shape table keeps nearly every CLIP linear 16-bit)

@@ -22,6 +22,7 @@ def test_defaults_are_the_measured_ones_and_the_env_var_only_seeds_use_tma(monke
         fuse_quantize_under_compile=True,
         trace_gemm=True,
         triton_grad_quantize=True,
+        triton_act_quantize=True,
         direct_eager=True,
         act_backward_impl="auto",
         use_tma=False,

@@ -1,20 +1,24 @@
 """The kernel set used while torch.compile traces a SwitchBack model on CUDA.
 
-The quantize functions (and the fused MLP's activation + quantize passes) are the torch reference ones
-(kernels/reference.py): plain tensor ops that Inductor fuses into the op that produced their input (LayerNorm,
-GELU, the residual add, and in backward GELU's gradient), so a compiled model pays no separate quantize pass
-and no Python launch overhead for them. The 8-bit GEMM stays our Triton kernel (Inductor's own int8 matmul
-lowers to cuBLAS `_int_mm`, which is no faster than bf16 on Hopper), as a `triton_op` (kernels/ops.py) whose
-launch Inductor records and makes from its generated code, with no Python call per GEMM. With
-KernelOptions.use_tma it is the opaque custom op instead: the TMA kernel's host-side setup is not traceable.
+The quantize functions are the torch reference ones (kernels/reference.py): plain tensor ops that Inductor
+fuses into the op that produced their input (LayerNorm, GELU, the residual add), so a compiled model pays no
+separate quantize pass and no Python launch overhead for them. The 8-bit GEMM stays our Triton kernel
+(Inductor's own int8 matmul lowers to cuBLAS `_int_mm`, which is no faster than bf16 on Hopper), as a
+`triton_op` (kernels/ops.py) whose launch Inductor records and makes from its generated code, with no Python
+call per GEMM. With KernelOptions.use_tma it is the opaque custom op instead: the TMA kernel's host-side setup
+is not traceable.
 
-One quantize stays ours too: the output gradient's (with the bias gradient's column sum). That tensor is
-written in 16 bits anyway (the grad-weight GEMM reads it), so fusing its quantize into the op that produced it
-saves nothing; Inductor's version re-read the producer's inputs instead (GELU backward: grad and h) in a
-slow persistent reduction: on the H100, a ViT-H/14 step spent 18.4 ms in it for the 32 fc1 gradients alone,
-vs 11.4 ms for all 192 gradient quantizes with our kernel (BENCHMARKS.md, Whole training step). This covers the
-separate-linear path (the default); the fused MLP's (fuse_mlp=True) activation backward + quantize below is
-still Inductor's.
+Three passes stay ours too, as traced triton_ops, where Inductor's code was measured slower:
+- the output gradient's quantize (with the bias gradient's column sum). That tensor is written in 16 bits
+  anyway (the grad-weight GEMM reads it), so fusing its quantize into the op that produced it saves nothing;
+  Inductor's version re-read the producer's inputs instead (GELU backward: grad and h) in a slow persistent
+  reduction: on the H100, a ViT-H/14 step spent 18.4 ms in it for the 32 fc1 gradients alone, vs 11.4 ms for
+  all 192 gradient quantizes with our kernel (BENCHMARKS.md, Whole training step). KernelOptions.
+  triton_grad_quantize.
+- the fused MLP's (fuse_mlp, memory_efficient) activation + quantize of fc1's output in forward and its
+  activation backward + quantize + column sum in backward: their input is a GEMM's output, with nothing for
+  Inductor to fuse them into, and its code for them was slower than ours (BENCHMARKS.md, Memory).
+  KernelOptions.triton_act_quantize.
 
 Known limit: Inductor tunes our GEMM's configs without its autotune key, so when Dynamo makes the token count
 dynamic (a second shape, e.g. a short last batch), one tuned config serves every M. The layer-wise compile
@@ -36,7 +40,6 @@ from .quantize import colsum_in_one_pass
 from .reference import (
     QMAX,
     act_backward_quantize_colsum,
-    act_quantize_rowwise,
     quantize_rowwise,
     quantize_rowwise_transposed,
     quantize_tensorwise,
@@ -96,6 +99,16 @@ def scaled_matmul_recompute(
     )
 
 
+def act_quantize_rowwise(
+    h: torch.Tensor, qdtype: torch.dtype, activation: str, *, options: KernelOptions | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Our Triton pass launched from Inductor's code when options.triton_act_quantize (the default), else
+    torch ops for Inductor to fuse (see the module docstring)."""
+    if resolve(options).triton_act_quantize:
+        return torch.ops.hf_switchback.act_quantize_rowwise_traced(h, qdtype, activation)
+    return reference.act_quantize_rowwise(h, qdtype, activation)
+
+
 def scaled_matmul_act_backward(
     a_q: torch.Tensor,
     b_q: torch.Tensor,
@@ -108,8 +121,14 @@ def scaled_matmul_act_backward(
     *,
     options: KernelOptions | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Our GEMM, then the activation backward + quantize as torch ops for Inductor to fuse (see reference)."""
+    """Our GEMM, then the activation backward + quantize + column sum: our Triton pass traced into Inductor's
+    code when options.triton_act_quantize (the default), else torch ops for Inductor to fuse."""
+    options = resolve(options)
     grad_a = scaled_matmul(a_q, b_q, a_scale, b_scale, None, h.dtype, options=options)
+    if options.triton_act_quantize:
+        return torch.ops.hf_switchback.act_backward_quantize_colsum_traced(
+            grad_a, h, qdtype, activation, want_act, options.act_backward_impl
+        )
     return act_backward_quantize_colsum(grad_a, h, qdtype, activation, want_act)
 
 

@@ -175,6 +175,24 @@ def _quantize_rowwise_colsum_traced(
     return _quantize.quantize_rowwise_colsum(x, qdtype, wrap=torch.library.wrap_triton)
 
 
+# The fused MLP's two activation passes for torch.compile, launched from Inductor's code like the ones above
+# (kernels/compiled.py, KernelOptions.triton_act_quantize says why they stay ours).
+@torch.library.triton_op(f"{_LIB}::act_quantize_rowwise_traced", mutates_args=())
+def _act_quantize_rowwise_traced(
+    h: torch.Tensor, qdtype: torch.dtype, activation: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return _quantize.act_quantize_rowwise(h, qdtype, activation, wrap=torch.library.wrap_triton)
+
+
+@torch.library.triton_op(f"{_LIB}::act_backward_quantize_colsum_traced", mutates_args=())
+def _act_backward_quantize_colsum_traced(
+    grad: torch.Tensor, h: torch.Tensor, qdtype: torch.dtype, activation: str, want_act: bool, impl: str
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _quantize.act_backward_quantize_colsum(
+        grad, h, qdtype, activation, want_act, impl=impl, wrap=torch.library.wrap_triton
+    )
+
+
 @torch.library.custom_op(f"{_LIB}::scaled_matmul_act_backward", mutates_args=())
 def _scaled_matmul_act_backward(
     a_q: torch.Tensor,

@@ -389,14 +389,14 @@ def launch_directly(kernel):
     return kernel
 
 
-def _quantize_rowwise(x: torch.Tensor, qdtype: torch.dtype, activation: str | None):
+def _quantize_rowwise(x: torch.Tensor, qdtype: torch.dtype, activation: str | None, wrap=None):
     m, k = x.shape
     q = torch.empty((m, k), dtype=qdtype, device=x.device)
     scale = torch.zeros((m,), dtype=torch.float32, device=x.device)
     if m == 0 or k == 0:
         return q, scale
     block = min(triton.next_power_of_2(k), _MAX_SINGLE_PASS)
-    _rowwise_kernel[(m,)](
+    (wrap or launch_directly)(_rowwise_kernel)[(m,)](
         x,
         q,
         scale,
@@ -419,12 +419,13 @@ def quantize_rowwise(x: torch.Tensor, qdtype: torch.dtype = torch.int8) -> tuple
 
 
 def act_quantize_rowwise(
-    h: torch.Tensor, qdtype: torch.dtype, activation: str
+    h: torch.Tensor, qdtype: torch.dtype, activation: str, *, wrap=None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """quantize_rowwise(act(h) rounded to h's dtype), h read once and act(h) never written."""
+    """quantize_rowwise(act(h) rounded to h's dtype), h read once and act(h) never written.
+    wrap: as in matmul.scaled_matmul."""
     if activation not in ACT_CODES or activation is None:
         raise ValueError(f"unsupported activation {activation!r}; expected one of {list(ACT_CODES)[1:]}")
-    return _quantize_rowwise(h, qdtype, activation)
+    return _quantize_rowwise(h, qdtype, activation, wrap)
 
 
 def colsum_in_one_pass(x: torch.Tensor) -> bool:
@@ -493,7 +494,7 @@ def _absmax_partials(x: torch.Tensor) -> torch.Tensor:
     return part
 
 
-def _quantize_2d(x, absmax, per: str, transpose: bool, qdtype: torch.dtype):
+def _quantize_2d(x, absmax, per: str, transpose: bool, qdtype: torch.dtype, wrap=None):
     """Quantize x (M, K) with a known absmax per "row" (M,), per "column" (K,) or for the "tensor" ();
     transpose writes q as (K, M)."""
     m, k = x.shape
@@ -503,7 +504,7 @@ def _quantize_2d(x, absmax, per: str, transpose: bool, qdtype: torch.dtype):
     )
     q_strides = (q.stride(1), q.stride(0)) if transpose else (q.stride(0), q.stride(1))
     grid = (triton.cdiv(m, _TILE_M), triton.cdiv(k, _TILE_K))
-    _quantize_2d_kernel[grid](
+    (wrap or launch_directly)(_quantize_2d_kernel)[grid](
         x,
         q,
         absmax,
@@ -522,19 +523,19 @@ def _quantize_2d(x, absmax, per: str, transpose: bool, qdtype: torch.dtype):
     return q, scale
 
 
-def quantize_rowwise_known_absmax(x: torch.Tensor, absmax: torch.Tensor, qdtype: torch.dtype):
+def quantize_rowwise_known_absmax(x: torch.Tensor, absmax: torch.Tensor, qdtype: torch.dtype, wrap=None):
     """quantize_rowwise(x) given its exact row absmax (M,) float32: a fully parallel 2-D tiled pass."""
-    return _quantize_2d(x, absmax, "row", transpose=False, qdtype=qdtype)
+    return _quantize_2d(x, absmax, "row", transpose=False, qdtype=qdtype, wrap=wrap)
 
 
-def _act_backward_tiles(grad, h, qdtype, activation, want_act):
+def _act_backward_tiles(grad, h, qdtype, activation, want_act, wrap=None):
     m, k = grad.shape
     gh = torch.empty((m, k), dtype=grad.dtype, device=grad.device)
     act = torch.empty((m, k) if want_act else (0,), dtype=h.dtype, device=h.device)
     absmax = torch.zeros((m,), dtype=torch.float32, device=grad.device)
     grid = (triton.cdiv(m, _BWD_TILE_M), triton.cdiv(k, _BWD_TILE_K))
     part = torch.empty((grid[0], k), dtype=torch.float32, device=grad.device)
-    _act_backward_tiles_kernel[grid](
+    (wrap or launch_directly)(_act_backward_tiles_kernel)[grid](
         grad,
         h,
         gh,
@@ -553,7 +554,7 @@ def _act_backward_tiles(grad, h, qdtype, activation, want_act):
         BLOCK_K=_BWD_TILE_K,
         num_warps=8,
     )
-    q, scale = quantize_rowwise_known_absmax(gh, absmax, qdtype)
+    q, scale = quantize_rowwise_known_absmax(gh, absmax, qdtype, wrap)
     return gh, act, q, scale, part.sum(dim=0)
 
 
@@ -565,13 +566,14 @@ def act_backward_quantize_colsum(
     want_act: bool,
     *,
     impl: str = "auto",
+    wrap=None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Backward of act at h with output gradient `grad`, fused with what fc1's backward needs of it.
 
     grad, h (M, K) float -> (grad_h (M, K) grad.dtype, act(h) (M, K) h.dtype or (0,) when not want_act,
     q (M, K) qdtype, scale (M,) float32, grad_h.sum(0) float32): q, scale = quantize_rowwise(grad_h).
     impl (KernelOptions.act_backward_impl) picks the kernels, see act_backward_impl. The "rows" kernel takes
-    rows up to the single-pass limit (longer ones use the torch twin).
+    rows up to the single-pass limit (longer ones use the torch twin). wrap: as in matmul.scaled_matmul.
     """
     m, k = grad.shape
     if activation not in ACT_CODES or activation is None:
@@ -579,7 +581,7 @@ def act_backward_quantize_colsum(
     if m == 0 or k == 0:
         return reference.act_backward_quantize_colsum(grad, h, qdtype, activation, want_act)
     if act_backward_impl(k, impl) == "tiles":
-        return _act_backward_tiles(grad, h, qdtype, activation, want_act)
+        return _act_backward_tiles(grad, h, qdtype, activation, want_act, wrap)
     if k > _MAX_SINGLE_PASS:
         return reference.act_backward_quantize_colsum(grad, h, qdtype, activation, want_act)
     gh = torch.empty((m, k), dtype=grad.dtype, device=grad.device)
@@ -590,7 +592,7 @@ def act_backward_quantize_colsum(
     grid = triton.cdiv(m, rows)
     part = torch.empty((grid, k), dtype=torch.float32, device=grad.device)
     block = triton.next_power_of_2(k)
-    _act_backward_colsum_kernel[(grid,)](
+    (wrap or launch_directly)(_act_backward_colsum_kernel)[(grid,)](
         grad,
         h,
         gh,
