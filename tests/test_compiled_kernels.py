@@ -199,7 +199,9 @@ def test_compiled_fused_mlp_activation_passes_match_eager(triton_act_quantize, w
     from hf_switchback import SwitchBackConfig, apply_switchback
 
     torch.manual_seed(0)
-    mlp = CLIPMLP(CLIPVisionConfig(hidden_size=256, intermediate_size=width, hidden_act="gelu"))
+    mlp = CLIPMLP(
+        CLIPVisionConfig(hidden_size=256, intermediate_size=width, hidden_act="gelu", num_attention_heads=4)
+    )
     options = KernelOptions(triton_act_quantize=triton_act_quantize)
     cfg = SwitchBackConfig(backend="triton", memory_efficient=True, min_tokens=0, kernel_options=options)
     block = apply_switchback(mlp, cfg).to("cuda", torch.bfloat16)
