@@ -60,6 +60,8 @@ VARIANT_FLAGS = {
     "fp8": [*_SB, "--precision", "fp8"],
     "int8-int8grad": [*_SB, "--precision", "int8", "--grad_precision", "int8"],
     "int8-rowweight": [*_SB, "--precision", "int8", "--weight_scaling", "row"],
+    # the memory switch (8-bit saved inputs, fused MLPs with fc1's output recomputed)
+    "int8-memeff": [*_SB, "--precision", "int8", "--memory_efficient"],
 }
 EVAL_METRICS = ("zero_shot_top1", "zero_shot_top5", "image_to_text_R@1", "text_to_image_R@1")
 LAST_FRACTION = 0.2  # "final loss" = mean over the last 20% of logged steps
