@@ -500,6 +500,29 @@ def test_bench_train_ab_flags_become_kernel_options():
     assert bench.kernel_options(argparse.Namespace()) == KernelOptions()
 
 
+def test_bench_train_variant_kernel_changes_apply_on_top_of_the_process_options():
+    from hf_switchback import KernelOptions
+
+    bench = load_script("bench_train")
+    cfg = bench.switchback_config("int8-memeff-inductor-act", KernelOptions(use_tma=True), min_tokens=0)
+    assert cfg.memory_efficient and cfg.min_tokens == 0
+    assert cfg.kernel_options == KernelOptions(use_tma=True, triton_act_quantize=False)
+    assert bench.switchback_config("int8-memeff").kernel_options == KernelOptions()
+    for base, fields in bench.SWITCHBACK_VARIANTS.items():  # every row builds a valid config
+        assert bench.switchback_config(base).memory_efficient == fields.get("memory_efficient", False)
+
+
+def test_bench_act_quantize_cpu_smoke():
+    bench = load_script("bench_act_quantize")
+    rows = bench.main(["--device", "cpu", "--tiny"])
+    assert [(r["pass"], r["impl"]) for r in rows] == [
+        ("forward", "inductor"),
+        ("backward", "inductor"),
+        ("backward + act", "inductor"),
+    ]
+    assert all(r["ms"] > 0 and r["GB/s"] > 0 for r in rows)
+
+
 def test_bench_memory_fit_search_and_verify_find_the_largest_batch(monkeypatch):
     """--fit search bisects, --fit verify steps down from the estimate, both with out-of-memory rows caught;
     a fake run (fits up to batch 300) stands in for the GPU."""
