@@ -63,8 +63,8 @@ class KernelOptions:
     triton_grad_quantize: bool = True
     # Under torch.compile, the fused MLP's two activation passes over its (M, 4d) hidden tensor (forward:
     # act + quantize for fc2; backward: act' + quantize + column sum for fc1) stay our Triton kernels, traced
-    # into Inductor's code. Inductor's own code for them was slower: forward 1.5x (ViT-H/14 b192, 1.05 vs
-    # 0.70 ms), backward up to 2.3 ms in a step vs 1.4 (BENCHMARKS.md, Memory). False leaves them to Inductor.
+    # into Inductor's code. Inductor's own code for them was slower: forward 1.09 vs 0.74 ms (ViT-H/14 b192),
+    # backward 2.26 ms in a step vs 1.44; whole step +4% (BENCHMARKS.md, Memory). False leaves them to Inductor.
     triton_act_quantize: bool = True
     # In eager mode, call the Triton launchers directly instead of through the torch.library custom ops, whose
     # dispatcher only adds CPU time to every call (~10 per layer and step; ViT-B/16 eager 187.7 vs 216-278 ms,
