@@ -17,7 +17,7 @@ verdict against +-0.5 pp. For `scratch` it also dates when each run's smoothed l
 of its way down, to show whether runs split into early and late escapes (the default task's lottery).
 
 Variants: bf16 (no SwitchBack), int8 (the library default: on Hopper/Ada fp8 output gradients), fp8,
-int8-int8grad (the paper's all-int8), and sim-<q>: all-int8 SwitchBack simulated in torch
+int8-int8grad (the paper's all-int8), int8-memeff (the memory switch: memory_efficient=True), and sim-<q>: all-int8 SwitchBack simulated in torch
 (`training.sim_switchback`) with output-gradient quantizer q (row, block128, row-sr, row-outlier8, ...).
 
     # one H100: pretrain once, then 4 variants x 5 seeds fine-tuned, one process per seed (its 4 variants one
@@ -99,6 +99,8 @@ def apply_variant(model, variant: str) -> list:
         "int8": SwitchBackConfig(min_tokens=0),
         "fp8": SwitchBackConfig(precision="fp8", min_tokens=0),
         "int8-int8grad": SwitchBackConfig(grad_precision="int8", min_tokens=0),
+        # the memory switch: 8-bit saved inputs, fused MLPs (dW from the dequantized input)
+        "int8-memeff": SwitchBackConfig(memory_efficient=True, min_tokens=0),
     }
     if variant == "bf16":
         return []
@@ -111,7 +113,7 @@ def apply_variant(model, variant: str) -> list:
 
 
 def check_variant(variant: str) -> str:
-    if variant in ("bf16", "int8", "fp8", "int8-int8grad"):
+    if variant in ("bf16", "int8", "fp8", "int8-int8grad", "int8-memeff"):
         return variant
     if variant.startswith("sim-"):
         from hf_switchback.kernels.grad_quant_sim import parse_grad_quantizer

@@ -169,6 +169,17 @@ def test_apply_sim_switchback_swaps_the_switchback_targets():
     assert not isinstance(model.visual_projection, SimSwitchBackLinear)
 
 
+def test_memory_switch_variant_fuses_the_mlps_and_trains(tmp_path):
+    from hf_switchback.mlp import is_fused_mlp
+
+    assert pg.check_variant("int8-memeff") == "int8-memeff"
+    model = pg.build_model("tiny", 40)
+    pg.apply_variant(model, "int8-memeff")
+    assert sum(is_fused_mlp(m) for m in model.modules()) == 2  # one MLP per tower
+    run = pg.train_one(_spec(variant="int8-memeff", seed=1))
+    assert run["status"] == "ok" and all(math.isfinite(r["loss"]) for r in run["train"])
+
+
 # --- summary maths on fabricated logs ---------------------------------------------------------------------
 def _run(variant, seed, zs, r1, losses, status="ok", protocol="finetune"):
     spec = _spec(variant=variant, seed=seed, protocol=protocol, name=f"{variant}{seed}", steps=len(losses))
