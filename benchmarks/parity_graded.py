@@ -89,23 +89,26 @@ def build_model(arch: str, vocab_size: int):
     return CLIPModel(config)
 
 
+# The SwitchBack variants: the SwitchBackConfig fields each one sets.
+SWITCHBACK_FIELDS = {
+    "int8": {},
+    "fp8": dict(precision="fp8"),
+    "int8-int8grad": dict(grad_precision="int8"),
+    # the memory switch: 8-bit saved inputs, fused MLPs (dW from the dequantized input)
+    "int8-memeff": dict(memory_efficient=True),
+}
+
+
 def apply_variant(model, variant: str) -> list:
     """Swap the linears for the variant; returns the simulated linears (for gradient statistics)."""
     from hf_switchback import SwitchBackConfig, apply_switchback
     from hf_switchback.training.sim_switchback import apply_sim_switchback
 
-    # min_tokens=0: small batches would otherwise run the 16-bit matmul and compare bf16 with itself
-    configs = {
-        "int8": SwitchBackConfig(min_tokens=0),
-        "fp8": SwitchBackConfig(precision="fp8", min_tokens=0),
-        "int8-int8grad": SwitchBackConfig(grad_precision="int8", min_tokens=0),
-        # the memory switch: 8-bit saved inputs, fused MLPs (dW from the dequantized input)
-        "int8-memeff": SwitchBackConfig(memory_efficient=True, min_tokens=0),
-    }
     if variant == "bf16":
         return []
-    if variant in configs:
-        apply_switchback(model, configs[variant])
+    if variant in SWITCHBACK_FIELDS:
+        # min_tokens=0: small batches would otherwise run the 16-bit matmul and compare bf16 with itself
+        apply_switchback(model, SwitchBackConfig(**SWITCHBACK_FIELDS[variant], min_tokens=0))
         return []
     if variant.startswith("sim-"):
         return apply_sim_switchback(model, variant[len("sim-") :])
@@ -113,7 +116,7 @@ def apply_variant(model, variant: str) -> list:
 
 
 def check_variant(variant: str) -> str:
-    if variant in ("bf16", "int8", "fp8", "int8-int8grad", "int8-memeff"):
+    if variant == "bf16" or variant in SWITCHBACK_FIELDS:
         return variant
     if variant.startswith("sim-"):
         from hf_switchback.kernels.grad_quant_sim import parse_grad_quantizer
