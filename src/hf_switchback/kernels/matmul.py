@@ -18,6 +18,7 @@ Coverage:
 from __future__ import annotations
 
 import functools
+import inspect
 import logging
 
 import torch
@@ -280,10 +281,21 @@ def _scaled_mm_tma_kernel(
             )
 
 
+def _autotune_cache_kwargs() -> dict:
+    # Autotuning benchmarks every config at every new (M bucket, N, K) once per process: part of what SwitchBack
+    # adds to a first step. cache_results keeps the timings in Triton's on-disk cache (keyed by the kernel's
+    # source, the key values, the configs and the GPU), so a resumed or repeated run skips the benchmarking.
+    # Triton does not cache configs with a pre-hook (the TMA kernel's), and releases before the parameter
+    # existed tune in every process.
+    if "cache_results" in inspect.signature(triton.autotune).parameters:
+        return {"cache_results": True}
+    return {}
+
+
 # The autotuned launchers. The TMA one's pre-hook sets each config's block shapes on the descriptors.
-_autotuned_kernel = triton.autotune(configs=_configs(), key=["M_BUCKET", "N", "K", "stride_am", "stride_bn"])(
-    _scaled_mm_kernel
-)
+_autotuned_kernel = triton.autotune(
+    configs=_configs(), key=["M_BUCKET", "N", "K", "stride_am", "stride_bn"], **_autotune_cache_kwargs()
+)(_scaled_mm_kernel)
 _tma_autotuned_kernel = triton.autotune(configs=_tma_configs(), key=["M_BUCKET", "N", "K"])(
     _scaled_mm_tma_kernel
 )
