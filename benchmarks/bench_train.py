@@ -47,10 +47,14 @@ import gc
 import json
 import os
 import platform
+import sys
 import time
 from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from compile_split import first_step_split, phase_totals
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "examples" / "configs"
 # per-GPU batch: what fits an 80 GB H100 without gradient checkpointing, in OpenCLIP's usual range
@@ -263,10 +267,12 @@ def time_training(
     def step() -> torch.Tensor:
         return finish(forward())
 
+    compile_before = phase_totals()
     t0 = time.perf_counter()
     loss = step()
     synchronize(device)
     first_step_s = time.perf_counter() - t0
+    split = first_step_split(compile_before, phase_totals(), first_step_s)
     for _ in range(warmup):
         loss = step()
     synchronize(device)
@@ -283,6 +289,7 @@ def time_training(
         samples_per_s=batch * 1000 / ms,
         peak_mem_gib=torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None,
         first_step_s=first_step_s,
+        first_step_split=split,
         loss=loss.item(),
     )
     if args.profile:  # after the row's figures, so the profiled steps do not enter its peak memory

@@ -6,6 +6,7 @@ import math
 import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import helpers
@@ -606,3 +607,62 @@ def test_bench_memory_budget_context_in_a_fresh_process():
     env = {"PYTHONPATH": f"{ROOT / 'benchmarks'}:{ROOT / 'src'}", "PATH": "/usr/bin:/bin"}
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def test_compile_split_names_phases_this_torch_records():
+    # A real compile (aot_eager: no C++ toolchain needed) on the installed torch: if torch renames its timers,
+    # this fails instead of the split silently reading zeros.
+    split_mod = load_script("compile_split")
+    layer = torch.nn.Linear(8, 8)
+    compiled = torch.compile(layer, backend="aot_eager")
+    torch._dynamo.reset()
+    before = split_mod.phase_totals()
+    start = time.perf_counter()
+    compiled(torch.randn(4, 8)).sum().backward()
+    first_step_s = time.perf_counter() - start
+    split = split_mod.first_step_split(before, split_mod.phase_totals(), first_step_s)
+    torch._dynamo.reset()
+    assert split["compile_forward_s"] > 0 and split["compile_backward_s"] > 0
+    assert split["kernel_compile_wait_s"] == 0  # aot_eager compiles no kernels
+    compiled_s = split["compile_forward_s"] + split["compile_backward_s"]
+    assert compiled_s <= first_step_s + 1e-3
+    assert split["run_s"] == pytest.approx(first_step_s - compiled_s, abs=2e-3)
+    assert split_mod.first_step_split({}, {}, 1.0) == {}  # a torch without the metrics: no split, no crash
+
+
+@pytest.mark.slow
+def test_compile_warmup_runs_each_variant_cold_then_warm_in_its_own_caches(tmp_path):
+    out = tmp_path / "warmup.json"
+    flags = ["--tiny", "--models", "vit-b-16", "--variants", "bf16", "int8", "--steps", "1", "--warmup", "0"]
+    cache_root = tmp_path / "caches"
+    stdout = run_script(
+        ["benchmarks/compile_warmup.py", *flags, "--cache_root", str(cache_root), "--json", str(out)],
+        timeout=300,
+    )
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["variant"], r["pass"]) for r in rows] == [
+        ("bf16", "cold"),
+        ("bf16", "warm"),
+        ("int8", "cold"),
+        ("int8", "warm"),
+    ]
+    assert rows[0]["cache"] == rows[1]["cache"] != rows[2]["cache"] == rows[3]["cache"]
+    assert {Path(r["cache"]).parent for r in rows} == {cache_root}
+    for row in rows:
+        assert "error" not in row, row
+        split = row["first_step_split"]
+        # eager rows compile nothing: the whole first step is running it
+        assert split["compile_forward_s"] == 0 and split["run_s"] == pytest.approx(
+            row["first_step_s"], abs=2e-3
+        )
+    table = [line for line in stdout.splitlines() if line.startswith("vit-b-16")]
+    assert len(table) == 4 and all("x" in line for line in table)
+    assert "1.00x" in table[0]  # the baseline's own row
+
+
+def test_compile_warmup_refuses_full_size_models_on_the_cpu(monkeypatch, capsys):
+    warmup = load_script("compile_warmup")
+    monkeypatch.setattr(sys, "argv", ["compile_warmup.py", "--device", "cpu"])
+    with pytest.raises(SystemExit):
+        warmup.main()
+    assert "--tiny" in capsys.readouterr().err
