@@ -2,6 +2,7 @@
 ClipLoss (local_loss, gather_with_grad) through DDP, and rank 0 saves the global loss and every gradient."""
 
 import argparse
+import weakref
 
 import torch
 from accelerate import Accelerator
@@ -9,6 +10,7 @@ from train_helpers import fixed_batch, tiny_model
 
 from hf_switchback.training.losses import ClipLoss
 from hf_switchback.training.step import CLIPForContrastive, contrastive_backward
+from hf_switchback.training.teardown import end_training
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--out", required=True)
@@ -37,4 +39,8 @@ for switchback in (False, True):
         results[key] = {"loss": loss.item(), "grads": grads}
 if accelerator.is_main_process:
     torch.save(results, args.out)
-accelerator.wait_for_everyone()
+# the library's teardown, as train_clip.py ends: a DDP model that outlives the gloo process group can abort or
+# hang the exit ("terminate called without an active exception")
+model_ref = weakref.ref(model)
+del model, unwrapped
+end_training(accelerator, model_ref)

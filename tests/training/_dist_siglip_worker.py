@@ -9,6 +9,7 @@ results to <out>/rank<R>.pt for the test to compare with one process on the conc
 
 import argparse
 import os
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -19,6 +20,7 @@ from train_helpers import fixed_batch, tiny_model
 from hf_switchback.training import SigLipLoss
 from hf_switchback.training.siglip_loss import DIST_IMPLS
 from hf_switchback.training.step import CLIPForContrastive, contrastive_backward
+from hf_switchback.training.teardown import end_training
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--out", required=True)
@@ -65,4 +67,8 @@ for switchback in (False, True):
         results[("model", switchback, impl, accum_freq)] = {"loss": loss.item(), "grads": grads}
 
 torch.save(results, os.path.join(args.out, f"rank{rank}.pt"))
-accelerator.wait_for_everyone()
+# the library's teardown, as train_clip.py ends: a DDP model that outlives the gloo process group can abort or
+# hang the exit ("terminate called without an active exception")
+model_ref = weakref.ref(model)
+del model, unwrapped
+end_training(accelerator, model_ref)
