@@ -54,7 +54,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from compile_split import first_step_split, phase_totals
+from compile_split import cache_counts, first_step_caches, first_step_split, phase_totals
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "examples" / "configs"
 # per-GPU batch: what fits an 80 GB H100 without gradient checkpointing, in OpenCLIP's usual range
@@ -267,12 +267,13 @@ def time_training(
     def step() -> torch.Tensor:
         return finish(forward())
 
-    compile_before = phase_totals()
+    compile_before, caches_before = phase_totals(), cache_counts()
     t0 = time.perf_counter()
     loss = step()
     synchronize(device)
     first_step_s = time.perf_counter() - t0
     split = first_step_split(compile_before, phase_totals(), first_step_s)
+    caches = first_step_caches(caches_before, cache_counts())
     for _ in range(warmup):
         loss = step()
     synchronize(device)
@@ -290,6 +291,7 @@ def time_training(
         peak_mem_gib=torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None,
         first_step_s=first_step_s,
         first_step_split=split,
+        first_step_caches=caches,
         loss=loss.item(),
     )
     if args.profile:  # after the row's figures, so the profiled steps do not enter its peak memory

@@ -11,6 +11,10 @@ its wall time into
                            (Inductor's and user-defined ones benchmark their configs at the first launch) and
                            JIT-compiles kernels launched outside Inductor's code
 
+`cache_counts` does the same for torch.compile's on-disk caches (Inductor's FX graph cache, AOT autograd's
+cache): how many graphs of the first step were loaded (hit), compiled and stored (miss), or could not be cached
+at all (bypass), which tells a warm start that recompiles apart from one that runs slowly.
+
 The metric names are torch internals; `phase_totals` returns {} where they are missing, and
 tests/test_benchmarks.py checks them on the installed torch with a real compile.
 """
@@ -22,6 +26,16 @@ PHASES = (
     ("compile_forward_s", "_compile.compile_inner"),
     ("compile_backward_s", "backward._backward_impl"),
     ("kernel_compile_wait_s", "async_compile.wait"),
+)
+
+# (our name, torch._dynamo.utils.counters group, counter)
+CACHE_COUNTERS = tuple(
+    (f"{short}_{outcome}", group, f"{prefix}_{outcome}")
+    for short, group, prefix in (
+        ("fx_graph", "inductor", "fxgraph_cache"),
+        ("aot_autograd", "aot_autograd", "autograd_cache"),
+    )
+    for outcome in ("hit", "miss", "bypass")
 )
 
 
@@ -43,3 +57,19 @@ def first_step_split(
     split = {name: round(after[name] - before[name], 3) for name, _ in PHASES}
     split["run_s"] = round(first_step_s - split["compile_forward_s"] - split["compile_backward_s"], 3)
     return split
+
+
+def cache_counts() -> dict[str, int]:
+    """How many graphs so far hit, missed or bypassed each of torch.compile's caches ({} without counters)."""
+    try:
+        from torch._dynamo.utils import counters
+    except ImportError:
+        return {}
+    return {name: int(counters[group][key]) for name, group, key in CACHE_COUNTERS}
+
+
+def first_step_caches(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
+    """The first step's cache outcomes, from `cache_counts()` taken before and after it."""
+    if not before or not after:
+        return {}
+    return {name: after[name] - before[name] for name, _, _ in CACHE_COUNTERS}

@@ -10,7 +10,8 @@ Triton's caches (bench_train.py's "1st step s" of a later row is flattered by an
 
 Per row: the first step's wall time, its ratio to the --baseline variant of the same model and pass, and where it
 went (benchmarks/compile_split.py): compiling the forward and backward graphs (of which waiting for Inductor's
-parallel kernel compiles) and running the step, which on its first call also autotunes and JIT-compiles kernels.
+parallel kernel compiles) and running the step, which on its first call also autotunes and JIT-compiles kernels;
+and how many of its graphs Inductor's FX graph cache loaded, compiled, or could not cache (hit/miss/bypass).
 
     PYTHONPATH=src python benchmarks/compile_warmup.py --models vit-b-16 --variants bf16+compile int8+compile \\
         --json $OUT/warmup.json
@@ -85,7 +86,7 @@ def print_table(rows: list[dict], baseline: str) -> None:
     }
     header = (
         f"{'model':9} {'variant':28} {'pass':5} {'1st step s':>10} {f'x {baseline}':>18} {'compile fwd':>11} "
-        f"{'compile bwd':>11} {'kernel wait':>11} {'run s':>7} {'ms/step':>8}"
+        f"{'compile bwd':>11} {'kernel wait':>11} {'run s':>7} {'ms/step':>8} {'graphs hit/miss/bypass':>22}"
     )
     print(header)
     print("-" * len(header))
@@ -102,7 +103,17 @@ def print_table(rows: list[dict], baseline: str) -> None:
             for k in ("compile_forward_s", "compile_backward_s", "kernel_compile_wait_s")
         )
         run_s = f"{split['run_s']:7.1f}" if "run_s" in split else f"{'-':>7}"
-        print(f"{lead} {r['first_step_s']:10.1f} {ratio:>18} {phases} {run_s} {r['ms_per_step']:8.1f}")
+        print(
+            f"{lead} {r['first_step_s']:10.1f} {ratio:>18} {phases} {run_s} {r['ms_per_step']:8.1f} "
+            f"{graph_cache_outcomes(r.get('first_step_caches') or {}):>22}"
+        )
+
+
+def graph_cache_outcomes(caches: dict) -> str:
+    """Inductor's FX graph cache for the first step's graphs, as hit/miss/bypass ('-' without counters)."""
+    if not caches:
+        return "-"
+    return "/".join(str(caches[f"fx_graph_{outcome}"]) for outcome in ("hit", "miss", "bypass"))
 
 
 def main() -> None:

@@ -3,6 +3,7 @@
 import argparse
 import json
 import math
+import shutil
 import statistics
 import subprocess
 import sys
@@ -628,6 +629,26 @@ def test_compile_split_names_phases_this_torch_records():
     assert compiled_s <= first_step_s + 1e-3
     assert split["run_s"] == pytest.approx(first_step_s - compiled_s, abs=2e-3)
     assert split_mod.first_step_split({}, {}, 1.0) == {}  # a torch without the metrics: no split, no crash
+
+
+def test_compile_split_counts_graph_cache_outcomes_this_torch_records(tmp_path, monkeypatch):
+    # A real Inductor compile on the installed torch: the counters must move (a renamed one would read zero
+    # forever). Inductor builds CPU kernels with a C++ compiler.
+    if not (shutil.which("c++") or shutil.which("g++")):
+        pytest.skip("Inductor on the CPU needs a C++ compiler (c++ or g++ on PATH)")
+    split_mod = load_script("compile_split")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    torch._dynamo.reset()
+    before = split_mod.cache_counts()
+    compiled = torch.compile(torch.nn.Linear(8, 8), backend="inductor")
+    compiled(torch.randn(4, 8)).sum().backward()
+    caches = split_mod.first_step_caches(before, split_mod.cache_counts())
+    torch._dynamo.reset()
+    assert set(caches) == {name for name, _, _ in split_mod.CACHE_COUNTERS}
+    # a fresh cache folder: forward and backward graphs are compiled and stored, none loaded
+    assert caches["fx_graph_miss"] == 2 and caches["fx_graph_hit"] == 0
+    assert caches["aot_autograd_miss"] == 1 and caches["aot_autograd_hit"] == 0
+    assert split_mod.first_step_caches({}, {}) == {}
 
 
 @pytest.mark.slow
