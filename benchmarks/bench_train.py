@@ -53,6 +53,8 @@ from pathlib import Path
 
 import torch
 
+from hf_switchback.compile_cache import allow_compile_cache
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from compile_split import cache_counts, first_step_caches, first_step_split, phase_totals
 
@@ -194,6 +196,7 @@ def build_model(
         raise ValueError(f"unknown variant {variant!r}; choose from {CHOICES}")
     if not variant.endswith("+compile"):
         return model
+    allow_compile_cache()  # as train_clip.py --torch_compile: a warm start loads the traced layers
     options = {} if inductor_mode == "default" else dict(mode=inductor_mode)
     if compile_mode == "model":
         return torch.compile(model, **options)

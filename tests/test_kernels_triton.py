@@ -331,8 +331,10 @@ def test_scaled_matmul_tma_and_portable_kernels(
 
     use_tma = kernel == "tma"
     options = KernelOptions(use_tma=use_tma)
-    tuner = matmul._tma_autotuned_kernel if use_tma else matmul._autotuned_kernel
-    monkeypatch.setattr(tuner, "configs", [tuner.configs[config]])
+    # config indexes the full list; the launcher may use another autotuner (Hopper's measured subset)
+    source = matmul._tma_autotuned_kernel if use_tma else matmul._autotuned_kernel
+    tuner = matmul._tma_autotuned_kernel if use_tma else matmul.portable_tuner(0)
+    monkeypatch.setattr(tuner, "configs", [source.configs[config]])
     monkeypatch.setattr(tuner, "cache", {})
     m, n, k = shape
     a, b = _random_q((m, k), qdtype), _random_q((n, k), qdtype)
@@ -535,7 +537,7 @@ def test_fused_mlp_triton_matches_torch_backend(cfg, dtype, hidden_act, lead, mo
     from hf_switchback.mlp import is_fused_mlp
 
     # One tile config (the GEMM tests cover the others): autotuning every key here would take minutes.
-    for tuner in (matmul._tma_autotuned_kernel, matmul._autotuned_kernel):
+    for tuner in (matmul._tma_autotuned_kernel, matmul._autotuned_kernel, matmul._sm90_autotuned_kernel):
         monkeypatch.setattr(tuner, "configs", tuner.configs[:1])
         monkeypatch.setattr(tuner, "cache", {})
 
@@ -612,3 +614,24 @@ def test_interpreter_int8_kernels():
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "interpreter ok" in proc.stdout
+
+
+@pytest.mark.gpu
+def test_portable_gemm_tunes_hoppers_measured_configs_there_and_all_elsewhere(monkeypatch):
+    from hf_switchback.kernels import matmul
+
+    full = [str(c) for c in matmul._autotuned_kernel.configs]
+    tuner = matmul.portable_tuner(0)
+    if torch.cuda.get_device_capability(0) == (9, 0):
+        assert tuner is matmul._sm90_autotuned_kernel
+        assert len(tuner.configs) == 3 and {str(c) for c in tuner.configs} < set(full)
+    else:
+        assert tuner is matmul._autotuned_kernel
+    monkeypatch.setattr(tuner, "cache", {})
+    a, b = _random_q((2048, 256), torch.int8), _random_q((384, 256), torch.int8)
+    a_scale, b_scale = torch.rand(2048) * 0.01, torch.tensor(0.003)
+    out = matmul.scaled_matmul(a.cuda(), b.cuda(), a_scale.cuda(), b_scale.cuda(), None, torch.float32)
+    assert len(tuner.cache) == 1  # the launch went through this autotuner and kept its pick
+    # int32 accumulation is exact; the epilogue's two products round once each (up to an FMA contraction)
+    expect = ref.scaled_matmul(a, b, a_scale, b_scale, None, torch.float32)
+    torch.testing.assert_close(out.cpu(), expect, rtol=2**-21, atol=1e-30)

@@ -10,6 +10,7 @@ The kernels come from `kernels.backends.get_kernels`, so this file holds no arit
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 
 import torch
@@ -97,6 +98,15 @@ def _shared_input_slot(x: torch.Tensor, key: tuple) -> list | None:
     slot: list = []
     _SHARED_INPUT["entry"] = (weakref.ref(x, _drop_shared), x._version, key, slot)
     return slot
+
+
+def _autocast_off(device_type: str):
+    """Autocast off for the 8-bit path (its dtypes are chosen here), or no context where autocast is off
+    already: an empty autocast region still adds enter / exit calls to a compiled graph, and torch's AOT autograd
+    cache refuses graphs with those (torch 2.13; see compile_cache.py)."""
+    if torch.is_autocast_enabled(device_type):
+        return torch.autocast(device_type, enabled=False)
+    return contextlib.nullcontext()
 
 
 class _SwitchBackLinearFn(torch.autograd.Function):
@@ -355,14 +365,14 @@ def switchback_linear(
     device_type = x2d.device.type
     if exact:
         # Small batches: quantization overhead exceeds the 8-bit speed-up; the 16-bit matmul is exact.
-        with torch.autocast(device_type, enabled=False):
+        with _autocast_off(device_type):
             w = weight.to(x2d.dtype)
             out = F.linear(x2d, w, None if bias is None else bias.to(x2d.dtype))
         return out.reshape(*leading, weight.shape[0])
 
     fwd_qdtype, grad_qdtype = quantized_dtypes(config, x2d.device)
     shared = _shared_input_slot(x, (fwd_qdtype, config.backend, x2d.dtype, x2d.shape))
-    with torch.autocast(device_type, enabled=False):
+    with _autocast_off(device_type):
         out = _SwitchBackLinearFn.apply(
             x2d.contiguous(),
             weight,
@@ -405,14 +415,14 @@ def switchback_mlp(
     device_type, dtype = x2d.device.type, x2d.dtype
     n_out = fc2_weight.shape[0]
     if exact:
-        with torch.autocast(device_type, enabled=False):
+        with _autocast_off(device_type):
             h = F.linear(x2d, fc1_weight.to(dtype), None if fc1_bias is None else fc1_bias.to(dtype))
             b2 = None if fc2_bias is None else fc2_bias.to(dtype)
             out = F.linear(apply_activation(h, activation), fc2_weight.to(dtype), b2)
         return out.reshape(*leading, n_out)
 
     fwd_qdtype, grad_qdtype = quantized_dtypes(config, x2d.device)
-    with torch.autocast(device_type, enabled=False):
+    with _autocast_off(device_type):
         out = _SwitchBackMLPFn.apply(
             x2d.contiguous(),
             fc1_weight,

@@ -32,19 +32,27 @@ _AUTOTUNE_MIN_M = 1024
 logger = logging.getLogger(__name__)
 
 
-def _configs() -> list[triton.Config]:
+# (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) of the portable kernel's autotuning.
+_TILE_SHAPES = (
+    (128, 256, 128, 8, 3),
+    (128, 256, 128, 8, 4),
+    (256, 128, 128, 8, 3),
+    (256, 128, 128, 8, 4),
+    (128, 128, 128, 8, 4),
+    (128, 128, 128, 4, 4),
+    (128, 256, 64, 8, 4),
+    (64, 128, 128, 4, 4),
+)
+# On the H100 these three were the fastest at every per-call shape of ViT-B/16, L/14 and H/14 training steps
+# (64 shapes: forward and grad-input at 4,928-98,688 tokens, BENCHMARKS.md, GEMM kernels); the other five never
+# won. Every config compiles (~1 s of Triton each) and is benchmarked at each new shape, so tuning the three
+# instead of eight shortens a compiled run's first step (BENCHMARKS.md, Whole training step: compile warm-up).
+_SM90_TILE_SHAPES = ((128, 256, 128, 8, 3), (128, 256, 128, 8, 4), (64, 128, 128, 4, 4))
+
+
+def _configs(shapes=_TILE_SHAPES) -> list[triton.Config]:
     # 8-bit tiles: BLOCK_K=128 is one 128-byte row per operand line. Shared memory per stage is
     # (BM + BN) * BK bytes; configs that do not fit (e.g. 4 stages of 128x256 on sm80) are skipped by the tuner.
-    shapes = [
-        (128, 256, 128, 8, 3),
-        (128, 256, 128, 8, 4),
-        (256, 128, 128, 8, 3),
-        (256, 128, 128, 8, 4),
-        (128, 128, 128, 8, 4),
-        (128, 128, 128, 4, 4),
-        (128, 256, 64, 8, 4),
-        (64, 128, 128, 4, 4),
-    ]
     return [
         triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8}, num_warps=w, num_stages=s)
         for bm, bn, bk, w, s in shapes
@@ -292,9 +300,15 @@ def _autotune_cache_kwargs() -> dict:
     return {}
 
 
-# The autotuned launchers. The TMA one's pre-hook sets each config's block shapes on the descriptors.
-_autotuned_kernel = triton.autotune(
-    configs=_configs(), key=["M_BUCKET", "N", "K", "stride_am", "stride_bn"], **_autotune_cache_kwargs()
+# The autotuned launchers: the portable kernel over every config, or over Hopper's measured winners (one
+# autotuner each, as module globals: torch.compile hashes the kernels a triton_op can reach into its cache keys).
+# The TMA one's pre-hook sets each config's block shapes on the descriptors.
+_PORTABLE_KEY = ["M_BUCKET", "N", "K", "stride_am", "stride_bn"]
+_autotuned_kernel = triton.autotune(configs=_configs(), key=_PORTABLE_KEY, **_autotune_cache_kwargs())(
+    _scaled_mm_kernel
+)
+_sm90_autotuned_kernel = triton.autotune(
+    configs=_configs(_SM90_TILE_SHAPES), key=_PORTABLE_KEY, **_autotune_cache_kwargs()
 )(_scaled_mm_kernel)
 _tma_autotuned_kernel = triton.autotune(configs=_tma_configs(), key=["M_BUCKET", "N", "K"])(
     _scaled_mm_tma_kernel
@@ -312,6 +326,11 @@ def _num_sms(device_index: int) -> int:
 @functools.cache
 def _capability(device_index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(device_index)
+
+
+def portable_tuner(device_index: int):
+    """The portable kernel's autotuner for a CUDA device: Hopper's measured configs on sm90, all elsewhere."""
+    return _sm90_autotuned_kernel if _capability(device_index) == (9, 0) else _autotuned_kernel
 
 
 def _needs_fp8_upcast(device_index: int) -> bool:
@@ -461,7 +480,7 @@ def scaled_matmul(
         # One EVEN_K for every config: K a multiple of 128 is a multiple of each config's BLOCK_K (64 or 128).
         flags["EVEN_K"] = k % 128 == 0
         grid = lambda meta: (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)  # noqa: E731
-        wrap(_autotuned_kernel)[grid](*args, **flags)
+        wrap(portable_tuner(a_q.device.index or 0))[grid](*args, **flags)
     else:
         bm, bn, bk = 64, 64, 128
         grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)

@@ -10,6 +10,7 @@ from datetime import timedelta
 import torch
 from accelerate.utils import InitProcessGroupKwargs, TorchDynamoPlugin
 
+from ..compile_cache import allow_compile_cache
 from ..kernels.options import KernelOptions
 
 logger = logging.getLogger(__name__)
@@ -21,6 +22,9 @@ def dynamo_plugin(args) -> TorchDynamoPlugin | None:
     """accelerate's torch.compile settings (None without --torch_compile)."""
     if not args.torch_compile:
         return None
+    # A resumed or repeated run then loads the traced SwitchBack layers from torch.compile's disk cache instead
+    # of tracing them again (compile_cache.py says why that is sound for them).
+    allow_compile_cache()
     return TorchDynamoPlugin(backend="inductor", mode=args.compile_mode or "default")
 
 
