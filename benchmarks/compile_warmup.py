@@ -12,6 +12,9 @@ Per row: the first step's wall time, its ratio to the --baseline variant of the 
 went (benchmarks/compile_split.py): compiling the forward and backward graphs (of which waiting for Inductor's
 parallel kernel compiles) and running the step, which on its first call also autotunes and JIT-compiles kernels;
 and how many of its graphs Inductor's FX graph cache loaded, compiled, or could not cache (hit/miss/bypass).
+An untimed eager process runs first (--no_prime skips it) so that reading the libraries from disk on a fresh
+machine does not land on the first row; --repeats N measures every row N times on new caches (compile times of
+one process vary by seconds).
 
     PYTHONPATH=src python benchmarks/compile_warmup.py --models vit-b-16 --variants bf16+compile int8+compile \\
         --json $OUT/warmup.json
@@ -59,43 +62,52 @@ def run_row(model: str, variant: str, cache: Path, args: argparse.Namespace, ext
     return json.loads(out.read_text())["rows"][0]
 
 
+def prime(args: argparse.Namespace, extra: list[str], root: Path) -> None:
+    """One untimed eager process first: a machine's first process also pays for reading torch, CUDA and
+    transformers from disk, which would land on the first row measured (the baseline's, flattering the rest)."""
+    run_row(args.models[0], "bf16", root / "prime", args, extra)
+
+
 def measure(args: argparse.Namespace, extra: list[str]) -> list[dict]:
     root = Path(args.cache_root or tempfile.mkdtemp(prefix="compile_warmup_"))
+    if not args.no_prime:
+        prime(args, extra, root)
     rows = []
-    for model in args.models:
-        for variant in args.variants:
-            cache = root / f"{model}_{variant.replace('+', '_')}"
-            cache.mkdir(parents=True, exist_ok=True)
-            for cache_pass in PASSES:
-                row = dict(run_row(model, variant, cache, args, extra), model=model, variant=variant)
-                row.update({"pass": cache_pass, "cache": str(cache)})
-                rows.append(row)
-                print(json.dumps(row), flush=True)
-                if args.json:
-                    Path(args.json).write_text(
-                        json.dumps(dict(args=vars(args), extra=extra, rows=rows), indent=1)
-                    )
+    for repeat in range(args.repeats):
+        for model in args.models:
+            for variant in args.variants:
+                cache = root / f"{model}_{variant.replace('+', '_')}" / f"repeat{repeat}"
+                cache.mkdir(parents=True, exist_ok=True)
+                for cache_pass in PASSES:
+                    row = dict(run_row(model, variant, cache, args, extra), model=model, variant=variant)
+                    row.update({"pass": cache_pass, "repeat": repeat, "cache": str(cache)})
+                    rows.append(row)
+                    print(json.dumps(row), flush=True)
+                    if args.json:
+                        Path(args.json).write_text(
+                            json.dumps(dict(args=vars(args), extra=extra, rows=rows), indent=1)
+                        )
     return rows
 
 
 def print_table(rows: list[dict], baseline: str) -> None:
     base = {
-        (r["model"], r["pass"]): r["first_step_s"]
+        (r["model"], r["pass"], r["repeat"]): r["first_step_s"]
         for r in rows
         if r["variant"] == baseline and "first_step_s" in r
     }
     header = (
-        f"{'model':9} {'variant':28} {'pass':5} {'1st step s':>10} {f'x {baseline}':>18} {'compile fwd':>11} "
+        f"{'model':9} {'variant':28} {'pass':5} {'rep':>3} {'1st step s':>10} {f'x {baseline}':>18} {'compile fwd':>11} "
         f"{'compile bwd':>11} {'kernel wait':>11} {'run s':>7} {'ms/step':>8} {'graphs hit/miss/bypass':>22}"
     )
     print(header)
     print("-" * len(header))
     for r in rows:
-        lead = f"{r['model']:9} {r['variant']:28} {r['pass']:5}"
+        lead = f"{r['model']:9} {r['variant']:28} {r['pass']:5} {r['repeat']:>3}"
         if "first_step_s" not in r:
             print(f"{lead} {r.get('status', 'error')}: {r.get('error', '')}")
             continue
-        ref = base.get((r["model"], r["pass"]))
+        ref = base.get((r["model"], r["pass"], r["repeat"]))
         ratio = f"{r['first_step_s'] / ref:.2f}x" if ref else "-"
         split = r.get("first_step_split") or {}
         phases = " ".join(
@@ -132,6 +144,17 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps after the first")
     parser.add_argument(
         "--cache_root", default=None, help="where each row's cache folders go (default: a temp dir)"
+    )
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="run every (model, variant) this many times, each on new empty caches (ratios within a repeat)",
+    )
+    parser.add_argument(
+        "--no_prime",
+        action="store_true",
+        help="skip the untimed eager process that first reads the libraries from disk",
     )
     parser.add_argument("--timeout_s", type=float, default=900, help="per process")
     parser.add_argument("--json", default=None, help="also write the rows here (after every row)")

@@ -668,7 +668,7 @@ def test_compile_warmup_runs_each_variant_cold_then_warm_in_its_own_caches(tmp_p
         ("int8", "warm"),
     ]
     assert rows[0]["cache"] == rows[1]["cache"] != rows[2]["cache"] == rows[3]["cache"]
-    assert {Path(r["cache"]).parent for r in rows} == {cache_root}
+    assert {Path(r["cache"]).parent.parent for r in rows} == {cache_root}
     for row in rows:
         assert "error" not in row, row
         split = row["first_step_split"]
@@ -679,6 +679,22 @@ def test_compile_warmup_runs_each_variant_cold_then_warm_in_its_own_caches(tmp_p
     table = [line for line in stdout.splitlines() if line.startswith("vit-b-16")]
     assert len(table) == 4 and all("x" in line for line in table)
     assert "1.00x" in table[0]  # the baseline's own row
+    assert (cache_root / "prime").is_dir()  # the untimed first process ran, on caches of its own
+
+
+@pytest.mark.slow
+def test_compile_warmup_repeats_each_row_on_new_caches(tmp_path):
+    out = tmp_path / "warmup.json"
+    flags = ["--tiny", "--variants", "bf16", "--steps", "1", "--warmup", "0", "--repeats", "2", "--no_prime"]
+    cache_root = tmp_path / "caches"
+    run_script(
+        ["benchmarks/compile_warmup.py", *flags, "--cache_root", str(cache_root), "--json", str(out)],
+        timeout=300,
+    )
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["repeat"], r["pass"]) for r in rows] == [(0, "cold"), (0, "warm"), (1, "cold"), (1, "warm")]
+    assert rows[0]["cache"] == rows[1]["cache"] != rows[2]["cache"] == rows[3]["cache"]
+    assert not (cache_root / "prime").exists()
 
 
 def test_compile_warmup_refuses_full_size_models_on_the_cpu(monkeypatch, capsys):
