@@ -44,7 +44,7 @@ _TILE_SHAPES = (
     (64, 128, 128, 4, 4),
 )
 # On the H100 these three were the fastest at every per-call shape of ViT-B/16, L/14 and H/14 training steps
-# (64 shapes: forward and grad-input at 4,928-98,688 tokens, BENCHMARKS.md, GEMM kernels); the other five never
+# (60 shapes: forward and grad-input at 4,928-98,688 tokens, BENCHMARKS.md, GEMM kernels); the other five never
 # won. Every config compiles (~1 s of Triton each) and is benchmarked at each new shape, so tuning the three
 # instead of eight shortens a compiled run's first step (BENCHMARKS.md, Whole training step: compile warm-up).
 _SM90_TILE_SHAPES = ((128, 256, 128, 8, 3), (128, 256, 128, 8, 4), (64, 128, 128, 4, 4))
