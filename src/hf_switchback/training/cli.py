@@ -289,7 +289,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--patch_dropout", type=float, default=0.0, help="Fraction of image patches dropped in training."
     )
-    g.add_argument("--torch_compile", action="store_true", help="torch.compile the model (inductor).")
+    g.add_argument(
+        "--torch_compile",
+        action="store_true",
+        help="torch.compile the model (inductor). Compiled graphs, SwitchBack layers included, are kept in "
+        "torch's on-disk cache (TORCHINDUCTOR_CACHE_DIR), so a resumed run compiles faster.",
+    )
     g.add_argument(
         "--compile_mode",
         choices=COMPILE_MODES,
