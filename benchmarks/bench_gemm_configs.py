@@ -55,8 +55,8 @@ def covering_subsets(rows: list[dict], max_size: int = 4) -> list[dict]:
     n_configs = len(rows[0]["ms"])
     best = []
     for size in range(1, min(max_size, n_configs) + 1):
-        subset = min(itertools.combinations(range(n_configs), size), key=lambda s: worst_ratio(rows, s))
-        best.append(dict(size=size, configs=list(subset), worst_ratio=round(worst_ratio(rows, subset), 4)))
+        ratio, subset = min((worst_ratio(rows, s), s) for s in itertools.combinations(range(n_configs), size))
+        best.append(dict(size=size, configs=list(subset), worst_ratio=round(ratio, 4)))
     return best
 
 
