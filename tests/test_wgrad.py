@@ -6,7 +6,8 @@ the scale) the absolute error is at most half that step. The reference's element
 (`format_bound`). On Gaussian data the whole-tensor relative error is ~0.058 (SNR ~24.7 dB): the per-element
 rounding noise of G, which the sum over tokens does not average away relative to a dot product of random
 signs. Layer dW SNR measured on CPU over 3 seeds, 4 shapes, fp32/bf16/fp16, with and without
-memory_efficient: 24.4-31.1 dB; asserted >= 22 dB. Forward, grad-input and bias gradient must be bit-identical
+memory_efficient: 24.4-31.1 dB; asserted >= 22 dB. Why e5m2 for G: a feature whose gradient spans more than e4m3's 2^17.8 below
+its absmax keeps its small entries in e5m2 and loses them in e4m3 (one constructed case). Forward, grad-input and bias gradient must be bit-identical
 to the 16-bit wgrad config (the option touches the grad-weight GEMM only).
 """
 
@@ -53,6 +54,24 @@ def test_reference_is_within_the_format_bound_of_float64(m, n, k):
     # not the 16-bit GEMM in disguise, and not worse than e5m2 rounding noise on random-sign sums
     rel = ((got - exact).norm() / exact.norm()).item()
     assert 0.01 < rel < 0.09, rel
+
+
+def test_e5m2_keeps_the_small_gradients_that_e4m3_flushes_under_one_scale_per_feature(monkeypatch):
+    # One feature's gradient over 4096 tokens: 4 tokens at 1, the rest 2^-20 (below e4m3's range under the
+    # absmax scale, 448 / 2^-9 = 2^17.8; inside e5m2's, 2^31.8), all pointing one way in x: the many small
+    # gradients carry ~1000x more of dW than the few large ones.
+    m = 4096
+    grad_out = torch.full((m, 1), 2.0**-20)
+    grad_out[:4] = 1.0
+    x = torch.ones(m, 16)
+    x[:4] = 1e-6
+    exact = grad_out.double().t() @ x.double()
+    errors = {}
+    for name, dtype in (("e5m2", torch.float8_e5m2), ("e4m3", torch.float8_e4m3fn)):
+        monkeypatch.setattr(wgrad, "G_DTYPE", dtype)
+        got = wgrad.reference_weight_grad(grad_out, x, torch.float32).double()
+        errors[name] = ((got - exact).norm() / exact.norm()).item()
+    assert errors["e5m2"] < E5M2_REL and errors["e4m3"] > 0.99, errors
 
 
 def test_zero_gradient_columns_and_zero_inputs_give_zeros_not_nan():

@@ -9,8 +9,8 @@ fp8 numerics (`reference_weight_grad` states them, `cublas_weight_grad` runs the
   cuBLAS's row-wise scaled fp8 GEMM: dW = (Gᵀ_q @ X_q) * g_scale[:, None] * x_scale[None, :].
 - X in e4m3 (as in forward). G in e5m2: one scale per feature now spans every token of the batch, and
   gradients over tokens spread far wider than activations (a few tokens carry most of a feature's gradient);
-  e5m2 keeps 2^15 more range below the absmax than e4m3 before flushing to zero, for one mantissa bit less
-  (relative rounding 2^-3 instead of 2^-4). This is Transformer Engine's "hybrid" recipe (e4m3 forward, e5m2
+  e5m2 reaches 2^31.8 below the absmax before flushing to zero, e4m3 only 2^17.8 (448 / 2^-9), for one
+  mantissa bit less (relative rounding 2^-3 instead of 2^-4; tests/test_wgrad.py shows a case of each). This is Transformer Engine's "hybrid" recipe (e4m3 forward, e5m2
   gradients); DeepSeek-V3 keeps e4m3 for gradients but with 1x128 tiles, whose scales follow the local range.
 - float32 accumulation (cuBLAS with use_fast_accum=False), result cast to the weight's dtype. cuBLAS's row-wise
   scaled GEMM writes bfloat16 only, so on the GPU the float32 sum is rounded to bfloat16 once (2^-9 relative,
