@@ -28,6 +28,8 @@ Variants:
                          inputs, each MLP fused). int8-memeff / fp8-memeff: the switch alone (-unfused: separate
                          MLP layers); benchmarks/bench_memory.py measures what it buys.
   int8-mlp / fp8-mlp     only the MLP linears (fc1, fc2) 8-bit; attention projections stay bf16.
+  fp8-wgrad8             wgrad_precision="fp8": the weight-gradient GEMM in fp8 too (cuBLAS), all three GEMMs of
+                         each linear 8-bit; fp8-memeff-wgrad8 with the memory switch.
   int8-attn              only the attention projections (q/k/v/out_proj) 8-bit: with int8-mlp, shows which
                          linears pay for their quantize passes.
   torchao-float8-<recipe> torchao's float8 training on the same linears (encoder layers; projections stay bf16).
@@ -94,6 +96,9 @@ SWITCHBACK_VARIANTS = {
     "int8-attn": dict(target_modules=("q_proj", "k_proj", "v_proj", "out_proj")),
     "fp8": dict(precision="fp8"),
     "fp8-mlp": dict(precision="fp8", target_modules=("fc1", "fc2")),
+    # wgrad_precision="fp8": all three GEMMs of each linear in fp8 (opt-in beyond the paper)
+    "fp8-wgrad8": dict(precision="fp8", wgrad_precision="fp8"),
+    "fp8-memeff-wgrad8": dict(precision="fp8", memory_efficient=True, wgrad_precision="fp8"),
     # the memory switch as users get it: 8-bit saved inputs, each MLP fused (fuse_mlp follows memory_efficient);
     # -fused names it explicitly (the same config), -unfused keeps separate MLP layers (the A/B)
     "int8-memeff": dict(memory_efficient=True),

@@ -17,7 +17,8 @@ verdict against +-0.5 pp. For `scratch` it also dates when each run's smoothed l
 of its way down, to show whether runs split into early and late escapes (the default task's lottery).
 
 Variants: bf16 (no SwitchBack), int8 (the library default: on Hopper/Ada fp8 output gradients), fp8,
-int8-int8grad (the paper's all-int8), int8-memeff (the memory switch: memory_efficient=True), and sim-<q>: all-int8 SwitchBack simulated in torch
+int8-int8grad (the paper's all-int8), int8-memeff (the memory switch: memory_efficient=True), fp8-wgrad8 (fp8
+with wgrad_precision="fp8": the weight gradient in fp8 too), and sim-<q>: all-int8 SwitchBack simulated in torch
 (`training.sim_switchback`) with output-gradient quantizer q (row, block128, row-sr, row-outlier8, ...).
 
     # one H100: pretrain once, then 4 variants x 5 seeds fine-tuned, one process per seed (its 4 variants one
@@ -96,6 +97,8 @@ SWITCHBACK_FIELDS = {
     "int8-int8grad": dict(grad_precision="int8"),
     # the memory switch: 8-bit saved inputs, fused MLPs (dW from the dequantized input)
     "int8-memeff": dict(memory_efficient=True),
+    # opt-in beyond the paper: the weight-gradient GEMM in fp8 too (all three GEMMs of each linear 8-bit)
+    "fp8-wgrad8": dict(precision="fp8", wgrad_precision="fp8"),
 }
 
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from .kernels.options import KernelOptions
+from .kernels.wgrad import WGRAD_PRECISIONS
 
 WEIGHT_SCALINGS = ("tensor", "row")
 PRECISIONS = ("int8", "fp8")
@@ -151,6 +152,14 @@ class SwitchBackConfig:
     # whose single runs swing by ~30 pp, all-int8 fell 15-32 pp behind bf16 in both of its runs.
     # "int8" forces the paper's all-int8 SwitchBack.
     grad_precision: str = "auto"
+    # Format of the weight-gradient GEMM dW = Gᵀ X, whose reduction runs over all batch x tokens. "16bit": the
+    # paper's choice (SwitchBack "switches back" here). "fp8", opt-in beyond the paper: e5m2 output gradient
+    # and e4m3 input, one scale per feature over all tokens, float32 accumulation, dW in the weight's dtype,
+    # bias gradient still exact (kernels/wgrad.py); with memory_efficient the saved 8-bit input is dequantized
+    # and re-quantized per feature. Needs fp8 tensor cores on CUDA (sm89+; other GPUs get an error at the
+    # first forward); the CPU runs the torch reference. Accuracy against bf16 is not yet established
+    # (README, Configuration), so it stays off by default.
+    wgrad_precision: str = "16bit"
     # Which linears to swap. str: regex full match on the dotted module name, refused when it could backtrack
     # exponentially (nested repeats, see _backtracking_risk). list: exact names or dotted suffixes (PEFT
     # semantics). None: the CLIP / SigLIP encoder defaults above.
@@ -190,6 +199,7 @@ class SwitchBackConfig:
         _check_choice("backend", self.backend, BACKENDS)
         _check_choice("fp8_grad_format", self.fp8_grad_format, FP8_GRAD_FORMATS)
         _check_choice("grad_precision", self.grad_precision, GRAD_PRECISIONS)
+        _check_choice("wgrad_precision", self.wgrad_precision, WGRAD_PRECISIONS)
         if self.precision == "fp8" and self.grad_precision == "int8":
             raise ValueError(
                 "SwitchBackConfig(precision='fp8', grad_precision='int8') is not supported: int8 gradients lose "
@@ -230,6 +240,8 @@ class SwitchBackConfig:
         name = f"{self.precision}/{self.weight_scaling}"
         if self.grad_precision != "auto":  # explicit: int8 and "auto" differ on fp8-capable GPUs
             name += f"/{self.grad_precision}-grad"
+        if self.wgrad_precision != "16bit":
+            name += f"/{self.wgrad_precision}-wgrad"
         return name + ("/mem-efficient" if self.memory_efficient else "")
 
     def replace(self, **changes: Any) -> SwitchBackConfig:

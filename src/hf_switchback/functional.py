@@ -4,6 +4,7 @@
     grad-input  dX = G W        G row-wise, Wᵀ quantized like W in forward; 8-bit GEMM
     grad-weight dW = Gᵀ X       16-bit: its inner dimension is batch x tokens, where 8-bit noise would grow
                                 with the sum (the paper's reason to "switch back")
+                                config.wgrad_precision="fp8" runs it in fp8 instead, opt-in (kernels/wgrad.py)
 
 The kernels come from `kernels.backends.get_kernels`, so this file holds no arithmetic of its own.
 """
@@ -21,6 +22,7 @@ from .kernels import crossover
 from .kernels.backends import KernelSet, get_kernels
 from .kernels.options import KernelOptions
 from .kernels.reference import ACTIVATIONS, apply_activation
+from .kernels.wgrad import check_device, weight_grad
 
 FP8_FORMATS = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
@@ -111,7 +113,8 @@ def _autocast_off(device_type: str):
 
 class _SwitchBackLinearFn(torch.autograd.Function):
     """2-D core. x (M, K) and out (M, N) share a float dtype; weight (N, K) and bias (N,) any float dtype.
-    `shared`: None, or a slot of _shared_input_slot holding (or to hold) x's 8-bit form."""
+    `shared`: None, or a slot of _shared_input_slot holding (or to hold) x's 8-bit form.
+    `wgrad`: config.wgrad_precision, the format of the grad-weight GEMM (kernels/wgrad.py)."""
 
     @staticmethod
     def forward(
@@ -126,6 +129,7 @@ class _SwitchBackLinearFn(torch.autograd.Function):
         backend,
         options,
         shared=None,
+        wgrad="16bit",
     ):
         kernels = get_kernels(backend, x.device, options)
         if shared:
@@ -151,6 +155,7 @@ class _SwitchBackLinearFn(torch.autograd.Function):
             x.dtype,
             None if bias is None else bias.dtype,
         )
+        ctx.wgrad = wgrad
         return out
 
     @staticmethod
@@ -182,14 +187,14 @@ class _SwitchBackLinearFn(torch.autograd.Function):
         if ctx.needs_input_grad[1]:
             if memory_efficient:
                 x = kernels.dequantize_rowwise(x_q, x_scale, x_dtype, options=options)
-            grad_w = (grad_out.t() @ x.to(grad_out.dtype)).to(weight.dtype)
+            grad_w = weight_grad(grad_out, x, weight.dtype, ctx.wgrad)
 
         if needs_grad_b:
             if g_colsum is None:
                 g_colsum = grad_out.sum(dim=0, dtype=torch.float32)
             grad_b = g_colsum.to(bias_dtype)
 
-        return grad_x, grad_w, grad_b, None, None, None, None, None, None, None
+        return grad_x, grad_w, grad_b, None, None, None, None, None, None, None, None
 
 
 class _SwitchBackMLPFn(torch.autograd.Function):
@@ -207,7 +212,7 @@ class _SwitchBackMLPFn(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx, x, w1, b1, w2, b2, activation, weight_scaling, memory_efficient, fq, gq, backend, options
+        ctx, x, w1, b1, w2, b2, activation, weight_scaling, memory_efficient, fq, gq, backend, options, wgrad
     ):
         kernels = get_kernels(backend, x.device, options)
         x_q, x_scale = kernels.quantize_rowwise(x, fq, options=options)
@@ -233,6 +238,7 @@ class _SwitchBackMLPFn(torch.autograd.Function):
             None if b1 is None else b1.dtype,
             None if b2 is None else b2.dtype,
         )
+        ctx.wgrad = wgrad
         return out
 
     @staticmethod
@@ -276,7 +282,7 @@ class _SwitchBackMLPFn(torch.autograd.Function):
         if need_b2 and grad_b2 is None:
             grad_b2 = g.sum(dim=0, dtype=torch.float32).to(b2_dtype)
         if need_w2:
-            grad_w2 = (g.t() @ a.to(g.dtype)).to(w2.dtype)
+            grad_w2 = weight_grad(g, a, w2.dtype, ctx.wgrad)
         del a
 
         if need_x:
@@ -285,10 +291,10 @@ class _SwitchBackMLPFn(torch.autograd.Function):
         if need_w1:
             if memory_efficient:
                 x = kernels.dequantize_rowwise(x_q, x_scale, x_dtype, options=options)
-            grad_w1 = (grad_h.t() @ x.to(grad_h.dtype)).to(w1.dtype)
+            grad_w1 = weight_grad(grad_h, x, w1.dtype, ctx.wgrad)
         if need_b1:
             grad_b1 = gh_colsum.to(b1_dtype)
-        return grad_x, grad_w1, grad_b1, grad_w2, grad_b2, None, None, None, None, None, None, None
+        return grad_x, grad_w1, grad_b1, grad_w2, grad_b2, None, None, None, None, None, None, None, None
 
 
 def check_input(x: torch.Tensor, weight: torch.Tensor) -> None:
@@ -341,6 +347,7 @@ def _flatten_input(
     if not isinstance(config, SwitchBackConfig):
         raise TypeError(f"{name}: config must be a SwitchBackConfig, got {type(config).__name__}")
     check_input(x, weight)
+    check_device(config.wgrad_precision, x.device)
     device_type = x.device.type
     if torch.is_autocast_enabled(device_type):
         x = x.to(torch.get_autocast_dtype(device_type))
@@ -384,6 +391,7 @@ def switchback_linear(
             config.backend,
             config.kernel_options,
             shared,
+            config.wgrad_precision,
         )
     return out.reshape(*leading, weight.shape[0])
 
@@ -436,6 +444,7 @@ def switchback_mlp(
             grad_qdtype,
             config.backend,
             config.kernel_options,
+            config.wgrad_precision,
         )
     return out.reshape(*leading, n_out)
 

@@ -14,7 +14,14 @@ import math
 import os
 import warnings
 
-from ..config import BACKENDS, GRAD_PRECISIONS, PRECISIONS, WEIGHT_SCALINGS, SwitchBackConfig
+from ..config import (
+    BACKENDS,
+    GRAD_PRECISIONS,
+    PRECISIONS,
+    WEIGHT_SCALINGS,
+    WGRAD_PRECISIONS,
+    SwitchBackConfig,
+)
 from . import synthetic
 from .checkpoints import check_checkpoint, check_output_dir
 from .data import CAPTION_COLUMNS, DEFAULT_MAX_IMAGE_PIXELS, IMAGE_COLUMNS
@@ -35,6 +42,7 @@ UNSET_DEFAULTS = {
     "memory_efficient": _LIBRARY.memory_efficient,
     "precision": _LIBRARY.precision,
     "grad_precision": _LIBRARY.grad_precision,
+    "wgrad_precision": _LIBRARY.wgrad_precision,
     "fuse_mlp": "on with --memory_efficient, else off",
     "target_modules": " ".join(_LIBRARY.target_modules),
     "exclude_modules": " ".join(_LIBRARY.exclude_modules),
@@ -132,6 +140,12 @@ def build_parser() -> argparse.ArgumentParser:
         choices=GRAD_PRECISIONS,
         help="Format of the grad-input GEMM. auto: fp8 on GPUs with fp8 tensor cores (sm89+), int8 "
         "elsewhere; fp8 gradients kept bf16 accuracy where int8 ones did not (BENCHMARKS.md, Accuracy).",
+    )
+    g.add_argument(
+        "--wgrad_precision",
+        choices=WGRAD_PRECISIONS,
+        help="Format of the grad-weight GEMM. 16bit: the paper's. fp8 (opt-in, sm89+ GPUs; CPU runs the "
+        "reference): all three GEMMs of each linear in 8 bits; accuracy against bf16 not yet established.",
     )
     g.add_argument(
         "--fuse_mlp",

@@ -31,6 +31,7 @@ SWITCHBACK_FLAGS = (
     "memory_efficient",
     "precision",
     "grad_precision",
+    "wgrad_precision",
     "fuse_mlp",
     "target_modules",
     "exclude_modules",

@@ -1,0 +1,109 @@
+"""The weight-gradient GEMM dW = Gᵀ X, in 16 bits (SwitchBack) or, opt-in, in fp8.
+
+    G (M, N) the output gradient, X (M, K) the layer input, dW (N, K); M = batch x tokens is the reduction.
+
+fp8 numerics (`reference_weight_grad` states them, `cublas_weight_grad` runs them on cuBLAS):
+- Scales run along the reduction: one per row of Gᵀ (per output feature, absmax over all tokens) and one per
+  column of X (per input feature, over all tokens). Per-token scales, as forward uses, would differ along
+  the reduction and could not be pulled out of the sum; per-feature ones factor out of it, so the GEMM is
+  cuBLAS's row-wise scaled fp8 GEMM: dW = (Gᵀ_q @ X_q) * g_scale[:, None] * x_scale[None, :].
+- X in e4m3 (as in forward). G in e5m2: one scale per feature now spans every token of the batch, and
+  gradients over tokens spread far wider than activations (a few tokens carry most of a feature's gradient);
+  e5m2 reaches 2^31.8 below the absmax before flushing to zero, e4m3 only 2^17.8 (448 / 2^-9), for one
+  mantissa bit less (relative rounding 2^-3 instead of 2^-4; tests/test_wgrad.py shows a case of each). This is Transformer Engine's "hybrid" recipe (e4m3 forward, e5m2
+  gradients); DeepSeek-V3 keeps e4m3 for gradients but with 1x128 tiles, whose scales follow the local range.
+- float32 accumulation (cuBLAS with use_fast_accum=False), result cast to the weight's dtype. cuBLAS's row-wise
+  scaled GEMM writes bfloat16 only, so on the GPU the float32 sum is rounded to bfloat16 once (2^-9 relative,
+  far below the fp8 operands' rounding) before the cast to a float32 weight's dtype.
+- The bias gradient is not here: the caller keeps the exact column sum of G.
+
+Where: CUDA GPUs with fp8 tensor cores (compute capability 8.9+) run cuBLAS when the shapes fit its alignment
+(K a multiple of 16; tokens are zero-padded to a multiple of 16, which adds nothing to the sum); CPU and
+unaligned shapes run the reference. GPUs without fp8 are refused (`check_device`): the reference there would
+be slower than the 16-bit GEMM it replaces.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from . import cublas
+from .reference import quantize_rowwise
+
+WGRAD_PRECISIONS = ("16bit", "fp8")
+X_DTYPE = torch.float8_e4m3fn
+G_DTYPE = torch.float8_e5m2
+
+
+def _quantize_over_tokens(t: torch.Tensor, qdtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(M, C) -> (q (C, M) contiguous, scale (C,) float32): one absmax scale per column, over the M tokens."""
+    q, scale = quantize_rowwise(t.t(), qdtype)
+    return q.contiguous(), scale
+
+
+def reference_weight_grad(grad_out: torch.Tensor, x: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """fp8 dW = Gᵀ X in plain torch: grad_out (M, N), x (M, K) float -> (N, K) out_dtype (module docstring)."""
+    g_q, g_scale = _quantize_over_tokens(grad_out, G_DTYPE)
+    x_q, x_scale = _quantize_over_tokens(x, X_DTYPE)
+    # Products of e5m2 and e4m3 values are exact in float32; the sum is float32 like cuBLAS's.
+    acc = g_q.float() @ x_q.float().t()
+    return (acc * g_scale[:, None] * x_scale[None, :]).to(out_dtype)
+
+
+def cublas_weight_grad(grad_out: torch.Tensor, x: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """reference_weight_grad on torch._scaled_mm (CUDA sm89+, or CPU for the tests). x's K a multiple of 16."""
+    pad = -grad_out.shape[0] % cublas.ALIGN
+    if pad:  # zero tokens: no effect on the absmax scales or on the sum
+        grad_out, x = F.pad(grad_out, (0, 0, 0, pad)), F.pad(x, (0, 0, 0, pad))
+    g_q, g_scale = _quantize_over_tokens(grad_out, G_DTYPE)  # A = Gᵀ (N, M) row-major
+    x_q, x_scale = _quantize_over_tokens(x, X_DTYPE)  # (K, M) row-major: B = its .t(), column-major
+    out = torch._scaled_mm(
+        g_q,
+        x_q.t(),
+        scale_a=g_scale.reshape(-1, 1),
+        scale_b=x_scale.reshape(1, -1),
+        out_dtype=torch.bfloat16,
+        use_fast_accum=False,
+    )
+    return out.to(out_dtype)
+
+
+def check_device(precision: str, device: torch.device) -> None:
+    """Refuse wgrad_precision="fp8" on a CUDA GPU without fp8 tensor cores (compute capability < 8.9)."""
+    if precision != "fp8" or device.type != "cuda":
+        return
+    # get_device_properties, not get_device_capability: torch.compile constant-folds the former.
+    props = torch.cuda.get_device_properties(device.index if device.index is not None else 0)
+    if (props.major, props.minor) < (8, 9):
+        raise RuntimeError(
+            f"SwitchBackConfig.wgrad_precision='fp8' needs a GPU with fp8 tensor cores (compute capability 8.9+: "
+            f"Ada, Hopper, Blackwell); {props.name} is {props.major}.{props.minor}. Use wgrad_precision='16bit'."
+        )
+
+
+def weight_grad(
+    grad_out: torch.Tensor, x: torch.Tensor, out_dtype: torch.dtype, precision: str = "16bit"
+) -> torch.Tensor:
+    """dW = grad_out.T @ x: grad_out (M, N), x (M, K) float -> (N, K) out_dtype, in `precision` (WGRAD_PRECISIONS).
+
+    "16bit": the paper's GEMM in grad_out's dtype. "fp8": see the module docstring.
+    """
+    if precision == "16bit":
+        return (grad_out.t() @ x.to(grad_out.dtype)).to(out_dtype)
+    if precision != "fp8":
+        raise ValueError(f"weight_grad: precision must be one of {WGRAD_PRECISIONS}, got {precision!r}")
+    if grad_out.device.type == "cuda" and x.shape[1] % cublas.ALIGN == 0 and grad_out.shape[0] > 0:
+        return cublas_weight_grad(grad_out, x, out_dtype)
+    return reference_weight_grad(grad_out, x, out_dtype)
+
+
+__all__ = [
+    "G_DTYPE",
+    "WGRAD_PRECISIONS",
+    "X_DTYPE",
+    "check_device",
+    "cublas_weight_grad",
+    "reference_weight_grad",
+    "weight_grad",
+]
