@@ -72,9 +72,9 @@ def parse_args(parser: ArgumentParser, argv: list[str] | None = None) -> argpars
 def check_args(parser: ArgumentParser, args) -> None:
     """Reject bad flags, combinations and named files before anything is loaded or created."""
     _check_types(parser, args)
+    _check_loading_script(parser, args)
     _check_combinations(parser, args)
     _check_ranges(parser, args)
-    _check_run_clip(parser, args)
     _check_data_files(parser, args)
     _check_tokenizer(parser, args)
     if args.backend == "triton":
@@ -90,7 +90,8 @@ def check_args(parser: ArgumentParser, args) -> None:
     except ValueError as err:
         parser.error(str(err))
     check_hub_token(parser, args)
-    _check_targets(parser, args)  # last: it builds the model's skeleton
+    _check_targets(parser, args)  # last of the checks: it builds the model's skeleton
+    _note_no_ops(parser, args)
 
 
 def _check_types(parser, args) -> None:
@@ -190,21 +191,25 @@ def _check_ranges(parser, args) -> None:
         )
 
 
-def _check_run_clip(parser, args) -> None:
-    """run_clip.py's flags: the ones with no effect here are noted once; its data set script is refused."""
+def _check_loading_script(parser, args) -> None:
+    """run_clip.py's COCO example: a datasets loading script that reads the images from --data_dir."""
     if args.dataset_name and (args.dataset_name.endswith(".py") or args.train_data_dir):
-        # run_clip's COCO example: a loading script that reads the images from --data_dir
         parser.error(
             f"--dataset_name {args.dataset_name} with --data_dir is a datasets loading script (run_clip.py's "
             "COCO example), which this script does not run: write the image paths and captions to a CSV and "
             "pass --train_file captions.csv --image_column <path column> --caption_column <caption column>"
         )
+
+
+def _note_no_ops(parser, args) -> None:
+    """run_clip.py's flags that change nothing here: one info line each (main process only)."""
+    if int(os.environ.get("RANK", "0")) != 0:
+        return
     defaults = vars(parser.parse_args([]))
-    if int(os.environ.get("RANK", "0")) == 0:
-        for name in NO_OP_FLAGS:
-            if getattr(args, name) != defaults[name]:
-                action = next(a for a in parser._actions if a.dest == name)
-                parser.info(f"--{name} has no effect here ({action.help})")
+    for name in NO_OP_FLAGS:
+        if getattr(args, name) != defaults[name]:
+            action = next(a for a in parser._actions if a.dest == name)
+            parser.info(f"--{name} has no effect here ({action.help})")
 
 
 def _check_data_files(parser, args) -> None:
