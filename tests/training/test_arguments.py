@@ -3,7 +3,6 @@ command, and the one validation pass: every bad input is one `train_clip.py: err
 output dir."""
 
 import json
-import os
 import subprocess
 import sys
 
@@ -74,7 +73,10 @@ NUMERIC = [
     (["--synthetic_train_samples", "10", "--batch_size", "16"], "--batch_size 16 is larger than the 10"),
     (["--max_train_samples", "8", "--batch_size", "16"], "--batch_size 16 is larger than the 8"),
     (["--target_modules", "nothing_like_this"], "no nn.Linear matched target_modules=('nothing_like_this',)"),
-    (["--exclude_modules", "q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2"], "--target_modules / --exclude_modules"),
+    (
+        ["--exclude_modules", "q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2"],
+        "--target_modules / --exclude_modules",
+    ),
 ]
 
 
@@ -94,7 +96,9 @@ def test_files_columns_and_sizes_are_checked_from_the_header(tmp_path, capsys):
     err = fails(["--train_file", str(tmp_path / "missing.csv"), *tok], tmp_path, capsys)
     assert "--train_file" in err and "is not a file" in err
     csv = write_csv(tmp_path / "train.csv", header="path,text")
-    err = fails(["--train_file", csv, "--image_column", "path", "--caption_column", "caption", *tok], tmp_path, capsys)
+    err = fails(
+        ["--train_file", csv, "--image_column", "path", "--caption_column", "caption", *tok], tmp_path, capsys
+    )
     assert "has no column 'caption' (its columns: path, text): pass --caption_column" in err
     err = fails(["--train_file", csv, *tok], tmp_path, capsys)
     assert "has none of the image columns" in err and "pass --image_column" in err
@@ -141,7 +145,10 @@ def test_output_dir_follows_trainers_rule(tmp_path, capsys):
         check([], tmp_path)
     err = capsys.readouterr().err.strip()
     assert exc.value.code == 2 and len(err.splitlines()) == 1
-    assert "is not empty (config.json) and holds no run of this script" in err and "--overwrite_output_dir" in err
+    assert (
+        "is not empty (config.json) and holds no run of this script" in err
+        and "--overwrite_output_dir" in err
+    )
     check(["--overwrite_output_dir"], tmp_path)
     (out / "all_results.json").write_text("{}")  # a finished run without checkpoints: resume is no way out
     with pytest.raises(SystemExit):
@@ -160,7 +167,14 @@ def test_every_flag_has_help_and_enums_have_choices():
     parser = build_parser()
     for action in parser._actions:
         assert action.help and action.help.strip(), action.option_strings
-    for flag in ("--precision", "--backend", "--optimizer", "--report_to", "--switchback", "--mixed_precision"):
+    for flag in (
+        "--precision",
+        "--backend",
+        "--optimizer",
+        "--report_to",
+        "--switchback",
+        "--mixed_precision",
+    ):
         action = next(a for a in parser._actions if flag in a.option_strings)
         assert action.choices, flag
     assert "0: keep all" in next(a.help for a in parser._actions if a.dest == "checkpoints_total_limit")
@@ -171,10 +185,19 @@ def test_every_flag_has_help_and_enums_have_choices():
 
 def test_switch_flags_keep_their_spelling():
     parser = build_parser()
-    args = parser.parse_args(["--no-memory_efficient", "--fuse_mlp", "--no-local_loss", "--no-gather_with_grad"])
-    assert (args.memory_efficient, args.fuse_mlp, args.local_loss, args.gather_with_grad) == (False, True, False, False)
+    args = parser.parse_args(
+        ["--no-memory_efficient", "--fuse_mlp", "--no-local_loss", "--no-gather_with_grad"]
+    )
+    assert (args.memory_efficient, args.fuse_mlp, args.local_loss, args.gather_with_grad) == (
+        False,
+        True,
+        False,
+        False,
+    )
     assert parser.parse_args([]).memory_efficient is None  # unset: SwitchBackConfig's default
-    args = parser.parse_args(["--lock_image", "--streaming", "--target_modules", "fc1", "fc2", "--config_name", "c"])
+    args = parser.parse_args(
+        ["--lock_image", "--streaming", "--target_modules", "fc1", "fc2", "--config_name", "c"]
+    )
     assert args.lock_image is True and args.streaming is True and args.target_modules == ["fc1", "fc2"]
     assert args.model_config == "c"
 
@@ -188,9 +211,23 @@ def test_run_clip_example_command(tmp_path, capsys, monkeypatch):
     assert "--train_file captions.csv" in err
     assert not (tmp_path / "clip-roberta-finetuned").exists()
     args = build_parser().parse_args(RUN_CLIP_EXAMPLE)
-    assert (args.train_data_dir, args.dataset_name, args.dataset_config_name) == ("/data", "ydshieh/coco_dataset_script", "2017")
-    assert (args.batch_size, args.eval_batch_size, args.lr, args.warmup_steps, args.weight_decay) == (64, 64, 5e-5, 0, 0.1)
-    assert (args.image_column, args.caption_column, args.model_name_or_path) == ("image_path", "caption", "./clip-roberta")
+    assert (args.train_data_dir, args.dataset_name, args.dataset_config_name) == (
+        "/data",
+        "ydshieh/coco_dataset_script",
+        "2017",
+    )
+    assert (args.batch_size, args.eval_batch_size, args.lr, args.warmup_steps, args.weight_decay) == (
+        64,
+        64,
+        5e-5,
+        0,
+        0.1,
+    )
+    assert (args.image_column, args.caption_column, args.model_name_or_path) == (
+        "image_path",
+        "caption",
+        "./clip-roberta",
+    )
     assert args.overwrite_output_dir and args.output_dir == "./clip-roberta-finetuned"
     assert (args.do_train, args.do_eval, args.remove_unused_columns) == (True, True, False)
 
@@ -207,7 +244,10 @@ def test_max_train_samples_limits_the_training_data(tmp_path):
     from hf_switchback.training.sources import load_train_source
 
     csv = write_csv(tmp_path / "train.csv", rows=10)
-    args = check(["--train_file", csv, "--max_train_samples", "3", "--batch_size", "2", "--allow_synthetic_tokenizer"], tmp_path)
+    args = check(
+        ["--train_file", csv, "--max_train_samples", "3", "--batch_size", "2", "--allow_synthetic_tokenizer"],
+        tmp_path,
+    )
     assert len(load_train_source(args).dataset) == 3
     args = check(["--max_train_samples", "300", "--batch_size", "2"], tmp_path)
     assert len(load_train_source(args).dataset) == 300
@@ -215,7 +255,13 @@ def test_max_train_samples_limits_the_training_data(tmp_path):
 
 @pytest.mark.parametrize("ext", ["json", "yaml"])
 def test_a_single_json_or_yaml_argument_is_a_file_of_flags(ext, tmp_path, capsys):
-    values = {"lr": 1e-4, "batch_size": 16, "target_modules": ["fc1"], "precision": "int8", "output_dir": str(tmp_path / "run")}
+    values = {
+        "lr": 1e-4,
+        "batch_size": 16,
+        "target_modules": ["fc1"],
+        "precision": "int8",
+        "output_dir": str(tmp_path / "run"),
+    }
     path = tmp_path / f"args.{ext}"
     if ext == "json":
         path.write_text(json.dumps(values))

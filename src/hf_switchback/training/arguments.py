@@ -104,10 +104,11 @@ class SwitchBackArguments:
         "--memory_efficient.",
         unset="on with --memory_efficient, else off",
     )
-    target_modules: list[str] | None = arg(
+    # arg() returns a dataclasses.field (default None), not a list shared between instances
+    target_modules: list[str] | None = arg(  # noqa: RUF009
         None, "Module names / dotted suffixes to swap.", unset=" ".join(_LIBRARY.target_modules)
     )
-    exclude_modules: list[str] | None = arg(
+    exclude_modules: list[str] | None = arg(  # noqa: RUF009
         None, "Module names / dotted suffixes never to swap.", unset=" ".join(_LIBRARY.exclude_modules)
     )
     backend: Literal[BACKENDS] | None = arg(
@@ -131,16 +132,16 @@ class DataArguments:
         None, "Webdataset tar shards: glob, comma list or folder; always streamed.", unset="none"
     )
     dataset_name: str | None = arg(
-        None, "A data set on the Hub (or a local datasets dir) by name; loading scripts are not run.", unset="none"
+        None,
+        "A data set on the Hub (or a local datasets dir) by name; loading scripts are not run.",
+        unset="none",
     )
     dataset_config_name: str | None = arg(
         None, "Configuration of --dataset_name.", unset="the data set's default"
     )
     train_split: str = arg("train", "Split of --dataset_name / --train_data_dir to train on.")
     streaming: bool = arg(False, "Stream --dataset_name / files instead of loading.")
-    image_column: str | None = arg(
-        None, "Image column.", unset=f"the first of {', '.join(IMAGE_COLUMNS)}"
-    )
+    image_column: str | None = arg(None, "Image column.", unset=f"the first of {', '.join(IMAGE_COLUMNS)}")
     caption_column: str | None = arg(
         None, "Caption column.", unset=f"the first of {', '.join(CAPTION_COLUMNS)}"
     )
@@ -177,7 +178,9 @@ class DataArguments:
 class OptimizationArguments:
     _argument_group_name = "optimization"
     batch_size: int = arg(128, "Micro-batch per device.", "--per_device_train_batch_size")
-    eval_batch_size: int = arg(256, "Images (and captions) per forward in eval.", "--per_device_eval_batch_size")
+    eval_batch_size: int = arg(
+        256, "Images (and captions) per forward in eval.", "--per_device_eval_batch_size"
+    )
     accum_freq: int = arg(1, "Micro-batches per step, OpenCLIP-style (full negatives).")
     max_train_steps: int | None = arg(
         None,
@@ -347,7 +350,9 @@ class ArgumentParser(HfArgumentParser):
     @staticmethod
     def _parse_dataclass_field(parser, field: dataclasses.Field):
         metadata = {k: v for k, v in field.metadata.items() if k != "unset"}
-        if "action" in metadata:  # argparse builds this flag as declared: HfArgumentParser's type mapping is not used
+        if (
+            "action" in metadata
+        ):  # argparse builds this flag as declared: HfArgumentParser's type mapping is not used
             aliases = metadata.pop("aliases", [])
             parser.add_argument(f"--{field.name}", *aliases, default=field.default, **metadata)
             return

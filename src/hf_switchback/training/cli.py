@@ -63,7 +63,9 @@ def parse_args(parser: ArgumentParser, argv: list[str] | None = None) -> argpars
         try:
             parsed = read(path)
         except (ValueError, TypeError) as err:  # unknown keys, or a value the dataclass refuses
-            parser.error(f"argument file {path!r}: {err} (keys are the flags' field names, e.g. lr, batch_size)")
+            parser.error(
+                f"argument file {path!r}: {err} (keys are the flags' field names, e.g. lr, batch_size)"
+            )
         values = {k: v for dc in parsed for k, v in vars(dc).items()}
         return argparse.Namespace(**{**vars(parser.parse_args([])), **values})
     return parser.parse_args(argv)
@@ -102,7 +104,9 @@ def _check_types(parser, args) -> None:
             continue
         flag = action.option_strings[0]
         if action.choices is not None and value not in action.choices:
-            parser.error(f"{flag}: invalid choice {value!r} (choose from {', '.join(map(str, action.choices))})")
+            parser.error(
+                f"{flag}: invalid choice {value!r} (choose from {', '.join(map(str, action.choices))})"
+            )
         if action.type in (int, float):
             ok = isinstance(value, (int, float)) and not isinstance(value, bool)
             if not ok or (action.type is int and value != int(value)):
@@ -169,7 +173,9 @@ def _check_ranges(parser, args) -> None:
             bound = f">= {low}" if high is None else f"in [{low}, {high}]"
             parser.error(f"--{name} must be {bound}, got {value}")
     if not (math.isfinite(args.lr) and 0 < args.lr < MAX_LR):
-        parser.error(f"--lr must be a number > 0 and < {MAX_LR:g} (CLIP trains at 1e-4 to 5e-3), got {args.lr}")
+        parser.error(
+            f"--lr must be a number > 0 and < {MAX_LR:g} (CLIP trains at 1e-4 to 5e-3), got {args.lr}"
+        )
     for name in ("beta1", "beta2"):
         if not 0.0 <= getattr(args, name) < 1.0:
             parser.error(f"--{name} (Adam) must be in [0, 1), got {getattr(args, name)}")
