@@ -288,3 +288,27 @@ def test_the_script_refuses_in_one_line_with_exit_code_2(tmp_path):
     assert proc.returncode == 2
     assert proc.stderr.strip() == "train_clip.py: error: --min_tokens must be >= 0, got -1", proc.stderr
     assert not out.exists()
+
+
+# Every flag and alias the script had before its arguments became dataclasses (users' commands keep working).
+FORMER_FLAGS = """--accum_freq --adam_beta1 --adam_beta2 --adam_epsilon --allow_resume_mismatch --backend --batch_size
+--beta1 --beta2 --bf16 --caption_column --checkpointing_steps --checkpoints_total_limit --compile_mode --crop_scale_min
+--dataloader_num_workers --dataset_config_name --dataset_name --ddp_timeout --eps --eval_steps --exclude_modules --fp16
+--fuse_mlp --gather_with_grad --grad_checkpointing --grad_clip_norm --grad_precision --gradient_checkpointing --help
+--hub_model_id --hub_private --hub_private_repo --hub_token --image_column --layer_scale_init --learning_rate
+--local_loss --lock_image --lock_text --log_losses --logging_steps --lr --max_eval_samples --max_grad_norm
+--max_image_pixels --max_nonfinite_steps --max_seq_length --max_steps --max_text_length --max_train_steps
+--memory_efficient --min_lr_ratio --min_tokens --mixed_precision --model_config --model_name_or_path --no-fuse_mlp
+--no-gather_with_grad --no-local_loss --no-memory_efficient --num_train_epochs --num_workers --optimizer --output_dir
+--overwrite_output_dir --patch_dropout --per_device_train_batch_size --precision --project_name --push_to_hub
+--report_to --resume_from_checkpoint --save_steps --save_total_limit --seed --shuffle_buffer --siglip_dist_impl
+--spike_monitor --spike_threshold --streaming --switchback --synthetic_train_samples --target_modules --tokenizer_name
+--tokenizer_name_or_path --torch_compile --train_data_dir --train_file --train_shards --train_split --validation_file
+--validation_shards --validation_split --warmup_steps --weight_decay --weight_scaling --zeroshot_classnames
+--zeroshot_label_column --zeroshot_templates""".split()
+
+
+def test_former_flags_are_all_accepted_and_hyphenated_twins_are_not():
+    options = {o for a in build_parser()._actions for o in a.option_strings}
+    assert len(FORMER_FLAGS) == 100 and set(FORMER_FLAGS) <= options
+    assert "--model-name-or-path" not in options and "--no-remove-unused-columns" not in options

@@ -377,6 +377,7 @@ def build_parser() -> ArgumentParser:
         "is read as a file of flags (field names as keys).",
         formatter_class=HelpFormatter,
     )
+    _drop_hyphenated_twins(parser)
     speed = next(g for g in parser._action_groups if g.title == SpeedArguments._argument_group_name)
     for dtype in ("bf16", "fp16"):
         speed.add_argument(
@@ -387,3 +388,17 @@ def build_parser() -> ArgumentParser:
             help=f"Same as --mixed_precision {dtype} (Trainer's flag).",
         )
     return parser
+
+
+def _drop_hyphenated_twins(parser: argparse.ArgumentParser) -> None:
+    """HfArgumentParser also adds --a-b for every --a_b; the script's flags are spelled with underscores only
+    (--help lists each flag once, under the names it has always had)."""
+    for action in parser._actions:
+        twins = [
+            o
+            for o in action.option_strings
+            if "-" in o[2:] and "--" + o[2:].replace("-", "_") in action.option_strings
+        ]
+        for option in twins:
+            action.option_strings.remove(option)
+            del parser._option_string_actions[option]
