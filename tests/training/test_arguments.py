@@ -241,6 +241,7 @@ def test_run_clip_no_ops_are_noted_once(tmp_path, capsys):
 
 
 def test_max_train_samples_limits_the_training_data(tmp_path):
+    from hf_switchback.training.checkpoints import data_description
     from hf_switchback.training.sources import load_train_source
 
     csv = write_csv(tmp_path / "train.csv", rows=10)
@@ -249,8 +250,9 @@ def test_max_train_samples_limits_the_training_data(tmp_path):
         tmp_path,
     )
     assert len(load_train_source(args).dataset) == 3
+    assert "max_train_samples=3" in data_description(args)  # a resume with other data is refused
     args = check(["--max_train_samples", "300", "--batch_size", "2"], tmp_path)
-    assert len(load_train_source(args).dataset) == 300
+    assert len(load_train_source(args).dataset) == 300 and data_description(args) == "synthetic(300)"
 
 
 @pytest.mark.parametrize("ext", ["json", "yaml"])

@@ -228,9 +228,11 @@ def data_description(args) -> str:
     """The training data as the flags name it (synthetic: its size), for the fingerprint."""
     flags = ("train_file", "train_data_dir", "train_shards", "dataset_name", "dataset_config_name")
     given = [f"{k}={getattr(args, k)}" for k in flags if getattr(args, k, None)]
+    limit = getattr(args, "max_train_samples", None)  # set only when given: older checkpoints still match
     if not given:
-        return f"synthetic({args.synthetic_train_samples})"
-    return ", ".join(given + [f"split={args.train_split}"] * bool(args.dataset_name or args.train_data_dir))
+        return f"synthetic({min(args.synthetic_train_samples, limit or args.synthetic_train_samples)})"
+    given += [f"split={args.train_split}"] * bool(args.dataset_name or args.train_data_dir)
+    return ", ".join(given + [f"max_train_samples={limit}"] * bool(limit))
 
 
 def run_fingerprint(args, model_config: dict, world_size: int, switchback=None) -> dict:
