@@ -106,6 +106,12 @@ def test_files_columns_and_sizes_are_checked_from_the_header(tmp_path, capsys):
     err = fails([*ok, "--batch_size", "8"], tmp_path, capsys)
     assert "--batch_size 8 is larger than the 4 training samples" in err
     check([*ok, "--batch_size", "4"], tmp_path)
+    err = fails(
+        [*ok, "--batch_size", "4", "--validation_file", csv, "--zeroshot_label_column", "label"],
+        tmp_path,
+        capsys,
+    )
+    assert "--zeroshot_label_column 'label' is not a column of --validation_file" in err
     err = fails(["--train_data_dir", str(tmp_path / "nope"), *tok], tmp_path, capsys)
     assert "is not a directory" in err
     err = fails(["--train_shards", str(tmp_path / "*.tar"), "--max_train_steps", "1", *tok], tmp_path, capsys)

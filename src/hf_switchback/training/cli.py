@@ -276,6 +276,10 @@ def _check_columns(parser, args, flag: str) -> int | None:
         if wanted is None and not any(c in columns for c in candidates):
             parser.error(f"--{flag} {path!r} has none of the {what} columns {', '.join(candidates)} (its "
                          f"columns: {', '.join(columns)}): pass --{what}_column")  # fmt: skip
+    label = args.zeroshot_label_column
+    if flag == "validation_file" and label and label not in columns:
+        parser.error(f"--zeroshot_label_column {label!r} is not a column of --validation_file {path!r} (its columns: "
+                     f"{', '.join(columns)})")  # fmt: skip
     if os.path.getsize(path) > MAX_COUNTED_BYTES:
         return None
     with open(path, encoding="utf-8", errors="replace", newline="") as f:
