@@ -109,7 +109,7 @@ def _check_types(parser, args) -> None:
             )
         if action.type in (int, float):
             ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-            if not ok or (action.type is int and value != int(value)):
+            if not ok or (action.type is int and not float(value).is_integer()):
                 parser.error(f"{flag}: expected {action.type.__name__}, got {value!r}")
             setattr(args, action.dest, action.type(value))
 
@@ -257,15 +257,19 @@ def _check_columns(parser, args, flag: str) -> int | None:
         parser.error(f"--{flag} {path!r} must be .csv, .tsv, .json or .jsonl")
     if ext == "json":
         return None  # one JSON document: its keys are known only after reading all of it
-    with open(path, encoding="utf-8", errors="replace", newline="") as f:
+    delimiter = "\t" if ext == "tsv" else ","
+    # utf-8-sig: a spreadsheet's byte-order mark is not part of the first column's name
+    with open(path, encoding="utf-8-sig", errors="replace", newline="") as f:
         if ext == "jsonl":
-            first = f.readline()
             try:
-                columns = list(json.loads(first)) if first.strip() else []
-            except (json.JSONDecodeError, TypeError):
+                first = json.loads(f.readline() or "{}")
+            except json.JSONDecodeError:
+                first = None
+            if not isinstance(first, dict):
                 parser.error(f"--{flag} {path!r}: the first line is not a JSON object")
+            columns = list(first)
         else:
-            columns = next(csv.reader(f, delimiter="\t" if ext == "tsv" else ","), [])
+            columns = next(csv.reader(f, delimiter=delimiter), [])
     for what, wanted, candidates in (
         ("image", args.image_column, IMAGE_COLUMNS),
         ("caption", args.caption_column, CAPTION_COLUMNS),
@@ -282,10 +286,10 @@ def _check_columns(parser, args, flag: str) -> int | None:
                      f"{', '.join(columns)})")  # fmt: skip
     if os.path.getsize(path) > MAX_COUNTED_BYTES:
         return None
-    with open(path, encoding="utf-8", errors="replace", newline="") as f:
+    with open(path, encoding="utf-8-sig", errors="replace", newline="") as f:
         if ext == "jsonl":
             return sum(1 for line in f if line.strip())
-        return max(0, sum(1 for _ in csv.reader(f, delimiter="\t" if ext == "tsv" else ",")) - 1)
+        return max(0, sum(1 for _ in csv.reader(f, delimiter=delimiter)) - 1)
 
 
 def _check_tokenizer(parser, args) -> None:
