@@ -112,6 +112,18 @@ def test_files_columns_and_sizes_are_checked_from_the_header(tmp_path, capsys):
         capsys,
     )
     assert "--zeroshot_label_column 'label' is not a column of --validation_file" in err
+    jsonl = tmp_path / "train.jsonl"
+    jsonl.write_text("".join(json.dumps({"jpg": f"{i}.png", "txt": "a"}) + "\n" for i in range(4)))
+    check(["--train_file", str(jsonl), "--batch_size", "4", *tok], tmp_path)
+    jsonl.write_text('["jpg", "txt"]\n')
+    assert "the first line is not a JSON object" in fails(
+        ["--train_file", str(jsonl), *tok], tmp_path, capsys
+    )
+    (tmp_path / "bom.csv").write_text("\ufeffimage,caption\na.png,x\n", encoding="utf-8")
+    check(
+        ["--train_file", str(tmp_path / "bom.csv"), "--batch_size", "1", "--image_column", "image", *tok],
+        tmp_path,
+    )
     err = fails(["--train_data_dir", str(tmp_path / "nope"), *tok], tmp_path, capsys)
     assert "is not a directory" in err
     err = fails(["--train_shards", str(tmp_path / "*.tar"), "--max_train_steps", "1", *tok], tmp_path, capsys)
