@@ -3,6 +3,7 @@ command, and the one validation pass: every bad input is one `train_clip.py: err
 output dir."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -150,6 +151,11 @@ def test_target_modules_are_matched_on_the_configs_model(tmp_path, capsys):
     check(["--model_config", config, "--target_modules", "fc1"], tmp_path)
     err = fails(["--model_config", config, "--target_modules", "mlp.fc3"], tmp_path, capsys)
     assert "The model has 14 linear layers" in err  # 1 layer a tower: 6 each, plus the two projections
+    pretrained = tmp_path / "pretrained"
+    pretrained.mkdir()
+    os.replace(config, pretrained / "config.json")  # a local checkpoint's config: no weights are read
+    err = fails(["--model_name_or_path", str(pretrained), "--target_modules", "mlp.fc3"], tmp_path, capsys)
+    assert "The model has 14 linear layers" in err
 
 
 def test_output_dir_follows_trainers_rule(tmp_path, capsys):
