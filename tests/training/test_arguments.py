@@ -14,14 +14,14 @@ from train_helpers import SCRIPT, clean_env, write_tiny_model_config
 from hf_switchback.training import cli
 from hf_switchback.training.arguments import DATACLASSES, NO_OP_FLAGS, build_parser
 
-# transformers' examples/pytorch/contrastive-image-text/README.md, its documented run_clip.py command
+# transformers' examples/pytorch/contrastive-image-text/README.md, its documented run_clip.py command, as argv after
+# the shell ($PWD/data expanded, the quotes of --per_device_train_batch_size="64" removed)
 RUN_CLIP_EXAMPLE = [
     "--output_dir", "./clip-roberta-finetuned", "--model_name_or_path", "./clip-roberta",
     "--data_dir", "/data", "--dataset_name", "ydshieh/coco_dataset_script", "--dataset_config_name=2017",
     "--image_column", "image_path", "--caption_column", "caption", "--remove_unused_columns=False",
-    "--do_train", "--do_eval", '--per_device_train_batch_size="64"'.replace('"', ""),
-    "--per_device_eval_batch_size=64", "--learning_rate=5e-5", "--warmup_steps=0", "--weight_decay", "0.1",
-    "--overwrite_output_dir",
+    "--do_train", "--do_eval", "--per_device_train_batch_size=64", "--per_device_eval_batch_size=64",
+    "--learning_rate=5e-5", "--warmup_steps=0", "--weight_decay", "0.1", "--overwrite_output_dir",
 ]  # fmt: skip
 
 
