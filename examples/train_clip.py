@@ -29,7 +29,7 @@ Real models and data:
     # The synthetic set as webdataset shards, then trained on in streaming mode by 2 CPU processes (gloo):
     python -m hf_switchback.training.synthetic --output_dir shards/ --num_samples 20000
     accelerate launch --config_file accelerate_configs/cpu.yaml examples/train_clip.py \
-        --train_shards shards/ --max_train_steps 300
+        --train_shards shards/ --max_train_steps 300 --allow_synthetic_tokenizer
 
     # Resume exactly where the last checkpoint left off (same step, same data position):
     accelerate launch examples/train_clip.py --output_dir runs/b32 --resume_from_checkpoint latest
@@ -41,7 +41,10 @@ Real models and data:
 Batch sizes: --batch_size is per device and per micro-batch; one optimizer step sees
 batch_size x accum_freq x num_processes image-text pairs, all of them negatives for each other.
 Flag names from transformers' run_clip.py that mean the same here work too (--per_device_train_batch_size,
---learning_rate, --max_steps, --bf16, ...: `--help` shows each as its flag's second name).
+--learning_rate, --max_steps, --bf16, --config_name, --data_dir, ...: `--help` shows each as its flag's second
+name); --do_train, --do_eval, --remove_unused_columns are accepted and change nothing. A single .json or .yaml
+argument is read as a file of flags (HfArgumentParser; keys are the field names: lr, batch_size, ...).
+Your own data needs a tokenizer (--model_name_or_path or --tokenizer_name_or_path).
 """
 
 from __future__ import annotations
@@ -71,7 +74,7 @@ from hf_switchback.training.checkpoints import (
     save_checkpoint,
     write_results,
 )
-from hf_switchback.training.cli import build_parser, check_args
+from hf_switchback.training.cli import build_parser, check_args, parse_args
 from hf_switchback.training.console import console, setup_logging
 from hf_switchback.training.evaluation import evaluate
 from hf_switchback.training.guard import (
@@ -252,6 +255,7 @@ def training_function(args):
             templates=templates,
             max_length=max_text_length,
             device=accelerator.device,
+            batch_size=args.eval_batch_size,
         )
         accelerator.log({f"eval/{k}": v for k, v in metrics.items()}, step=step)
         console(accelerator, f"step {step}: " + ", ".join(f"{k} {v:.3f}" for k, v in sorted(metrics.items())))
@@ -428,8 +432,8 @@ def training_function(args):
 
 def main():
     parser = build_parser()
-    args = parser.parse_args()
-    check_args(parser, args)
+    args = parse_args(parser, sys.argv[1:])
+    check_args(parser, args)  # every refusal happens here: nothing is loaded or created before it
     try:
         training_function(args)
     except NonFiniteError as err:  # every rank raises it at the same step (the decision is reduced)

@@ -175,7 +175,8 @@ def test_resume_continues_exactly_two_ranks_streaming(tmp_path):
         info.size = 7
         tar.addfile(info, io.BytesIO(b"garbage"))
     config = write_tiny_model_config(str(tmp_path / "config.json"))
-    common = [SCRIPT, "--model_config", config, "--train_shards", str(shards), "--max_train_steps", "6",
+    common = [SCRIPT, "--model_config", config, "--train_shards", str(shards), "--allow_synthetic_tokenizer",
+              "--max_train_steps", "6",
               "--batch_size", "8", "--accum_freq", "2", "--num_workers", "2", "--patch_dropout", "0.25",
               "--logging_steps", "1", "--log_losses", "--eval_steps", "0", "--max_eval_samples", "16",
               "--checkpointing_steps", "2", "--lr", "1e-3"]  # fmt: skip
@@ -267,6 +268,7 @@ def test_csv_training_with_zero_shot_on_a_labelled_validation_file(tmp_path):
     launch(
         [SCRIPT, "--model_config", write_tiny_model_config(str(tmp_path / "config.json")),
          "--train_file", str(tmp_path / "train.csv"), "--validation_file", str(tmp_path / "val.csv"),
+         "--allow_synthetic_tokenizer",
          "--image_column", "path", "--caption_column", "text", "--zeroshot_label_column", "label",
          "--zeroshot_classnames", ",".join(zeroshot_classnames()), "--zeroshot_templates", "a {}",
          "--max_train_steps", "2", "--batch_size", "8", "--num_workers", "0", "--output_dir", str(out)],

@@ -228,9 +228,11 @@ def data_description(args) -> str:
     """The training data as the flags name it (synthetic: its size), for the fingerprint."""
     flags = ("train_file", "train_data_dir", "train_shards", "dataset_name", "dataset_config_name")
     given = [f"{k}={getattr(args, k)}" for k in flags if getattr(args, k, None)]
+    limit = getattr(args, "max_train_samples", None)  # set only when given: older checkpoints still match
     if not given:
-        return f"synthetic({args.synthetic_train_samples})"
-    return ", ".join(given + [f"split={args.train_split}"] * bool(args.dataset_name or args.train_data_dir))
+        return f"synthetic({min(args.synthetic_train_samples, limit or args.synthetic_train_samples)})"
+    given += [f"split={args.train_split}"] * bool(args.dataset_name or args.train_data_dir)
+    return ", ".join(given + [f"max_train_samples={limit}"] * bool(limit))
 
 
 def run_fingerprint(args, model_config: dict, world_size: int, switchback=None) -> dict:
@@ -296,29 +298,39 @@ def check_fingerprint(checkpoint: str, current: dict, allow_mismatch: bool = Fal
 # The output directory: one run per directory, results and log
 # ---------------------------------------------------------------------------------------------------------------
 def check_output_dir(output_dir: str, resume: str | None, overwrite: bool) -> None:
-    """Refuse an output_dir that is a file, or that holds a previous run unless resuming or overwriting it.
+    """Refuse an output_dir that is a file, or that is not empty (Trainer's rule), unless resuming or overwriting.
 
     `resume` is --resume_from_checkpoint: "latest" with no complete checkpoint to pick starts from scratch,
-    so it is held to the rule of a fresh run (it would write over the previous run's results and model)."""
+    so it is held to the rule of a fresh run (it would write over the previous run's results and model). Resuming
+    is suggested only where there is a checkpoint to resume. Hidden entries (a lock file) do not count."""
     if os.path.exists(output_dir) and not os.path.isdir(output_dir):
         raise ValueError(f"--output_dir {output_dir!r} is a file, not a directory")
     resuming = bool(resume) and (resume != "latest" or bool(checkpoint_dirs(output_dir)))
     if resuming or overwrite or not os.path.isdir(output_dir):
         return
-    found = [name for name in RUN_FILES if os.path.exists(os.path.join(output_dir, name))]
-    if found and resume == "latest":
+    entries = sorted(name for name in os.listdir(output_dir) if not name.startswith("."))
+    if not entries:
+        return
+    found = [name for name in RUN_FILES if name in entries]
+    if not found:
+        shown = ", ".join(entries[:5]) + (", ..." if len(entries) > 5 else "")
+        raise ValueError(
+            f"--output_dir {output_dir!r} is not empty ({shown}) and holds no run of this script: pass "
+            "--overwrite_output_dir to train into it anyway (files of the same name are replaced), or another "
+            "--output_dir"
+        )
+    if resume == "latest":
         raise ValueError(
             f"--resume_from_checkpoint latest: {os.path.join(output_dir, 'checkpoints')} holds no complete "
             f"checkpoint, but --output_dir {output_dir!r} holds a previous run ({', '.join(found)}) that "
             "starting from scratch would overwrite: pass --overwrite_output_dir to replace it, or another "
             "--output_dir"
         )
-    if found:
-        raise ValueError(
-            f"--output_dir {output_dir!r} holds a previous run ({', '.join(found)}): pass "
-            "--resume_from_checkpoint latest to continue it, --overwrite_output_dir to replace it, or another "
-            "--output_dir"
-        )
+    resume_hint = "--resume_from_checkpoint latest to continue it, " if checkpoint_dirs(output_dir) else ""
+    raise ValueError(
+        f"--output_dir {output_dir!r} holds a previous run ({', '.join(found)}): pass {resume_hint}"
+        "--overwrite_output_dir to replace it, or another --output_dir"
+    )
 
 
 def clear_previous_run(output_dir: str) -> None:

@@ -29,8 +29,11 @@ def max_image_pixels(args) -> int | None:
 
 
 def load_train_source(args) -> data_lib.DataSource:
-    return data_lib.load_source(
-        synthetic_samples=None if has_real_data(args) else args.synthetic_train_samples,
+    """The training data; --max_train_samples keeps its first N samples (of the stream, when streamed)."""
+    limit = args.max_train_samples
+    synthetic_samples = min(args.synthetic_train_samples, limit or args.synthetic_train_samples)
+    source = data_lib.load_source(
+        synthetic_samples=None if has_real_data(args) else synthetic_samples,
         synthetic_image_size=SYNTHETIC_IMAGE_SIZE,
         train_file=args.train_file,
         data_dir=args.train_data_dir,
@@ -43,6 +46,12 @@ def load_train_source(args) -> data_lib.DataSource:
         caption_column=args.caption_column,
         seed=args.seed,
     )
+    if limit is not None and has_real_data(args):
+        if source.streaming:
+            source.dataset = source.dataset.take(limit)
+        elif limit < len(source.dataset):
+            source.dataset = source.dataset.select(range(limit))
+    return source
 
 
 def load_eval_set(args, train_source):
