@@ -84,6 +84,7 @@ def test_help_lists_every_flag_with_help_and_its_default_once():
         (["--zeroshot_templates", "a photo"], "needs a {}"),
         (["--model_name_or_path", "m", "--tokenizer_name_or_path", "t"], "brings its own tokenizer"),
         (["--compile_mode", "reduce-overhead"], "--compile_mode needs --torch_compile"),
+        (["--compile_scope", "blocks"], "--compile_scope needs --torch_compile"),
         (
             ["--torch_compile", "--compile_mode", "reduce-overhead", "--accum_freq", "2"],
             "needs --accum_freq 1",
@@ -119,6 +120,9 @@ def test_compile_mode_reaches_accelerate_and_picks_the_gemm(monkeypatch):
     assert runtime.dynamo_plugin(parser.parse_args([])) is None
     plugin = runtime.dynamo_plugin(parser.parse_args(["--torch_compile"]))
     assert plugin.backend.value.lower() == "inductor" and plugin.mode == "default"
+    assert not plugin.use_regional_compilation
+    regional = runtime.dynamo_plugin(parser.parse_args(["--torch_compile", "--compile_scope", "blocks"]))
+    assert regional.use_regional_compilation
     graphs = parser.parse_args(["--torch_compile", "--compile_mode", "reduce-overhead"])
     monkeypatch.setattr(runtime, "tma_gemm_available", lambda: False)
     assert runtime.dynamo_plugin(graphs).mode == "reduce-overhead"

@@ -31,7 +31,7 @@ from ..config import (
 from .data import CAPTION_COLUMNS, DEFAULT_MAX_IMAGE_PIXELS, IMAGE_COLUMNS
 from .guard import DEFAULT_MAX_CONSECUTIVE
 from .optim import OPTIMIZER_CHOICES
-from .runtime import COMPILE_MODES
+from .runtime import COMPILE_MODES, COMPILE_SCOPES
 from .siglip_loss import DIST_IMPLS
 
 PROG = "train_clip.py"
@@ -254,6 +254,14 @@ class SpeedArguments:
         "launches); on Hopper it also selects the TMA 8-bit GEMM, whose launch setup the graphs hide "
         "(BENCHMARKS.md, Whole training step). Needs --accum_freq 1.",
         unset="default",
+    )
+    compile_scope: Literal[COMPILE_SCOPES] | None = arg(
+        None,
+        "What --torch_compile compiles. model: the whole model as one graph per tower pass (Inductor fuses across "
+        "layers). blocks: each repeated encoder layer compiled once and reused by the others (accelerate's "
+        "regional compilation): a several times shorter first step, step time measured in BENCHMARKS.md "
+        "'Whole training step'.",
+        unset="model",
     )
     lock_image: bool = arg(False, "Freeze the vision tower and its projection.")
     lock_text: bool = arg(False, "Freeze the text tower and its projection.")

@@ -147,6 +147,8 @@ def _check_combinations(parser, args) -> None:
             parser.error(f"{', '.join(given)} configure SwitchBack, which --switchback off disables")
     if args.compile_mode is not None and not args.torch_compile:
         parser.error("--compile_mode needs --torch_compile")
+    if args.compile_scope is not None and not args.torch_compile:
+        parser.error("--compile_scope needs --torch_compile")
     if args.compile_mode == "reduce-overhead" and args.accum_freq > 1:
         # the cached-feature passes keep outputs of one replay while the next replay overwrites them
         parser.error("--compile_mode reduce-overhead (CUDA graphs) needs --accum_freq 1")

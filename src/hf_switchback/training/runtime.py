@@ -16,6 +16,9 @@ from ..kernels.options import KernelOptions
 logger = logging.getLogger(__name__)
 
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune-no-cudagraphs")
+# model: one graph for the whole model; blocks: accelerate's regional compilation (each repeated layer class
+# compiled once, its code reused by every layer of that class)
+COMPILE_SCOPES = ("model", "blocks")
 
 
 def dynamo_plugin(args) -> TorchDynamoPlugin | None:
@@ -25,7 +28,10 @@ def dynamo_plugin(args) -> TorchDynamoPlugin | None:
     # A resumed or repeated run then loads the traced SwitchBack layers from torch.compile's disk cache instead
     # of tracing them again (compile_cache.py says why that is sound for them).
     allow_compile_cache()
-    return TorchDynamoPlugin(backend="inductor", mode=args.compile_mode or "default")
+    regional = getattr(args, "compile_scope", None) == "blocks"
+    return TorchDynamoPlugin(
+        backend="inductor", mode=args.compile_mode or "default", use_regional_compilation=regional
+    )
 
 
 def kernel_options(args) -> KernelOptions:
