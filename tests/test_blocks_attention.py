@@ -245,3 +245,23 @@ def test_triton_fused_matches_separate_layers(precision, weight_scaling):
         assert snr_db(a, b) > 40  # bf16 grad-weight GEMMs, one stacked vs three
     exact = sum(gi.double() @ w.double() for gi, w in zip(g, weights, strict=True))
     assert snr_db(exact, dx1) >= snr_db(exact, dx3) - SHARED_SCALE_DB
+
+
+def test_autocast_and_gradient_checkpointing_match_separate_layers():
+    plain = make_model("clip")
+    separate = apply_switchback(copy.deepcopy(plain), TORCH)
+    fused = apply_switchback(copy.deepcopy(plain), FUSED)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        a, b = separate(**model_inputs()), fused(**model_inputs())
+    assert a.logits_per_image.dtype == b.logits_per_image.dtype
+    assert torch.equal(a.logits_per_image, b.logits_per_image)
+
+    fused.train()
+    _, grads = loss_and_grads(fused)
+    checkpointed = copy.deepcopy(fused)
+    checkpointed.zero_grad(set_to_none=True)
+    checkpointed.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    _, grads_ckpt = loss_and_grads(checkpointed)
+    assert grads_ckpt.keys() == grads.keys()
+    for name, grad in grads.items():  # the recomputed forward is bit-identical, so are the gradients
+        assert torch.equal(grads_ckpt[name], grad), name
