@@ -24,8 +24,9 @@ from hf_switchback.blocks import is_fused_attention, switchback_qkv
 TORCH = SwitchBackConfig(backend="torch", min_tokens=0)
 FUSED = TORCH.replace(fuse_qkv=True)
 ATTENTION = (CLIPAttention, SiglipAttention)
-# Allowed loss of grad-input SNR (dB) against float64 when q, k, v share one gradient scale per token, for
-# gradients of similar magnitude (measured: within 0.5 dB; int8's error sets the scale, ~30 dB).
+# Allowed loss of grad-input SNR (dB) against float64 when q, k, v share one gradient scale per token. Measured
+# on the reference path: 2.1 dB (39.1 -> 37.0) with the test's 7x spread of projection magnitudes, within 0.3 dB
+# on tiny CLIP models, where the separate layers' int8 error itself is at ~30-40 dB.
 SHARED_SCALE_DB = 3.0
 
 
@@ -106,7 +107,6 @@ def test_switchback_qkv_matches_three_layers(weight_scaling, grad_precision, mem
     for a, b in zip(grads3, grads1, strict=True):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
     exact = sum(gi.double() @ w.double() for gi, w in zip(g, weights, strict=True))
-    print(f"grad-input SNR: separate {snr_db(exact, dx3):.1f} dB, fused {snr_db(exact, dx1):.1f} dB")
     assert snr_db(exact, dx1) >= snr_db(exact, dx3) - SHARED_SCALE_DB
     assert snr_db(exact, dx1) > 15
 
