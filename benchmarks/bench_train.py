@@ -22,6 +22,8 @@ Variants:
                          the default grad_precision="auto", which on GPUs with fp8 tensor cores quantizes the
                          output gradients to fp8 (BENCHMARKS.md, Accuracy: int8 gradients lost it).
   int8-fused             fuse_mlp=True: each CLIP MLP as one fused SwitchBack op (less activation memory).
+  int8-qkv / fp8-qkv     fuse_qkv=True: q/k/v of each attention block as one op (one input quantize, one
+                         N = 3d GEMM forward and grad-input).
   int8-triton            backend="triton": every swapped linear quantizes, whatever its token count. Shows what
                          the floor is worth; at ViT-B/16 batch 256 both towers are above it, so it equals int8.
   int8-row-memeff        row-wise weight scales and the memory switch (memory_efficient=True: 8-bit saved
@@ -90,6 +92,8 @@ SWITCHBACK_VARIANTS = {
     "int8-default": {},
     "int8-int8grad": dict(grad_precision="int8"),
     "int8-fused": dict(fuse_mlp=True),
+    "int8-qkv": dict(fuse_qkv=True),
+    "fp8-qkv": dict(precision="fp8", fuse_qkv=True),
     "int8-triton": dict(backend="triton"),
     "int8-row-memeff": dict(weight_scaling="row", memory_efficient=True),
     "int8-mlp": dict(target_modules=("fc1", "fc2")),

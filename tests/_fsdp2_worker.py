@@ -18,16 +18,18 @@ from helpers import tiny_clip_config
 from transformers import CLIPModel
 
 from hf_switchback import SwitchBackConfig, SwitchBackLinear, apply_switchback, remove_switchback
+from hf_switchback.blocks import is_fused_attention
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--out", required=True)
 parser.add_argument("--order", choices=["before", "after"], required=True)
+parser.add_argument("--fuse_qkv", action="store_true", help="q/k/v of each attention block as one op")
 args = parser.parse_args()
 
 dist.init_process_group("gloo")
 rank = dist.get_rank()
 mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-config = SwitchBackConfig(backend="torch")
+config = SwitchBackConfig(backend="torch", fuse_qkv=args.fuse_qkv)
 
 torch.manual_seed(0)
 batch = {
@@ -76,6 +78,7 @@ sb = [m for m in model.modules() if isinstance(m, SwitchBackLinear)]
 checks = {
     "n_switchback": len(sb),
     "n_ref_switchback": sum(isinstance(m, SwitchBackLinear) for m in ref.modules()),
+    "n_fused_qkv": sum(is_fused_attention(m) for m in model.modules()),
     "all_dtensor": all(isinstance(m.weight, DTensor) and isinstance(m.bias, DTensor) for m in sb),
 }
 loss, grads, params = train_step(model)

@@ -187,6 +187,14 @@ class SwitchBackConfig:
     # eager: fused 6% faster); the fused block saves ~20% activation memory (21.1 -> 16.8 GiB peak at batch
     # 256) (BENCHMARKS.md, Whole training step). True / False force it either way.
     fuse_mlp: bool | None = None
+    # When q_proj, k_proj and v_proj of a transformers CLIP / SigLIP attention block are all converted with
+    # this config, compute them as one op (hf_switchback.blocks.attention): their shared input is quantized once
+    # and one N = 3d 8-bit GEMM runs forward (each projection keeps its own weight scale: forward outputs equal
+    # the separate layers' bit for bit on the reference path); backward quantizes the three output gradients as
+    # one (tokens, 3d) operand for one grad-input GEMM, so each token row shares one gradient scale across q, k
+    # and v (grad-input within the separate layers' own 8-bit error, not bit-identical), and runs one 16-bit
+    # grad-weight GEMM for all three. Off by default until measured faster end to end.
+    fuse_qkv: bool = False
     # How the GPU kernels run (kernels/options.py): implementation choices with the same numerics, so a
     # run-time choice rather than part of the model. Not written to config.json (to_dict leaves it out) and not
     # compared (two configs that differ only here are the same quantization). Each layer carries its own, so
@@ -214,6 +222,8 @@ class SwitchBackConfig:
                 f"SwitchBackConfig.fuse_mlp must be None (follow memory_efficient) or a bool, got "
                 f"{type(self.fuse_mlp).__name__}"
             )
+        if not isinstance(self.fuse_qkv, bool):
+            raise TypeError(f"SwitchBackConfig.fuse_qkv must be a bool, got {type(self.fuse_qkv).__name__}")
         if not isinstance(self.kernel_options, KernelOptions):
             raise TypeError(
                 "SwitchBackConfig.kernel_options must be a hf_switchback.KernelOptions, got "

@@ -13,6 +13,7 @@ from collections.abc import Callable
 
 from torch import nn
 
+from .blocks.attention import sync_fused_attention
 from .config import SwitchBackConfig
 from .kernels.backends import check_backend
 from .mlp import sync_fused_mlps
@@ -141,11 +142,13 @@ def apply_switchback(
             replacements[name] = SwitchBackLinear.from_linear(module, config)
     _replace_submodules(model, replacements)
     fused = sync_fused_mlps(model)
+    fused_qkv = sync_fused_attention(model)
     logger.info(
-        "hf_switchback: %d linear layers use SwitchBack %s (%d MLP blocks fused)",
+        "hf_switchback: %d linear layers use SwitchBack %s (%d MLP blocks fused, %d q/k/v fused)",
         len(targets),
         config.variant,
         fused,
+        fused_qkv,
     )
     return model
 
@@ -158,6 +161,7 @@ def remove_switchback(model: nn.Module) -> nn.Module:
         raise TypeError("remove_switchback: call .to_linear() on a bare SwitchBackLinear")
     _replace_submodules(model, {name: model.get_submodule(name).to_linear() for name in names})
     sync_fused_mlps(model)  # no block qualifies any more: every fused block gets its original class back
+    sync_fused_attention(model)
     return model
 
 

@@ -1,0 +1,152 @@
+"""SwitchBack q/k/v projections of one input as one op: one quantize of the input, one N = 3d 8-bit GEMM.
+
+forward     [Q K V] = X [Wq Wk Wv]ᵀ + [bq bk bv]   X quantized row-wise once; each W quantized on its own
+            (as three SwitchBackLinear layers would), stacked along N; the dequantize epilogue takes
+            one scale per output column (each projection's tensor scale repeated, or its row scales),
+            so the outputs equal the separate layers' bit for bit on the reference kernels.
+grad-input  dX = [dQ dK dV] [Wq Wk Wv]   ONE 8-bit GEMM with inner dimension 3d. Its weight operand
+            must carry one scale per inner index, so with tensor-wise weight scaling each projection's
+            scale is folded into its gradient columns (sq dQ, sk dK, sv dV: the weights stay exactly the
+            separate layers' 8-bit values) before the (tokens, 3d) gradient is quantized row-wise; with
+            row-wise scaling the stacked weight is quantized per input channel across all three. Either way
+            a token's gradient row shares one scale across q, k and v where the separate layers had three:
+            the only numerics difference, within the separate layers' own 8-bit error.
+grad-weight [dWq dWk dWv] = [dQ dK dV]ᵀ X   one 16-bit GEMM (the paper's "switch back"), split by rows.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..config import SwitchBackConfig
+from ..functional import _autocast_off, _flatten_input, quantize_weight, quantized_dtypes, switchback_linear
+from ..kernels.backends import get_kernels
+
+
+def _stacked_weight_scale(scale: torch.Tensor, rows: int) -> torch.Tensor:
+    """One projection's forward weight scale as one float32 value per output column: (rows,)."""
+    return scale.float().reshape(-1).expand(rows) if scale.dim() == 0 else scale.float()
+
+
+class _SwitchBackQKVFn(torch.autograd.Function):
+    """2-D core. x (M, K); wq, wk, wv (n_i, K); biases (n_i,) all or none -> (M, n_q + n_k + n_v) in x's dtype."""
+
+    @staticmethod
+    def forward(ctx, x, wq, wk, wv, bq, bk, bv, weight_scaling, memory_efficient, fq, gq, backend, options):
+        kernels = get_kernels(backend, x.device, options)
+        weights = (wq, wk, wv)
+        x_q, x_scale = kernels.quantize_rowwise(x, fq, options=options)
+        quantized = [quantize_weight(kernels, w, weight_scaling, fq, options) for w in weights]
+        w_q = torch.cat([q for q, _ in quantized])
+        w_scale = torch.cat(
+            [_stacked_weight_scale(s, w.shape[0]) for (_, s), w in zip(quantized, weights, strict=True)]
+        )
+        del quantized
+        bias = None if bq is None else torch.cat([b.float() for b in (bq, bk, bv)])
+        out = kernels.scaled_matmul(x_q, w_q, x_scale, w_scale, bias, x.dtype, options=options)
+        if memory_efficient:
+            ctx.save_for_backward(x_q, x_scale, wq, wk, wv)
+        else:
+            ctx.save_for_backward(x, wq, wk, wv)
+        ctx.config = (weight_scaling, memory_efficient, gq, backend, options, x.dtype)
+        ctx.bias_dtypes = None if bq is None else (bq.dtype, bk.dtype, bv.dtype)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        weight_scaling, memory_efficient, gq, backend, options, x_dtype = ctx.config
+        if memory_efficient:
+            x_q, x_scale, *weights = ctx.saved_tensors
+        else:
+            x, *weights = ctx.saved_tensors
+        kernels = get_kernels(backend, grad_out.device, options)
+        g = grad_out.contiguous()
+        rows = [w.shape[0] for w in weights]
+        need_x = ctx.needs_input_grad[0]
+        need_w = ctx.needs_input_grad[1:4]
+        need_b = ctx.needs_input_grad[4:7] if ctx.bias_dtypes is not None else (False,) * 3
+        grad_x = None
+        grad_w = [None] * 3
+        grad_b = [None] * 3
+
+        if need_x:
+            if weight_scaling == "tensor":
+                wt = [kernels.quantize_tensorwise_transposed(w, gq, options=options) for w in weights]
+                # Fold each projection's weight scale into its gradient columns (float32, so the scale is not
+                # rounded to the gradient's dtype): the stacked weight operand then needs no scale of its own.
+                folded = torch.cat(
+                    [part.float() * s for part, (_, s) in zip(g.split(rows, dim=1), wt, strict=True)], dim=1
+                )
+                g_q, g_scale = kernels.quantize_rowwise(folded, gq, options=options)
+                del folded
+                wt_q = torch.cat([q for q, _ in wt], dim=1)
+                wt_scale = torch.ones((), dtype=torch.float32, device=g.device)
+            else:
+                g_q, g_scale = kernels.quantize_rowwise(g, gq, options=options)
+                wt_q, wt_scale = kernels.quantize_rowwise_transposed(torch.cat(weights), gq, options=options)
+            grad_x = kernels.scaled_matmul(g_q, wt_q, g_scale, wt_scale, None, x_dtype, options=options)
+            del g_q, wt_q
+
+        if any(need_w):
+            if memory_efficient:
+                x = kernels.dequantize_rowwise(x_q, x_scale, x_dtype, options=options)
+            stacked = g.t() @ x.to(g.dtype)
+            grad_w = [
+                part.to(w.dtype) if need else None
+                for part, w, need in zip(stacked.split(rows), weights, need_w, strict=True)
+            ]
+
+        if any(need_b):
+            colsum = g.sum(dim=0, dtype=torch.float32)
+            grad_b = [
+                part.to(dtype) if need else None
+                for part, dtype, need in zip(colsum.split(rows), ctx.bias_dtypes, need_b, strict=True)
+            ]
+        return (grad_x, *grad_w, *grad_b) + (None,) * 6
+
+
+def switchback_qkv(
+    x: torch.Tensor,
+    weights: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    biases: tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None],
+    config: SwitchBackConfig | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Three SwitchBack projections of one input: (switchback_linear(x, w_i, b_i, config) for i in q, k, v).
+
+    x (*, K) float; weights three (n_i, K); biases three (n_i,) or three None -> three (*, n_i) in x's dtype
+    (or the autocast dtype). Below the config's token floor the three exact 16-bit matmuls run instead.
+    """
+    if len(weights) != 3 or len(biases) != 3:
+        raise ValueError(
+            f"switchback_qkv: expected 3 weights and 3 biases, got {len(weights)} and {len(biases)}"
+        )
+    if len({w.shape[1] for w in weights}) != 1:
+        raise RuntimeError(
+            f"switchback_qkv: the weights must share in_features, got {[tuple(w.shape) for w in weights]}"
+        )
+    if len({b is None for b in biases}) != 1:
+        raise ValueError("switchback_qkv: give all three projections a bias, or none of them")
+    shapes = tuple((w.shape[1], w.shape[0]) for w in weights)
+    config, x2d, leading, exact = _flatten_input("switchback_qkv", x, weights[0], config, shapes)
+    if exact:
+        return tuple(switchback_linear(x, w, b, config) for w, b in zip(weights, biases, strict=True))
+    fq, gq = quantized_dtypes(config, x2d.device)
+    with _autocast_off(x2d.device.type):
+        out = _SwitchBackQKVFn.apply(
+            x2d.contiguous(),
+            *weights,
+            *biases,
+            config.weight_scaling,
+            config.memory_efficient,
+            fq,
+            gq,
+            config.backend,
+            config.kernel_options,
+        )
+    return tuple(
+        part.reshape(*leading, w.shape[0])
+        for part, w in zip(out.split([w.shape[0] for w in weights], dim=1), weights, strict=True)
+    )
+
+
+__all__ = ["switchback_qkv"]

@@ -1,0 +1,130 @@
+"""Triton LayerNorm that also writes its output's row-wise 8-bit form: the GEMM input of the next linear
+(q/k/v after LN1, fc1 after LN2) without a separate quantize pass over the 16-bit activations.
+
+Numerics: those of the twin kernels/norm_quant_reference.layernorm_quantize_rowwise (read its docstring); the
+statistics' float32 summation order differs, so y may differ from the twin by one rounding of x's dtype, and q
+by one step where that moves a value across a rounding boundary. One program per row, the row held in
+registers (K up to _MAX_K). This module imports triton; import it only on the CUDA path.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .quantize import _qargs, _to_q
+
+# Widest row one program holds in registers (CLIP / SigLIP widths are at most 1664).
+_MAX_K = 16384
+_TL_FLOAT = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+
+
+@triton.jit
+def _layernorm_quantize_kernel(
+    x_ptr,
+    w_ptr,
+    b_ptr,
+    y_ptr,
+    q_ptr,
+    s_ptr,
+    mean_ptr,
+    rstd_ptr,
+    K,
+    stride_xm,
+    stride_xk,
+    eps,
+    HAS_W: tl.constexpr,
+    HAS_B: tl.constexpr,
+    WRITE_Y: tl.constexpr,
+    Y_DTYPE: tl.constexpr,
+    QMAX_C: tl.constexpr,
+    IS_INT: tl.constexpr,
+    Q_DTYPE: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK_K)
+    mask = offs < K
+    x = tl.load(x_ptr + row * stride_xm + offs * stride_xk, mask=mask, other=0.0).to(tl.float32)
+    mean = tl.sum(x, axis=0) / K
+    diff = tl.where(mask, x - mean, 0.0)
+    rstd = 1.0 / tl.sqrt_rn(tl.sum(diff * diff, axis=0) / K + eps)
+    y = diff * rstd
+    if HAS_W:
+        y = y * tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    if HAS_B:
+        y = y + tl.load(b_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    # Quantize the y an unfused LayerNorm would have written: rounded once to the output dtype.
+    y_out = y.to(Y_DTYPE)
+    y = tl.where(mask, y_out.to(tl.float32), 0.0)
+    if WRITE_Y:
+        tl.store(y_ptr + row * K + offs, y_out, mask=mask)
+    scale = tl.div_rn(tl.max(tl.abs(y), axis=0), QMAX_C)
+    safe = tl.where(scale == 0.0, 1.0, scale)
+    inv = tl.div_rn(1.0, safe)
+    tl.store(s_ptr + row, scale)
+    tl.store(mean_ptr + row, mean)
+    tl.store(rstd_ptr + row, rstd)
+    tl.store(q_ptr + row * K + offs, _to_q(y, safe, inv, QMAX_C, IS_INT, Q_DTYPE), mask=mask)
+
+
+def layernorm_quantize_rowwise(
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    eps: float,
+    qdtype: torch.dtype = torch.int8,
+    *,
+    want_normalized: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
+    """Same signature and outputs as the twin in kernels/norm_quant_reference.py; x on a CUDA device."""
+    if x.dim() != 2:
+        raise ValueError(f"layernorm_quantize_rowwise: x must be 2-D (M, K), got shape {tuple(x.shape)}")
+    if x.dtype not in _TL_FLOAT:
+        raise TypeError(f"layernorm_quantize_rowwise: x must be float32, bfloat16 or float16, got {x.dtype}")
+    m, k = x.shape
+    if k > _MAX_K:
+        raise ValueError(
+            f"layernorm_quantize_rowwise: rows of {k} values exceed the kernel's {_MAX_K}; use the twin in "
+            "kernels/norm_quant_reference.py"
+        )
+    for name, p in (("weight", weight), ("bias", bias)):
+        if p is not None and p.shape != (k,):
+            raise ValueError(
+                f"layernorm_quantize_rowwise: {name} must have shape ({k},), got {tuple(p.shape)}"
+            )
+    device = x.device
+    q = torch.empty((m, k), dtype=qdtype, device=device)
+    scale = torch.zeros((m,), dtype=torch.float32, device=device)
+    mean = torch.zeros((m,), dtype=torch.float32, device=device)
+    rstd = torch.zeros((m,), dtype=torch.float32, device=device)
+    y = torch.empty((m, k), dtype=x.dtype, device=device) if want_normalized else None
+    if m == 0 or k == 0:
+        return q, scale, y, mean, rstd
+    block = triton.next_power_of_2(k)
+    _layernorm_quantize_kernel[(m,)](
+        x,
+        weight.contiguous() if weight is not None else x,  # an unused pointer when absent
+        bias.contiguous() if bias is not None else x,
+        y if y is not None else q,
+        q,
+        scale,
+        mean,
+        rstd,
+        k,
+        x.stride(0),
+        x.stride(1),
+        float(eps),
+        HAS_W=weight is not None,
+        HAS_B=bias is not None,
+        WRITE_Y=want_normalized,
+        Y_DTYPE=_TL_FLOAT[x.dtype],
+        BLOCK_K=block,
+        num_warps=max(1, min(16, block // 256)),
+        **_qargs(qdtype),
+    )
+    return q, scale, y, mean, rstd
+
+
+__all__ = ["layernorm_quantize_rowwise"]
