@@ -88,9 +88,15 @@ def run_fused(x, weights, biases, g, config):
 @pytest.mark.parametrize("weight_scaling", ["tensor", "row"])
 @pytest.mark.parametrize("grad_precision", ["int8", "fp8"])
 @pytest.mark.parametrize("memory_efficient", [False, True])
-def test_switchback_qkv_matches_three_layers(weight_scaling, grad_precision, memory_efficient):
+@pytest.mark.parametrize("wgrad_precision", ["16bit", "fp8"])
+def test_switchback_qkv_matches_three_layers(
+    weight_scaling, grad_precision, memory_efficient, wgrad_precision
+):
     cfg = FUSED.replace(
-        weight_scaling=weight_scaling, grad_precision=grad_precision, memory_efficient=memory_efficient
+        weight_scaling=weight_scaling,
+        grad_precision=grad_precision,
+        memory_efficient=memory_efficient,
+        wgrad_precision=wgrad_precision,
     )
     gen = torch.Generator().manual_seed(0)
     d = 48

@@ -21,6 +21,7 @@ import torch
 from ..config import SwitchBackConfig
 from ..functional import _autocast_off, _flatten_input, quantize_weight, quantized_dtypes, switchback_linear
 from ..kernels.backends import get_kernels
+from ..kernels.wgrad import weight_grad
 
 
 def _stacked_weight_scale(scale: torch.Tensor, rows: int) -> torch.Tensor:
@@ -32,7 +33,9 @@ class _SwitchBackQKVFn(torch.autograd.Function):
     """2-D core. x (M, K); wq, wk, wv (n_i, K); biases (n_i,) all or none -> (M, n_q + n_k + n_v) in x's dtype."""
 
     @staticmethod
-    def forward(ctx, x, wq, wk, wv, bq, bk, bv, weight_scaling, memory_efficient, fq, gq, backend, options):
+    def forward(
+        ctx, x, wq, wk, wv, bq, bk, bv, weight_scaling, memory_efficient, fq, gq, backend, options, wgrad
+    ):
         kernels = get_kernels(backend, x.device, options)
         weights = (wq, wk, wv)
         x_q, x_scale = kernels.quantize_rowwise(x, fq, options=options)
@@ -49,6 +52,7 @@ class _SwitchBackQKVFn(torch.autograd.Function):
         else:
             ctx.save_for_backward(x, wq, wk, wv)
         ctx.config = (weight_scaling, memory_efficient, gq, backend, options, x.dtype)
+        ctx.wgrad = wgrad
         ctx.bias_dtypes = None if bq is None else (bq.dtype, bk.dtype, bv.dtype)
         return out
 
@@ -90,7 +94,8 @@ class _SwitchBackQKVFn(torch.autograd.Function):
         if any(need_w):
             if memory_efficient:
                 x = kernels.dequantize_rowwise(x_q, x_scale, x_dtype, options=options)
-            stacked = g.t() @ x.to(g.dtype)
+            # per-output-feature gradient scales: the stacked GEMM equals the three separate ones in any precision
+            stacked = weight_grad(g, x, g.dtype, ctx.wgrad)
             grad_w = [
                 part.to(w.dtype) if need else None
                 for part, w, need in zip(stacked.split(rows), weights, need_w, strict=True)
@@ -102,7 +107,7 @@ class _SwitchBackQKVFn(torch.autograd.Function):
                 part.to(dtype) if need else None
                 for part, dtype, need in zip(colsum.split(rows), ctx.bias_dtypes, need_b, strict=True)
             ]
-        return (grad_x, *grad_w, *grad_b) + (None,) * 6
+        return (grad_x, *grad_w, *grad_b) + (None,) * 7
 
 
 def switchback_qkv(
@@ -142,6 +147,7 @@ def switchback_qkv(
             gq,
             config.backend,
             config.kernel_options,
+            config.wgrad_precision,
         )
     return tuple(
         part.reshape(*leading, w.shape[0])
