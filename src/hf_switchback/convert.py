@@ -140,9 +140,11 @@ def apply_switchback(
     # before anything is swapped.
     attention = find_multihead_attention(
         model,
-        lambda name, module: name_matches(name, config.target_modules)
-        and not name_matches(name, config.exclude_modules)
-        and (filter_fn is None or filter_fn(name, module)),
+        lambda name, module: (
+            name_matches(name, config.target_modules)
+            and not name_matches(name, config.exclude_modules)
+            and (filter_fn is None or filter_fn(name, module))
+        ),
     )
 
     replacements = {}

@@ -83,7 +83,9 @@ class SwitchBackMultiheadAttention(nn.MultiheadAttention):
         super().__init__(*args, **kwargs)
         reason = static_unsupported_reason(self)
         if reason:
-            raise ValueError(f"SwitchBackMultiheadAttention does not support {reason}; use nn.MultiheadAttention")
+            raise ValueError(
+                f"SwitchBackMultiheadAttention does not support {reason}; use nn.MultiheadAttention"
+            )
         self.switchback_config = _checked(config)
 
     def forward(
@@ -108,7 +110,9 @@ class SwitchBackMultiheadAttention(nn.MultiheadAttention):
         if reason:
             if reason not in _LOGGED:
                 _LOGGED.add(reason)
-                logger.warning("SwitchBackMultiheadAttention: %s; this call runs nn.MultiheadAttention", reason)
+                logger.warning(
+                    "SwitchBackMultiheadAttention: %s; this call runs nn.MultiheadAttention", reason
+                )
             return super().forward(
                 query, key, value, key_padding_mask, need_weights, attn_mask, average_attn_weights, is_causal
             )
@@ -203,7 +207,9 @@ def swap_multihead_attention(model: nn.Module, config: SwitchBackConfig, names: 
     for name in names:
         convert_multihead_attention(model.get_submodule(name), config)
     if names:
-        logger.info("hf_switchback: %d nn.MultiheadAttention modules use SwitchBack %s", len(names), config.variant)
+        logger.info(
+            "hf_switchback: %d nn.MultiheadAttention modules use SwitchBack %s", len(names), config.variant
+        )
     return len(names)
 
 
