@@ -9,16 +9,19 @@ beside the CPU torch build).
 from __future__ import annotations
 
 import copy
+import json
 import logging
+import subprocess
+import sys
 from collections import OrderedDict
 
 import pytest
 import torch
-from helpers import snr_db
+import torch.nn.functional as F
+from helpers import REPO, snr_db
 from torch import nn
 
-from hf_switchback import SwitchBackConfig, apply_switchback, remove_switchback
-from hf_switchback import bnb_compat
+from hf_switchback import SwitchBackConfig, apply_switchback, bnb_compat, remove_switchback
 from hf_switchback.blocks import SwitchBackMultiheadAttention
 from hf_switchback.blocks import multihead_attention as mha_module
 from hf_switchback.blocks.multihead_attention import convert_multihead_attention
@@ -275,3 +278,108 @@ def test_attention_selection_and_unsupported_modules(caplog):
     direct = SwitchBackMultiheadAttention(64, 4, batch_first=True, config=TORCH)
     y = torch.randn(2, 3, 64)
     assert direct(y, y, y, need_weights=False)[0].shape == (2, 3, 64)
+
+
+# ---------------------------------------------------------------- a real OpenCLIP model (needs open_clip)
+
+
+@pytest.fixture(scope="module")
+def open_clip():
+    try:
+        import open_clip
+    except Exception as err:  # ImportError, or torchvision failing to load its ops beside this torch build
+        pytest.skip(f"needs open_clip: {type(err).__name__}: {err}")
+    return open_clip
+
+
+def _openclip_batch(device, n: int = 4, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    images = torch.randn(n, 3, 224, 224, generator=gen)
+    texts = torch.randint(1, 49407, (n, 77), generator=gen)
+    return images.to(device), texts.to(device)
+
+
+def _logits(model, images, texts) -> torch.Tensor:
+    image_features, text_features, logit_scale = model(images, texts)[:3]
+    return logit_scale * image_features.float() @ text_features.float().t()
+
+
+def _eval_logits(model, device) -> torch.Tensor:
+    model.eval()
+    with torch.no_grad(), torch.autocast("cuda", torch.bfloat16, enabled=device.type == "cuda"):
+        return _logits(model, *_openclip_batch(device, seed=100))
+
+
+def _train(model, steps: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(held-out logits before, after) `steps` SGD steps of the CLIP loss on fixed random batches (bf16
+    autocast on CUDA, fp32 on CPU). SGD, not Adam: Adam's normalized update turns the noise of near-zero
+    gradients into full-size steps, so two correct runs drift apart; SGD's update is the gradient itself."""
+    before = _eval_logits(model, device)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    model.train()
+    for step in range(steps):
+        images, texts = _openclip_batch(device, seed=step)
+        with torch.autocast("cuda", torch.bfloat16, enabled=device.type == "cuda"):
+            logits = _logits(model, images, texts)
+        labels = torch.arange(len(logits), device=device)
+        loss = (F.cross_entropy(logits, labels) + F.cross_entropy(logits.t(), labels)) / 2
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+    return before, _eval_logits(model, device)
+
+
+def test_openclip_vit_b32_trains_with_dropin_and_with_apply_switchback(open_clip):
+    from open_clip.utils import convert_int8_model_to_inference_mode, replace_linear
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    stock = open_clip.create_model("ViT-B-32")  # random init, no download
+    keys = stock.state_dict().keys()
+    dropin = replace_linear(copy.deepcopy(stock), bnb_compat.SwitchBackLinearGlobal).to(device)
+    converted = apply_switchback(
+        copy.deepcopy(stock).to(device), SwitchBackConfig(target_modules=OPENCLIP_TARGETS, min_tokens=0)
+    )
+    blocks = list(converted.visual.transformer.resblocks) + list(converted.transformer.resblocks)
+    assert all(type(b.attn) is SwitchBackMultiheadAttention for b in blocks)
+    assert sum(isinstance(m, bnb_compat.SwitchBackLinear) for m in dropin.modules()) == 2 * len(blocks)
+
+    ref_before, ref_after = _train(stock.to(device), 2, device)
+    assert snr_db(ref_after, ref_before) < 20  # the steps change the logits measurably
+    after = {}
+    for name, model in (("drop-in", dropin), ("apply_switchback", converted)):
+        before, after[name] = _train(model, 2, device)
+        # Forward at init, and the change that training made (8-bit noise in forward and gradients).
+        assert snr_db(ref_before, before) > 25, (name, snr_db(ref_before, before))
+        change = snr_db(ref_after - ref_before, after[name] - before)
+        assert change > 15, (name, change)
+        assert model.state_dict().keys() == keys, name
+        fresh = open_clip.create_model("ViT-B-32")
+        fresh.load_state_dict(model.state_dict())  # strict: loads in stock OpenCLIP as is
+    remove_switchback(converted)
+    assert not any(type(b.attn) is SwitchBackMultiheadAttention for b in blocks)
+
+    # OpenCLIP's eval-only path for the drop-in: prepare_for_eval through its own helper, same logits.
+    convert_int8_model_to_inference_mode(dropin)
+    assert dropin.transformer.resblocks[0].mlp.c_fc.int8_original_dtype == torch.float32
+    torch.testing.assert_close(_eval_logits(dropin, device), after["drop-in"], rtol=0, atol=0)
+
+
+# ---------------------------------------------------------------- benchmarks/bench_openclip.py
+
+
+def test_bench_openclip_help_without_open_clip():
+    result = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "bench_openclip.py"), "--help"],
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode == 0 and "--variants" in result.stdout, result.stderr
+
+
+def test_bench_openclip_cpu_smoke(open_clip):
+    script = REPO / "benchmarks" / "bench_openclip.py"
+    args = ["--device", "cpu", "--model", "tiny", "--batch", "2", "--steps", "1", "--warmup", "0"]
+    result = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-2000:]
+    rows = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+    assert [r["variant"] for r in rows] == ["bf16", "mlp", "all"] and all(r["step_ms"] > 0 for r in rows)
