@@ -162,7 +162,8 @@ class SwitchBackConfig:
     wgrad_precision: str = "16bit"
     # Which linears to swap. str: regex full match on the dotted module name, refused when it could backtrack
     # exponentially (nested repeats, see _backtracking_risk). list: exact names or dotted suffixes (PEFT
-    # semantics). None: the CLIP / SigLIP encoder defaults above.
+    # semantics). None: the CLIP / SigLIP encoder defaults above. An nn.MultiheadAttention whose own name matches
+    # (OpenCLIP's "attn") runs its projections in SwitchBack too (blocks/multihead_attention.py).
     target_modules: str | tuple[str, ...] | None = DEFAULT_TARGET_MODULES
     # Same matching rules; wins over target_modules.
     exclude_modules: str | tuple[str, ...] | None = DEFAULT_EXCLUDE_MODULES

@@ -14,6 +14,11 @@ from collections.abc import Callable
 from torch import nn
 
 from .blocks.attention import sync_fused_attention
+from .blocks.multihead_attention import (
+    find_multihead_attention,
+    restore_multihead_attention,
+    swap_multihead_attention,
+)
 from .config import SwitchBackConfig
 from .kernels.backends import check_backend
 from .mlp import sync_fused_mlps
@@ -132,6 +137,17 @@ def apply_switchback(
             "first and then apply_switchback with the narrower config."
         )
 
+    # nn.MultiheadAttention (OpenCLIP's attention) is selected by its own name, e.g. "attn"; validated here,
+    # before anything is swapped.
+    attention = find_multihead_attention(
+        model,
+        lambda name, module: (
+            name_matches(name, config.target_modules)
+            and not name_matches(name, config.exclude_modules)
+            and (filter_fn is None or filter_fn(name, module))
+        ),
+    )
+
     replacements = {}
     for name in targets:
         module = model.get_submodule(name)
@@ -141,6 +157,8 @@ def apply_switchback(
         else:
             replacements[name] = SwitchBackLinear.from_linear(module, config)
     _replace_submodules(model, replacements)
+    swap_multihead_attention(model, config, attention)
+
     fused = sync_fused_mlps(model)
     fused_qkv = sync_fused_attention(model)
     logger.info(
@@ -160,6 +178,7 @@ def remove_switchback(model: nn.Module) -> nn.Module:
     if isinstance(model, SwitchBackLinear):
         raise TypeError("remove_switchback: call .to_linear() on a bare SwitchBackLinear")
     _replace_submodules(model, {name: model.get_submodule(name).to_linear() for name in names})
+    restore_multihead_attention(model)
     sync_fused_mlps(model)  # no block qualifies any more: every fused block gets its original class back
     sync_fused_attention(model)
     return model
