@@ -17,7 +17,6 @@ from helpers import HAS_TRITON
 from hf_switchback import KernelOptions
 from hf_switchback.kernels import backends, library, reference
 
-
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
@@ -149,3 +148,35 @@ def test_option_arguments_are_the_kernel_options_fields():
     for op in library.OPS:
         assert set(op.options) <= fields, op.name
     assert library.BY_NAME["scaled_matmul"].options == ("use_tma", "fp8_gemm")
+
+
+def test_compiled_kernel_set_traces_in_one_graph_on_cpu():
+    """The compiled set's policies, the kernel-set functions and the operators trace without graph breaks;
+    on the CPU every operator runs its twin, so the compiled result equals the reference set's."""
+    pytest.importorskip("triton")
+    from hf_switchback.kernels import compiled
+
+    def step(x, w, grad, kernels, options):
+        x_q, x_s = kernels.quantize_rowwise(x, torch.int8, options=options)
+        w_q, w_s = kernels.quantize_tensorwise(w, torch.int8, options=options)
+        out = kernels.scaled_matmul(x_q, w_q, x_s, w_s, None, torch.float32, options=options)
+        g_q, g_s, colsum = kernels.quantize_rowwise_colsum(grad, torch.int8, options=options)
+        wt_q, wt_s = kernels.quantize_tensorwise_transposed(w, torch.int8, options=options)
+        grad_x = kernels.scaled_matmul_recompute(g_q, wt_q, g_s, wt_s, None, torch.float32, options=options)
+        act = kernels.act_quantize_rowwise(out, torch.int8, "gelu", options=options)
+        back = kernels.scaled_matmul_act_backward(
+            g_q, wt_q, g_s, wt_s, x, torch.int8, "gelu", True, options=options
+        )
+        return out, colsum, grad_x, *act, *back
+
+    torch.manual_seed(0)
+    x, w, grad = torch.randn(6, 16), torch.randn(8, 16), torch.randn(6, 8)
+    for options in (
+        KernelOptions(),
+        KernelOptions(use_tma=True, trace_gemm=False, fuse_quantize_under_compile=False),
+    ):
+        torch._dynamo.reset()
+        got = torch.compile(step, fullgraph=True, backend="aot_eager")(x, w, grad, compiled.KERNELS, options)
+        want = step(x, w, grad, library.REFERENCE, options)
+        for a, b in zip(got, want, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)

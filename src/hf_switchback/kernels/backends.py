@@ -14,6 +14,7 @@ import functools
 import importlib
 import logging
 import sys
+
 import torch
 
 from . import library

@@ -184,6 +184,8 @@ OPS: tuple[KernelOp, ...] = (
         traceable=True,
     ),
 )
+for _op in OPS:  # derived once here, so calls traced by torch.compile read plain attributes
+    _op.arity, _op.schema  # noqa: B018
 OP_NAMES = tuple(op.name for op in OPS)
 BY_NAME = {op.name: op for op in OPS}
 
@@ -244,12 +246,11 @@ def declared() -> dict[str, object]:
 Policy = Callable[[KernelOp, KernelOptions, tuple], Callable]
 
 
-@functools.cache
+# Plain closures, not cached: torch.compile traces these calls, and it inlines a plain function best.
 def call_twin(op: KernelOp) -> Callable:
     return lambda *args, options: op.reference(*args, options=options)
 
 
-@functools.cache
 def call_operator(op: KernelOp) -> Callable:
     packet = getattr(torch.ops.hf_switchback, op.name)
     return lambda *args, options: packet(*args, *op.option_values(options))

@@ -21,10 +21,9 @@ from collections.abc import Callable
 import torch
 
 from . import cublas as _cublas
-from . import library
+from . import library, reference
 from . import matmul as _matmul
 from . import quantize as _quantize
-from . import reference
 from .library import KernelOp, KernelSet, call_operator
 from .options import KernelOptions
 
