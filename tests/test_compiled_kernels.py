@@ -82,7 +82,8 @@ def test_traced_gemm_under_compile_matches_eager_gemm(m, qdtype, with_bias):
     )
     torch._dynamo.reset()
     traced = torch.compile(
-        lambda *args: torch.ops.hf_switchback.scaled_matmul(*args, torch.bfloat16, False, "triton"), fullgraph=True
+        lambda *args: torch.ops.hf_switchback.scaled_matmul(*args, torch.bfloat16, False, "triton"),
+        fullgraph=True,
     )
     out, codes = run_and_get_code(traced, a_q, b_q, a_s, b_s, bias)
     code = "\n".join(codes)  # Inductor's code launches the kernel itself, not through an op

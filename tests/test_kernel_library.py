@@ -141,6 +141,8 @@ def test_kernel_set_fills_defaults_and_takes_keywords_like_the_twin():
         assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
     with pytest.raises(TypeError, match="missing arguments"):
         library.REFERENCE.scaled_matmul(*want)
+    with pytest.raises(TypeError, match="missing a required argument"):
+        library.REFERENCE.scaled_matmul(*want, out_dtype=torch.float32)
 
 
 def test_option_arguments_are_the_kernel_options_fields():

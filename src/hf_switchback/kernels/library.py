@@ -146,9 +146,10 @@ class KernelOp:
     def arguments(self, args: tuple, kwargs: Mapping) -> tuple:
         """The twin's positional arguments of a call, its defaults filled in."""
         if kwargs:
-            bound = self.signature.bind_partial(*args, **kwargs)
+            twin = list(self.signature.parameters.values())[: self.arity]
+            bound = self.signature.replace(parameters=twin).bind(*args, **kwargs)
             bound.apply_defaults()
-            return tuple(bound.arguments[p] for p in list(self.signature.parameters)[: self.arity])
+            return tuple(bound.arguments.values())
         if len(args) < len(self._defaults):
             missing = self._defaults[len(args) :]
             if any(d is inspect.Parameter.empty for d in missing):
