@@ -93,7 +93,7 @@ _OPAQUE_GEMM = library.BY_NAME["scaled_matmul_recompute"]
 _ACT_BACKWARD = library.BY_NAME["act_backward_quantize_colsum"]
 
 
-def opaque_gemm_policy(op: KernelOp, options: KernelOptions) -> Callable | None:
+def _opaque_gemm(op: KernelOp, options: KernelOptions) -> Callable | None:
     """The opaque GEMM operator where the traceable one would skip the TMA kernel (options.use_tma); None
     where this op needs no such detour."""
     if not options.use_tma:
@@ -111,7 +111,7 @@ def _eager_policy(op: KernelOp, options: KernelOptions, args: tuple) -> Callable
         return call_direct(op)
     if op is _GEMM and compiling and not options.trace_gemm:
         return call_operator(_OPAQUE_GEMM)
-    return opaque_gemm_policy(op, options) or call_operator(op)
+    return _opaque_gemm(op, options) or call_operator(op)
 
 
 KERNELS = KernelSet("triton", _eager_policy)
@@ -123,4 +123,4 @@ def __getattr__(name: str):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = ["CUDA", "KERNELS", "call_direct", "gemm_then_act_backward", "opaque_gemm_policy"]
+__all__ = ["CUDA", "KERNELS", "call_direct", "gemm_then_act_backward"]
