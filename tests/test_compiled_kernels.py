@@ -65,7 +65,8 @@ def test_inductor_quantize_matches_triton_kernels(name, dtype):
 @pytest.mark.parametrize("qdtype", [torch.int8, torch.float8_e4m3fn])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_traced_gemm_under_compile_matches_eager_gemm(m, qdtype, with_bias):
-    """The triton_op form of the GEMM is launched by Inductor's code and computes what the eager launcher does."""
+    """The GEMM operator (a triton_op on CUDA) is launched by Inductor's code and computes what the eager
+    launcher does."""
     from torch._inductor.utils import run_and_get_code
 
     from hf_switchback.kernels import ops
@@ -81,7 +82,8 @@ def test_traced_gemm_under_compile_matches_eager_gemm(m, qdtype, with_bias):
     )
     torch._dynamo.reset()
     traced = torch.compile(
-        lambda *args: torch.ops.hf_switchback.scaled_matmul_traced(*args, torch.bfloat16), fullgraph=True
+        lambda *args: torch.ops.hf_switchback.scaled_matmul(*args, torch.bfloat16, False, "triton"),
+        fullgraph=True,
     )
     out, codes = run_and_get_code(traced, a_q, b_q, a_s, b_s, bias)
     code = "\n".join(codes)  # Inductor's code launches the kernel itself, not through an op
@@ -96,7 +98,7 @@ def test_traced_gemm_under_compile_matches_eager_gemm(m, qdtype, with_bias):
 @pytest.mark.parametrize("shape", [(50, 768), (4099, 3072)])
 @pytest.mark.parametrize("qdtype", [torch.int8, torch.float8_e4m3fn, torch.float8_e5m2])
 def test_traced_grad_quantize_under_compile_matches_eager_kernel(shape, qdtype):
-    """The triton_op form of quantize_rowwise_colsum (launched by Inductor's code) is the eager kernel: q and
+    """The quantize_rowwise_colsum operator (launched by Inductor's code) is the eager kernel: q and
     scale bitwise, the column sum to float32 summation order."""
     from torch._inductor.utils import run_and_get_code
 
@@ -108,7 +110,7 @@ def test_traced_grad_quantize_under_compile_matches_eager_kernel(shape, qdtype):
     q, s, cs = ops.quantize_rowwise_colsum(x, qdtype)
     torch._dynamo.reset()
     traced = torch.compile(
-        lambda t: torch.ops.hf_switchback.quantize_rowwise_colsum_traced(t, qdtype), fullgraph=True
+        lambda t: torch.ops.hf_switchback.quantize_rowwise_colsum(t, qdtype), fullgraph=True
     )
     (q_t, s_t, cs_t), codes = run_and_get_code(traced, x)
     code = "\n".join(codes)

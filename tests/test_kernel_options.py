@@ -11,7 +11,7 @@ from helpers import HAS_TRITON, KernelSpy, tiny_clip_config
 from torch import nn
 
 from hf_switchback import KernelOptions, SwitchBackConfig, SwitchBackLinear, apply_switchback
-from hf_switchback.kernels import backends, reference
+from hf_switchback.kernels import backends, library, reference
 from hf_switchback.kernels.options import TMA_ENV
 
 
@@ -59,16 +59,16 @@ def test_kernel_options_stay_out_of_config_json_and_of_config_equality():
 
 
 def test_every_kernel_set_takes_the_options_with_the_reference_signatures():
-    """The KernelSet protocol, the reference set and (where triton imports) the Triton sets agree on names
-    and parameters, `options` included."""
+    """Every kernel set (the reference set and, where triton imports, the Triton sets) has one function per
+    declared operator, with its twin's parameters, `options` last."""
     assert len(backends.KERNEL_FUNCTIONS) == 11
-    sets = [reference]
+    sets = [library.REFERENCE]
     if HAS_TRITON:
         from hf_switchback.kernels import compiled, ops
 
-        sets += [ops, compiled]
+        sets += [ops.KERNELS, compiled.KERNELS]
     for name in backends.KERNEL_FUNCTIONS:
-        want = list(inspect.signature(getattr(backends.KernelSet, name)).parameters)[1:]  # without self
+        want = list(inspect.signature(getattr(reference, name)).parameters)
         assert want[-1] == "options", name
         for kernel_set in sets:
             assert list(inspect.signature(getattr(kernel_set, name)).parameters) == want, (kernel_set, name)

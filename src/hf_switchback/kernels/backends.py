@@ -1,11 +1,11 @@
 """Choose between the torch reference kernels and the Triton kernels.
 
-A kernel set is a module with the functions of `KernelSet` below (the signatures of `kernels/reference.py`,
-each with a keyword `options`, the caller's KernelOptions). The Triton set lives in `kernels/ops.py` and is
-imported lazily, so nothing on the CPU path ever imports triton. While torch.compile traces, CUDA tensors get
-`kernels/compiled.py` instead (unless options.fuse_quantize_under_compile is off): the reference quantize ops
-(for Inductor to fuse) with the Triton GEMM. fp8 GEMMs that cuBLAS runs faster go to `kernels/cublas.py`
-(options.fp8_gemm).
+A kernel set (kernels/library.py's KernelSet) has one function per declared kernel operator, with the
+signature of its torch twin in `kernels/reference.py` and a keyword `options`, the caller's KernelOptions.
+`library.REFERENCE` runs the twins; the Triton set (`kernels/ops.py`) is imported lazily, so nothing on the
+CPU path ever imports triton. While torch.compile traces, CUDA tensors get `kernels/compiled.py`'s set
+instead: the reference quantize ops (for Inductor to fuse) with the Triton GEMM launched from Inductor's code.
+fp8 GEMMs that cuBLAS runs faster go to `kernels/cublas.py` (options.fp8_gemm).
 """
 
 from __future__ import annotations
@@ -14,14 +14,12 @@ import functools
 import importlib
 import logging
 import sys
-from typing import Protocol
 
 import torch
 
-from . import reference
+from . import library
+from .library import OP_NAMES, KernelSet
 from .options import KernelOptions
-
-QTensors = tuple[torch.Tensor, torch.Tensor]  # (q, scale)
 
 logger = logging.getLogger(__name__)
 
@@ -29,98 +27,8 @@ TRITON_MODULE = "hf_switchback.kernels.ops"
 COMPILED_MODULE = "hf_switchback.kernels.compiled"
 
 
-class KernelSet(Protocol):
-    """What `get_kernels` returns: `reference`, `ops` or `compiled` (modules with these functions).
-
-    Shapes and numerics: see each function in kernels/reference.py. `options` steers the Triton sets only
-    (the reference set has one implementation of each; None means KernelOptions()).
-    """
-
-    def quantize_rowwise(
-        self, x: torch.Tensor, qdtype: torch.dtype = ..., *, options: KernelOptions | None = None
-    ) -> QTensors: ...
-
-    def quantize_rowwise_colsum(
-        self, x: torch.Tensor, qdtype: torch.dtype = ..., *, options: KernelOptions | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
-
-    def quantize_tensorwise(
-        self, x: torch.Tensor, qdtype: torch.dtype = ..., *, options: KernelOptions | None = None
-    ) -> QTensors: ...
-
-    def quantize_rowwise_transposed(
-        self, w: torch.Tensor, qdtype: torch.dtype = ..., *, options: KernelOptions | None = None
-    ) -> QTensors: ...
-
-    def quantize_tensorwise_transposed(
-        self, w: torch.Tensor, qdtype: torch.dtype = ..., *, options: KernelOptions | None = None
-    ) -> QTensors: ...
-
-    def dequantize_rowwise(
-        self,
-        q: torch.Tensor,
-        scale: torch.Tensor,
-        dtype: torch.dtype = ...,
-        *,
-        options: KernelOptions | None = None,
-    ) -> torch.Tensor: ...
-
-    def scaled_matmul(
-        self,
-        a_q: torch.Tensor,
-        b_q: torch.Tensor,
-        a_scale: torch.Tensor,
-        b_scale: torch.Tensor,
-        bias: torch.Tensor | None,
-        out_dtype: torch.dtype,
-        *,
-        options: KernelOptions | None = None,
-    ) -> torch.Tensor: ...
-
-    def scaled_matmul_recompute(
-        self,
-        a_q: torch.Tensor,
-        b_q: torch.Tensor,
-        a_scale: torch.Tensor,
-        b_scale: torch.Tensor,
-        bias: torch.Tensor | None,
-        out_dtype: torch.dtype,
-        *,
-        options: KernelOptions | None = None,
-    ) -> torch.Tensor: ...
-
-    def act_quantize_rowwise(
-        self, h: torch.Tensor, qdtype: torch.dtype, activation: str, *, options: KernelOptions | None = None
-    ) -> QTensors: ...
-
-    def act_backward_quantize_colsum(
-        self,
-        grad: torch.Tensor,
-        h: torch.Tensor,
-        qdtype: torch.dtype,
-        activation: str,
-        want_act: bool,
-        *,
-        options: KernelOptions | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]: ...
-
-    def scaled_matmul_act_backward(
-        self,
-        a_q: torch.Tensor,
-        b_q: torch.Tensor,
-        a_scale: torch.Tensor,
-        b_scale: torch.Tensor,
-        h: torch.Tensor,
-        qdtype: torch.dtype,
-        activation: str,
-        want_act: bool,
-        *,
-        options: KernelOptions | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]: ...
-
-
-# The functions of a kernel set, in KernelSet's order (tests check every set against it).
-KERNEL_FUNCTIONS = tuple(name for name in KernelSet.__dict__ if not name.startswith("_"))
+# The functions of every kernel set: one per declared operator (tests check every set against it).
+KERNEL_FUNCTIONS = OP_NAMES
 
 
 @functools.cache
@@ -153,6 +61,14 @@ def check_backend(backend: str) -> None:
 @functools.cache
 def _warn_fallback_once(reason: str) -> None:
     logger.info("hf_switchback: backend='auto' uses the torch reference kernels (%s).", reason)
+
+
+def declare_operators() -> dict[str, object]:
+    """Declare the kernel operators (with their Triton implementations where they can run) and return them,
+    name -> CustomOpDef: what `torch.ops.hf_switchback` holds."""
+    triton_unavailable_reason()  # imports kernels/ops.py, which declares them with CUDA implementations
+    library.declare()
+    return library.declared()
 
 
 # This package (hf_switchback.kernels): `_PACKAGE.ops` is an attribute once the Triton set has been imported.
@@ -192,9 +108,9 @@ _use_triton._dynamo_marked_constant = True
 def get_kernels(backend: str, device: torch.device, options: KernelOptions) -> KernelSet:
     """The kernel set for a tensor on `device` under config.backend and the layer's kernel options."""
     if _use_triton(backend, device.type):
-        # Under torch.compile the quantize passes are left to Inductor to fuse (kernels/compiled.py);
-        # is_compiling() is a trace-time constant there and False in eager mode.
-        if options.fuse_quantize_under_compile and torch.compiler.is_compiling():
-            return _PACKAGE.compiled
-        return _PACKAGE.ops
-    return reference
+        # Under torch.compile the quantize passes are left to Inductor to fuse and our kernels are launched from
+        # its code (kernels/compiled.py); is_compiling() is a trace-time constant there and False in eager mode.
+        if torch.compiler.is_compiling():
+            return _PACKAGE.compiled.KERNELS
+        return _PACKAGE.ops.KERNELS
+    return library.REFERENCE

@@ -25,7 +25,6 @@ import torch
 import triton
 import triton.language as tl
 
-from . import quantize
 from .quantize import launch_directly
 
 _AUTOTUNE_MIN_M = 1024
@@ -498,24 +497,4 @@ def scaled_matmul(
     return c
 
 
-def scaled_matmul_act_backward(
-    a_q: torch.Tensor,
-    b_q: torch.Tensor,
-    a_scale: torch.Tensor,
-    b_scale: torch.Tensor,
-    h: torch.Tensor,
-    qdtype: torch.dtype,
-    activation: str,
-    want_act: bool,
-    *,
-    use_tma: bool = False,
-    impl: str = "auto",
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """act_backward_quantize_colsum(scaled_matmul(a_q, b_q, a_scale, b_scale, None, h.dtype), h, ...): fc2's
-    grad-input GEMM, then the activation backward + quantize + column sum of a fused MLP (impl picks its
-    kernels, see quantize.act_backward_impl)."""
-    grad_a = scaled_matmul(a_q, b_q, a_scale, b_scale, None, h.dtype, use_tma=use_tma)
-    return quantize.act_backward_quantize_colsum(grad_a, h, qdtype, activation, want_act, impl=impl)
-
-
-__all__ = ["scaled_matmul", "scaled_matmul_act_backward"]
+__all__ = ["scaled_matmul"]

@@ -1,9 +1,10 @@
 """Torch reference kernels: the CPU path, and the oracle every Triton kernel is tested against.
 
-Every function here has a Triton twin with the same name and signature in `kernels/ops.py`; the functional
-layer only ever calls them through `kernels.backends.get_kernels`, so the two are interchangeable. The
-kernel-set functions take the caller's KernelOptions as `options` and ignore it: the reference has one
-implementation of each step.
+The kernel-set functions here are the kernel operators' torch twins: each one's signature is its operator's
+(kernels/library.py declares them from it), it is the operator's implementation on the CPU and on any device
+without Triton, and the CUDA implementation (Triton, kernels/ops.py) computes the same. The functional layer
+only ever calls them through `kernels.backends.get_kernels`, so the two are interchangeable. They take the
+caller's KernelOptions as `options` and ignore it: the reference has one implementation of each step.
 
 Conventions (shared with the Triton twins, tests rely on them):
 - Symmetric absmax quantization: scale = absmax / QMAX (float32), q = round_half_even(x / scale) clipped to
@@ -75,17 +76,19 @@ def quantize_tensorwise(
 
 def quantize_rowwise_transposed(
     w: torch.Tensor, qdtype: torch.dtype = torch.int8, *, options: KernelOptions | None = None
-):
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(N, K) -> quantize_rowwise(w.T): (K, N) q with one scale per column of w (per input channel).
 
-    This is the weight operand of grad-input for weight_scaling="row" (dX = G @ W, inner dim N).
+    This is the weight operand of grad-input for weight_scaling="row" (dX = G @ W, inner dim N). q is
+    contiguous, like the Triton twin's (the operator's fake says so).
     """
-    return quantize_rowwise(w.t(), qdtype)
+    q, scale = quantize_rowwise(w.t(), qdtype)
+    return q.contiguous(), scale
 
 
 def quantize_tensorwise_transposed(
     w: torch.Tensor, qdtype: torch.dtype = torch.int8, *, options: KernelOptions | None = None
-):
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(N, K) -> quantize_tensorwise(w.T): the grad-input weight operand for weight_scaling="tensor"."""
     q, scale = quantize_tensorwise(w, qdtype)
     return q.t().contiguous(), scale
