@@ -205,9 +205,14 @@ def _device_dispatch(op: KernelOp, cuda: Callable) -> Callable:
     """A triton_op's body: the CUDA implementation for CUDA tensors, launching through wrap_triton (which
     Inductor records under torch.compile and which launches directly in eager), the torch twin elsewhere."""
 
-    def body(*args, **option_args):
+    def body(*args, **kwargs):
+        # A traced graph leaves out arguments equal to their schema defaults, and Inductor calls this body with
+        # the graph's arguments as they are: fill the defaults in (torch 2.11 failed without this).
+        bound = op.signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        args = tuple(bound.arguments.values())
         if args[0].device.type == "cuda":
-            return cuda(*args, wrap=torch.library.wrap_triton, **option_args)
+            return cuda(*args, wrap=torch.library.wrap_triton)
         return op.reference(*args[: op.arity])
 
     body.__signature__ = op.signature
