@@ -9,7 +9,7 @@ Triton's caches (bench_train.py's "1st step s" of a later row is flattered by an
     warm   the same caches again: a resumed or repeated run
 
 Per row: the first step's wall time, its ratio to the --baseline variant of the same model and pass, and where it
-went (benchmarks/compile_split.py): compiling the forward and backward graphs (of which waiting for Inductor's
+went (benchmarks/common.py): compiling the forward and backward graphs (of which waiting for Inductor's
 parallel kernel compiles) and running the step, which on its first call also autotunes and JIT-compiles kernels;
 and how many of its graphs Inductor's FX graph cache loaded, compiled, or could not cache (hit/miss/bypass).
 An untimed eager process runs first (--no_prime skips it) so that reading the libraries from disk on a fresh
