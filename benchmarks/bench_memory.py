@@ -366,17 +366,14 @@ def print_table(rows: list[dict]) -> None:
         f"{'model':9} {'variant':40} {'batch':>5} {'ms/step':>8} {'samples/s':>9} {'x bf16 rec':>10} {'x bf16+c':>8} "
         f"{'peak GiB':>8} {'saved MiB/s':>11} {'max b est':>9} {'max b':>6} {'1st s':>6}"
     )
-    print(header)
-    print("-" * len(header))
+    common.print_header(header)
     for r in rows:
         lead = f"{r['model']:9} {r['variant']:40} {r['batch']:5}"
         if "ms_per_step" not in r:
             print(f"{lead} {r.get('status', 'error')}: {r.get('error', '')[:100]}")
             continue
-        ref = best.get((r["model"], r["batch"]))
-        ratio = f"{r['samples_per_s'] / ref:.2f}x" if ref else "-"
-        ref = plain.get((r["model"], r["batch"]))
-        ratio_plain = f"{r['samples_per_s'] / ref:.2f}x" if ref else "-"
+        ratio = common.ratio(r["samples_per_s"], best.get((r["model"], r["batch"])))
+        ratio_plain = common.ratio(r["samples_per_s"], plain.get((r["model"], r["batch"])))
         mem = (
             f"{r['peak_gib']:8.1f} {r['saved_mib_per_sample']:11.1f}"
             if "peak_gib" in r
@@ -428,9 +425,7 @@ def run(args: argparse.Namespace) -> list[dict]:
                 row.update(fit(name, spec, row, args, cap, args.fit if fitting else "estimate", clock))
             row["row_s"] = clock.elapsed() - t0
             rows.append(row)
-            print(json.dumps(row), flush=True)
-            if args.json:
-                Path(args.json).write_text(json.dumps(dict(env=env, rows=rows), indent=1))
+            common.emit(rows, env, args.json)
     print_table(rows)
     return rows
 

@@ -401,9 +401,7 @@ def run(args: argparse.Namespace) -> list[dict]:
                     row_s = time.perf_counter() - t0
                     rows[-1]["row_s"] = row_s
                     durations.setdefault((name, variant.endswith("+compile")), []).append(row_s)
-                print(json.dumps(rows[-1]), flush=True)
-                if args.json:
-                    Path(args.json).write_text(json.dumps(dict(env=env, rows=rows), indent=1))
+                common.emit(rows, env, args.json)
     print_table(rows)
     return rows
 

@@ -27,8 +27,10 @@ missing, and tests/test_benchmarks.py checks them on the installed torch with a 
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 import platform
+from pathlib import Path
 from typing import NamedTuple
 
 MODIFIERS = ("ckpt", "compile")
@@ -142,6 +144,14 @@ def ratio(value: float | None, reference: float | None) -> str:
 def print_header(header: str) -> None:
     print(header)
     print("-" * len(header))
+
+
+def emit(rows: list[dict], env: dict, json_path: str | None) -> None:
+    """Print the newest row as one JSON line and rewrite `json_path` with all rows, so a killed process keeps
+    what it measured."""
+    print(json.dumps(rows[-1]), flush=True)
+    if json_path:
+        Path(json_path).write_text(json.dumps(dict(env=env, rows=rows), indent=1))
 
 
 def mean_se(values: list[float]) -> tuple[float | None, float | None]:

@@ -35,6 +35,9 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+import common  # noqa: E402
+
 PASSES = ("cold", "warm")
 
 
@@ -100,15 +103,13 @@ def print_table(rows: list[dict], baseline: str) -> None:
         f"{'model':9} {'variant':28} {'pass':5} {'rep':>3} {'1st step s':>10} {f'x {baseline}':>18} {'compile fwd':>11} "
         f"{'compile bwd':>11} {'kernel wait':>11} {'run s':>7} {'ms/step':>8} {'graphs hit/miss/bypass':>22}"
     )
-    print(header)
-    print("-" * len(header))
+    common.print_header(header)
     for r in rows:
         lead = f"{r['model']:9} {r['variant']:28} {r['pass']:5} {r['repeat']:>3}"
         if "first_step_s" not in r:
             print(f"{lead} {r.get('status', 'error')}: {r.get('error', '')}")
             continue
-        ref = base.get((r["model"], r["pass"], r["repeat"]))
-        ratio = f"{r['first_step_s'] / ref:.2f}x" if ref else "-"
+        ratio = common.ratio(r["first_step_s"], base.get((r["model"], r["pass"], r["repeat"])))
         split = r.get("first_step_split") or {}
         phases = " ".join(
             f"{split[k]:11.1f}" if k in split else f"{'-':>11}"
