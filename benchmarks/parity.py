@@ -39,7 +39,6 @@ import argparse
 import json
 import math
 import os
-import platform
 import signal
 import subprocess
 import sys
@@ -50,6 +49,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
+import common  # noqa: E402
 from common import mean_se, t95  # noqa: E402
 
 TRAIN_SCRIPT = ROOT / "examples" / "train_clip.py"
@@ -466,17 +466,12 @@ def tiny_config(directory: Path) -> Path:
 
 
 def environment(args: argparse.Namespace, config: Path) -> dict:
-    env = dict(python=platform.python_version(), model=config.name, args=vars(args).copy())
-    env.update(batch_size=args.batch_size, steps=args.steps, lr=args.lr)
-    try:
-        import torch
+    import torch
 
-        env["torch"] = torch.__version__
-        if torch.cuda.is_available():
-            env["device"] = torch.cuda.get_device_name()
-    except ImportError:
-        pass
-    return env
+    env = dict(
+        model=config.name, args=vars(args).copy(), batch_size=args.batch_size, steps=args.steps, lr=args.lr
+    )
+    return dict(env, **common.versions("cuda" if torch.cuda.is_available() else "cpu", ()))
 
 
 def main() -> None:

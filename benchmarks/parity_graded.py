@@ -35,7 +35,6 @@ int8-int8grad (the paper's all-int8), int8-memeff (the memory switch: memory_eff
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import math
 import os
@@ -47,10 +46,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "benchmarks"))  # the `accuracy` package, however this file is loaded
-_spec = importlib.util.spec_from_file_location("parity", Path(__file__).with_name("parity.py"))
-parity = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(parity)
+sys.path.insert(0, str(ROOT / "benchmarks"))  # `accuracy`, `common`, `parity`, however this file is loaded
+import common  # noqa: E402
+import parity  # noqa: E402
 
 BOUND_PP = 0.5
 METRICS = (("zero_shot_top1", "zero-shot top-1", 100.0), ("caption_r1", "image→caption R@1", 100.0))
@@ -671,17 +669,8 @@ def environment(args) -> dict:
     )
     import torch
 
-    env["torch"] = torch.__version__
-    if torch.cuda.is_available():
-        env["device"] = torch.cuda.get_device_name()
-    try:
-        import transformers
-        import triton
-
-        env.update(transformers=transformers.__version__, triton=triton.__version__)
-    except ImportError:
-        pass
-    return env
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    return dict(env, **common.versions(device, ("triton", "transformers")))
 
 
 def steps_arg(value: str):

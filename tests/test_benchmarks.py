@@ -17,6 +17,12 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 
 
+# the scripts a user runs (common.py and step_profile.py are their helpers)
+SCRIPTS = sorted(
+    p.name for p in (ROOT / "benchmarks").glob("*.py") if p.name not in ("common.py", "step_profile.py")
+)
+
+
 def load_script(name: str):
     return helpers.load_script(f"benchmarks/{name}.py")
 
@@ -29,6 +35,24 @@ def run_script(args: list[str], timeout: int = 120) -> str:
     )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     return proc.stdout
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_every_benchmark_script_answers_help(script):
+    assert "usage:" in run_script([f"benchmarks/{script}", "--help"], timeout=60)
+
+
+def test_multi_gpu_summary_reads_a_work_folder(tmp_path):
+    """A finished run and a failed one (no results): both listed in summary.json, no model to load."""
+    work, out = tmp_path / "work", tmp_path / "out"
+    (work / "ddp2").mkdir(parents=True)
+    (work / "ddp2" / "all_results.json").write_text(json.dumps({"train_loss": 2.5, "num_processes": 2}))
+    (work / "runs.tsv").write_text("ddp2\t0\t31\nzero3\t1\t5\n")
+    run_script(["benchmarks/multi_gpu_summary.py", str(work), str(out)])
+    runs = json.loads((out / "summary.json").read_text())["runs"]
+    assert runs["ddp2"]["train_loss"] == 2.5 and runs["ddp2"]["seconds"] == 31
+    assert runs["zero3"]["rc"] == "1" and "train_loss" not in runs["zero3"]
+    assert (out / "summary.md").stat().st_size > 0
 
 
 @pytest.mark.slow
