@@ -23,13 +23,8 @@ Variants: BASE[+MODIFIER...][@B]
     torchao-float8-tensorwise, torchao-float8-rowwise, torchao-float8-rowwise_with_gw_hp
                               torchao's float8 training recipes on the encoder linears, for reference; recorded
                               as skipped, with the reason, where torchao is not installed
-  +ckpt           full gradient checkpointing of every encoder layer (HF gradient_checkpointing_enable)
-  +budgetF        torch._functorch.config.activation_memory_budget = F (0..1) while the row compiles: Inductor's
-                  partitioner recomputes (cheapest first) until at most F of the activations it would save are
-                  saved (needs +compile); on a SwitchBack base it recomputes on top of the 8-bit saving
-  +compile        each encoder layer compiled (bench_train.py --compile layers)
-  @B              this row's batch (default: --batch, else the model's); e.g. bf16+compile@128 beside rows at
-                  --batch 192, where bf16 + compile runs out of memory without recompute
+  +ckpt, +budgetF, +compile, @B   the row grammar of benchmarks/common.py; +compile compiles the whole model
+                  (--compile model, the default; --compile layers: each encoder layer)
   Examples: bf16+ckpt+compile, bf16+budget0.5+compile, int8-memeff+compile, fp8-memeff-unfused+budget0.8+compile,
   torchao-float8-rowwise+compile.
 
@@ -42,10 +37,10 @@ Largest batch (`--fit`, for the rows in --fit_variants, default all):
             out-of-memory, at most --fit_tries runs.
   search    a run at the estimate, then bisection between the largest batch that fit and the smallest that
             did not (1.25x the estimate until one fails), out-of-memory caught, at most --fit_tries runs.
-Each run of a compiled row at a new batch compiles again (the layers are compiled with dynamic=False).
+Each run of a compiled row at a new batch compiles again (the new shape recompiles the graphs).
 
 --profile DIR: after a row's figures, torch.profiler over --profile_steps more steps: GPU ms per step by
-kernel family (16-bit GEMMs, 8-bit GEMMs, quantize/dequantize, attention, optimizer, elementwise/other) and phase
+kernel family (16-bit GEMM, 8-bit GEMM, quantize/cast, attention, norm + elementwise, optimizer, other) and phase
 (forward, backward), and the recompute seen (attention forward kernels in backward, backward GEMMs beyond two per
 forward GEMM); benchmarks/step_profile.py says how each is told apart.
 
@@ -64,12 +59,12 @@ import math
 import sys
 import time
 from pathlib import Path
-from typing import NamedTuple
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_train
+import common
 import step_profile
 
 DEFAULT_VARIANTS = (
@@ -80,46 +75,8 @@ DEFAULT_VARIANTS = (
     "fp8-memeff-fused+compile",
     "torchao-float8-rowwise+compile",
 )
-MODIFIERS = ("ckpt", "compile")
 GIB = 2**30
-
-
-class Variant(NamedTuple):
-    """One row's configuration, parsed from its spec (see the module docstring)."""
-
-    base: str  # a base of bench_train.py: bf16, int8-memeff, torchao-float8-rowwise, ...
-    grad_ckpt: bool  # +ckpt
-    budget: float | None  # +budgetF (None: the partitioner's default, 1.0)
-    compiled: bool  # +compile
-    batch: int | None = None  # @B (None: --batch, or the model's default)
-
-
-def parse_variant(spec: str) -> Variant:
-    """'bf16+budget0.5+compile@128' -> Variant('bf16', False, 0.5, True, 128)."""
-    spec, at, batch_text = spec.partition("@")
-    batch = None
-    if at:
-        if not batch_text.isdigit() or int(batch_text) <= 0:
-            raise ValueError(f"{spec}@{batch_text}: @B needs a positive batch, e.g. @128")
-        batch = int(batch_text)
-    base, *mods = spec.split("+")
-    if base not in bench_train.BASES:
-        raise ValueError(f"unknown base {base!r} in {spec!r}; choose from {bench_train.BASES}")
-    budget = None
-    for mod in mods:
-        if mod.startswith("budget"):
-            try:
-                budget = float(mod.removeprefix("budget"))
-            except ValueError:
-                budget = -1.0
-            if not 0.0 <= budget <= 1.0:
-                raise ValueError(f"{spec!r}: +budgetF needs 0 <= F <= 1, e.g. +budget0.5")
-        elif mod not in MODIFIERS:
-            raise ValueError(f"unknown modifier +{mod} in {spec!r}; use +ckpt, +budgetF, +compile")
-    compiled = "compile" in mods
-    if budget is not None and not compiled:
-        raise ValueError(f"{spec!r}: +budgetF is a torch.compile setting; add +compile")
-    return Variant(base, "ckpt" in mods, budget, compiled, batch)
+parse_variant = bench_train.parse_variant
 
 
 def missing_requirement(base: str) -> str | None:
@@ -129,15 +86,6 @@ def missing_requirement(base: str) -> str | None:
     return None
 
 
-def recompute_budget(budget: float | None):
-    """Context in which torch.compile partitions the layers under `budget` (None: the default, 1.0)."""
-    if budget is None:
-        return contextlib.nullcontext()
-    import torch._functorch.config  # not an attribute of torch._functorch until imported (first row, CPU)
-
-    return torch._functorch.config.patch(activation_memory_budget=budget)
-
-
 def run_row(name: str, spec: str, batch: int, args: argparse.Namespace, profile: bool = False) -> dict:
     """Train `steps` steps of one configuration at one batch: speed and memory (CUDA), or a smoke run (CPU);
     with `profile`, then profile --profile_steps more steps (after the figures, so they do not enter them)."""
@@ -145,9 +93,9 @@ def run_row(name: str, spec: str, batch: int, args: argparse.Namespace, profile:
     base, grad_ckpt, budget, compiled, _ = parse_variant(spec)
     config = bench_train.clip_config(name, tiny=args.tiny)
     cuda = device == "cuda"
-    with recompute_budget(budget):
+    with common.recompute_budget(budget):
         model = bench_train.build_model(
-            config, base + ("+compile" if compiled else ""), grad_ckpt, "layers", device
+            config, base + ("+compile" if compiled else ""), grad_ckpt, args.compile, device
         )
         forward, finish = bench_train.training_step(model, config, batch, device)
         t0 = time.perf_counter()
@@ -374,7 +322,7 @@ def layer_saved_tensors(name: str, spec: str, args: argparse.Namespace, batch: i
     seq = (config.image_size // config.patch_size) ** 2 + 1
     tokens = batch * seq
     x = torch.randn(batch, seq, config.hidden_size, device=device, requires_grad=True)
-    with recompute_budget(budget), torch.autocast(device, dtype=torch.bfloat16):
+    with common.recompute_budget(budget), torch.autocast(device, dtype=torch.bfloat16):
         if compiled:
             layer.compile(dynamic=False)
         out = layer(x, None)
@@ -418,17 +366,14 @@ def print_table(rows: list[dict]) -> None:
         f"{'model':9} {'variant':40} {'batch':>5} {'ms/step':>8} {'samples/s':>9} {'x bf16 rec':>10} {'x bf16+c':>8} "
         f"{'peak GiB':>8} {'saved MiB/s':>11} {'max b est':>9} {'max b':>6} {'1st s':>6}"
     )
-    print(header)
-    print("-" * len(header))
+    common.print_header(header)
     for r in rows:
         lead = f"{r['model']:9} {r['variant']:40} {r['batch']:5}"
         if "ms_per_step" not in r:
             print(f"{lead} {r.get('status', 'error')}: {r.get('error', '')[:100]}")
             continue
-        ref = best.get((r["model"], r["batch"]))
-        ratio = f"{r['samples_per_s'] / ref:.2f}x" if ref else "-"
-        ref = plain.get((r["model"], r["batch"]))
-        ratio_plain = f"{r['samples_per_s'] / ref:.2f}x" if ref else "-"
+        ratio = common.ratio(r["samples_per_s"], best.get((r["model"], r["batch"])))
+        ratio_plain = common.ratio(r["samples_per_s"], plain.get((r["model"], r["batch"])))
         mem = (
             f"{r['peak_gib']:8.1f} {r['saved_mib_per_sample']:11.1f}"
             if "peak_gib" in r
@@ -443,31 +388,7 @@ def print_table(rows: list[dict]) -> None:
         "x bf16 rec: samples/s over the fastest bf16 row with recompute (+ckpt or +budget) at the same batch; "
         "x bf16+c: over bf16+compile (no recompute) at the same batch"
     )
-    print_profiles(rows)
-
-
-def print_profiles(rows: list[dict]) -> None:
-    """GPU ms per step by kernel family (forward + backward) of the profiled rows (--profile)."""
-    profiled = [r for r in rows if "profile" in r]
-    if not profiled:
-        return
-    families = step_profile.FAMILIES
-    print(
-        f"\n{'GPU ms/step':50} " + " ".join(f"{f[:12]:>12}" for f in families) + f" {'busy':>7} {'wall':>7}"
-    )
-    for r in profiled:
-        prof = r["profile"]
-        cells = " ".join(f"{sum(prof['ms'][f].values()):12.1f}" for f in families)
-        print(
-            f"{r['model'] + ' ' + r['variant']:44} {r['batch']:5} {cells} {prof['gpu_ms_per_step']:7.1f} "
-            f"{r['ms_per_step']:7.1f}"
-        )
-        rec = prof["recompute"]
-        print(
-            f"{'':50} recompute: attention forward in backward {rec['attention_forward_in_backward_ms']:.1f} ms, "
-            f"{rec['extra_backward_gemm_calls']:.0f} extra backward GEMMs ~{rec['extra_backward_gemm_ms_est']:.1f} "
-            f"ms (est.); report {prof['report']}"
-        )
+    step_profile.print_profiles(rows)
 
 
 def row_batch(name: str, spec: str, args: argparse.Namespace) -> int:
@@ -504,9 +425,7 @@ def run(args: argparse.Namespace) -> list[dict]:
                 row.update(fit(name, spec, row, args, cap, args.fit if fitting else "estimate", clock))
             row["row_s"] = clock.elapsed() - t0
             rows.append(row)
-            print(json.dumps(row), flush=True)
-            if args.json:
-                Path(args.json).write_text(json.dumps(dict(env=env, rows=rows), indent=1))
+            common.emit(rows, env, args.json)
     print_table(rows)
     return rows
 
@@ -521,6 +440,12 @@ def main() -> None:
     parser.add_argument("--variants", nargs="+", default=list(DEFAULT_VARIANTS), help="rows (see above)")
     parser.add_argument(
         "--batch", type=int, default=None, help="per-GPU batch of every row (default: per model)"
+    )
+    parser.add_argument(
+        "--compile",
+        choices=("model", "layers"),
+        default="model",
+        help="what +compile rows compile: the whole model (default) or each encoder layer",
     )
     parser.add_argument("--steps", type=int, default=4, help="timed steps per run")
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps after the first (compile) step")

@@ -3,13 +3,14 @@
 Each row is one HF CLIPModel (SiglipModel for siglip-*) built from examples/configs/<model>.json (random init,
 no download) trained on random data: forward with the model's own loss (CLIP's contrastive, SigLIP's sigmoid;
 transformers' return_loss), backward, AdamW step (fused on CUDA), bf16 autocast, SDPA
-attention. Ratios are against bf16 eager and bf16 + compile measured in the same run. Every finished row is
+attention. Ratios are against bf16 eager and against the fastest bf16 row of the same model and batch (plain,
++compile, +budgetF, +ckpt: the best bf16 a user would run) measured in the same run. Every finished row is
 printed as one JSON line and rewritten to --json at once, so a killed process keeps what it measured.
 
     PYTHONPATH=.whl/site:src python benchmarks/bench_train.py --models vit-b-16 --time_budget_s 500 \
         --json $OUT/train_b16.json
-    PYTHONPATH=src python benchmarks/bench_train.py --models vit-h-14 --variants bf16 bf16+compile \
-        int8+compile --grad_ckpt both --steps 10
+    PYTHONPATH=src python benchmarks/bench_train.py --models vit-h-14 --batch 192 --variants \
+        bf16+budget0.75+compile bf16+ckpt+compile int8-memeff+compile --steps 10 --profile $OUT/prof
     PYTHONPATH=src python benchmarks/bench_train.py --device cpu --tiny --variants bf16 int8 --steps 1  # smoke
 
 Variants:
@@ -35,9 +36,14 @@ Variants:
   int8-attn              only the attention projections (q/k/v/out_proj) 8-bit: with int8-mlp, shows which
                          linears pay for their quantize passes.
   torchao-float8-<recipe> torchao's float8 training on the same linears (encoder layers; projections stay bf16).
-  +compile               torch.compile; --compile layers (default) compiles each encoder layer (one graph per
-                         tower, reused by all its layers: ViT-H/14 compiles in well under a minute instead of
-                         several), --compile model compiles the whole CLIPModel forward.
+  +compile, +ckpt, +budgetF, @B   the row grammar of benchmarks/common.py. +compile compiles the whole model
+                         (--compile model, the default: what a user runs); --compile layers compiles each encoder
+                         layer instead (one graph per tower, reused by all its layers: compiles much faster).
+
+--profile DIR: after a row's figures, GPU ms per step by kernel family (benchmarks/step_profile.py: 16-bit GEMM,
+8-bit GEMM, quantize/cast, attention, norm + elementwise, optimizer, other), printed as a table after the rows,
+in the row's JSON and in DIR/<model>_<variant>.json beside the full text report (on the CPU, CPU ops stand in
+for kernels: a smoke test).
 
 Needs CUDA except for the --device cpu smoke mode. A row that fails (out of memory, torchao missing, a kernel
 error) is recorded with its error and the table goes on; with --time_budget_s, rows that would not finish in the
@@ -49,8 +55,8 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import math
 import os
-import platform
 import sys
 import time
 from pathlib import Path
@@ -60,7 +66,9 @@ import torch
 from hf_switchback.compile_cache import allow_compile_cache
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from compile_split import cache_counts, first_step_caches, first_step_split, phase_totals
+import common
+import step_profile
+from common import cache_counts, first_step_caches, first_step_split, phase_totals
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "examples" / "configs"
 # per-GPU batch: what fits an 80 GB H100 without gradient checkpointing, in OpenCLIP's usual range
@@ -119,7 +127,11 @@ SWITCHBACK_VARIANTS = {
 }
 BASES = ("bf16", *SWITCHBACK_VARIANTS, "torchao-float8-tensorwise")
 BASES += ("torchao-float8-rowwise", "torchao-float8-rowwise_with_gw_hp")
-CHOICES = tuple(base + suffix for base in BASES for suffix in ("", "+compile"))
+
+
+def parse_variant(spec: str) -> common.Variant:
+    """A row spec (BASE[+ckpt][+budgetF][+compile][@B]) with its base checked against BASES."""
+    return common.parse_variant(spec, BASES)
 
 
 def clip_config(name: str, tiny: bool = False):
@@ -202,7 +214,7 @@ def build_model(
             module_filter_fn=lambda module, fqn: ".encoder.layers." in f".{fqn}",
         )
     elif base != "bf16":
-        raise ValueError(f"unknown variant {variant!r}; choose from {CHOICES}")
+        raise ValueError(f"unknown variant {variant!r}; choose from {BASES} (+compile)")
     if not variant.endswith("+compile"):
         return model
     allow_compile_cache()  # as train_clip.py --torch_compile: a warm start loads the traced layers
@@ -262,12 +274,18 @@ def time_training(
     name: str, variant: str, grad_ckpt: bool, steps: int, warmup: int, args: argparse.Namespace
 ) -> dict:
     """One row: first step (compile + autotune) time, then `steps` timed steps after `warmup` untimed ones."""
+    spec = parse_variant(variant)
+    with common.recompute_budget(spec.budget):
+        return _time_training(name, variant, spec, grad_ckpt or spec.grad_ckpt, steps, warmup, args)
+
+
+def _time_training(name, variant, spec, grad_ckpt, steps, warmup, args) -> dict:
     device = args.device
     config = clip_config(name, tiny=args.tiny)
-    batch = args.batch or (TINY_BATCH if args.tiny else MODELS[name]["batch"])
+    batch = spec.batch or args.batch or (TINY_BATCH if args.tiny else MODELS[name]["batch"])
     model = build_model(
         config,
-        variant,
+        spec.base + ("+compile" if spec.compiled else ""),
         grad_ckpt,
         args.compile,
         device,
@@ -307,70 +325,10 @@ def time_training(
         loss=loss.item(),
     )
     if args.profile:  # after the row's figures, so the profiled steps do not enter its peak memory
-        path = Path(args.profile) / f"{name}_{variant.replace('+', '_')}.txt"
-        row.update(profile_steps(step, args.profile_steps, path))
+        path = Path(args.profile) / f"{name}_{variant.replace('+', '_').replace('@', '_b')}.txt"
+        title = f"{name} {variant} batch {batch}: {args.profile_steps} steps profiled, timed {ms:.1f} ms/step"
+        row["profile"] = step_profile.profile_row(forward, finish, args.profile_steps, device, path, title)
     return row  # model, optimizer and compiled code are freed by the caller's cleanup()
-
-
-# Kernel families for the profile summary: the first pattern found in a CUDA kernel's name decides.
-KERNEL_FAMILIES = (
-    ("switchback 8-bit GEMM", ("_scaled_mm",)),
-    ("attention", ("flash", "fmha", "attention", "sdpa")),
-    ("16-bit GEMM (cuBLAS/CUTLASS)", ("gemm", "nvjet", "cutlass", "xmma", "cublas", "splitk")),
-    ("optimizer", ("multi_tensor", "adam", "foreach")),
-    ("Inductor fused (Triton)", ("triton_",)),
-    # our Triton quantize kernels (the Inductor-generated ones start with triton_ and are counted above)
-    ("switchback quantize (Triton)", ("quantize", "_act_", "_rowwise", "colsum", "absmax_kernel")),
-)
-
-
-def kernel_family(kernel: str) -> str:
-    lowered = kernel.lower()
-    for family, patterns in KERNEL_FAMILIES:
-        if any(pattern in lowered for pattern in patterns):
-            return family
-    return "other"
-
-
-def profile_steps(step, steps: int, path: Path) -> dict:
-    """Run `steps` more steps under torch.profiler: write the kernel table to `path`, return GPU time by family.
-
-    gpu_ms_per_step (kernel time summed) against ms_per_step (wall) tells a launch-bound step from a slow one.
-    """
-    from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            step()
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-    events = prof.key_averages()
-    kernels = [e for e in events if e.device_type == DeviceType.CUDA]
-    families: dict[str, float] = {}
-    for event in kernels:
-        family = kernel_family(event.key)
-        families[family] = families.get(family, 0.0) + event.self_device_time_total / 1000 / steps
-    path.parent.mkdir(parents=True, exist_ok=True)
-    lines = [
-        f"{family:32} {ms:9.2f} ms/step" for family, ms in sorted(families.items(), key=lambda kv: -kv[1])
-    ]
-    kernels.sort(key=lambda e: -e.self_device_time_total)
-    lines += ["", f"{'ms/step':>9} {'calls/step':>10}  kernel"]
-    lines += [
-        f"{e.self_device_time_total / 1000 / steps:9.3f} {e.count / steps:10.1f}  {e.key[:160]}"
-        for e in kernels[:60]
-    ]
-    # CPU side: where a launch-bound step (wall time well above GPU time) spends its host time
-    host = [e for e in events if e.device_type == DeviceType.CPU]
-    host.sort(key=lambda e: -e.self_cpu_time_total)
-    lines += ["", f"{'self CPU ms/step':>16} {'calls/step':>10}  op"]
-    lines += [
-        f"{e.self_cpu_time_total / 1000 / steps:16.3f} {e.count / steps:10.1f}  {e.key[:120]}"
-        for e in host[:25]
-    ]
-    path.write_text("\n".join(lines) + "\n")
-    return dict(gpu_ms_per_step=sum(families.values()), gpu_ms_by_family=families)
 
 
 def cleanup(device: str) -> None:
@@ -392,39 +350,37 @@ def estimate_s(durations: dict, name: str, variant: str) -> float:
 
 
 def print_table(rows: list[dict]) -> None:
-    base = {(r["model"], r["grad_ckpt"], r["variant"]): r["ms_per_step"] for r in rows if "ms_per_step" in r}
-    header = (
-        f"{'model':9} {'ckpt':5} {'variant':42} {'ms/step':>8} {'samples/s':>9} {'vs bf16':>7} "
-        f"{'vs bf16+c':>9} {'peak GiB':>8} {'1st step s':>10}"
-    )
-    print(header)
-    print("-" * len(header))
+    eager, best = {}, {}  # bf16 eager per (model, batch); the fastest bf16 row of any kind per (model, batch)
     for r in rows:
-        lead = f"{r['model']:9} {r['grad_ckpt']!s:5} {r['variant']:42}"
+        if "ms_per_step" in r and parse_variant(r["variant"]).base == "bf16":
+            key = (r["model"], r["batch"])
+            best[key] = min(best.get(key, math.inf), r["ms_per_step"])
+            if r["variant"].partition("@")[0] == "bf16" and not r["grad_ckpt"]:
+                eager[key] = r["ms_per_step"]
+    common.print_header(
+        f"{'model':11} {'ckpt':5} {'variant':42} {'batch':>5} {'ms/step':>8} {'samples/s':>9} {'vs bf16':>7} "
+        f"{'vs best bf16':>12} {'peak GiB':>8} {'1st step s':>10}"
+    )
+    for r in rows:
+        lead = f"{r['model']:11} {r['grad_ckpt']!s:5} {r['variant']:42}"
         if "ms_per_step" not in r:
             print(f"{lead} {r.get('status', 'error')}: {r.get('error', '')}")
             continue
-        eager = base.get((r["model"], r["grad_ckpt"], "bf16"))
-        comp = base.get((r["model"], r["grad_ckpt"], "bf16+compile"))
-        vs_e = f"{eager / r['ms_per_step']:.2f}x" if eager else "-"
-        vs_c = f"{comp / r['ms_per_step']:.2f}x" if comp else "-"
+        key = (r["model"], r["batch"])
+        vs_e, vs_best = (
+            common.ratio(eager.get(key), r["ms_per_step"]),
+            common.ratio(best.get(key), r["ms_per_step"]),
+        )
         mem = f"{r['peak_mem_gib']:8.1f}" if r["peak_mem_gib"] is not None else f"{'-':>8}"
         print(
-            f"{lead} {r['ms_per_step']:8.1f} {r['samples_per_s']:9.0f} {vs_e:>7} {vs_c:>9} {mem} "
-            f"{r['first_step_s']:10.1f}"
+            f"{lead} {r['batch']:5} {r['ms_per_step']:8.1f} {r['samples_per_s']:9.0f} {vs_e:>7} {vs_best:>12} "
+            f"{mem} {r['first_step_s']:10.1f}"
         )
+    step_profile.print_profiles(rows)
 
 
 def environment(args: argparse.Namespace) -> dict:
-    env = dict(torch=torch.__version__, python=platform.python_version(), args=vars(args))
-    if args.device == "cuda":
-        env["device"] = torch.cuda.get_device_name()
-    for module in ("triton", "transformers", "torchao"):
-        try:
-            env[module] = __import__(module).__version__
-        except Exception as err:  # a missing optional package is reported, not fatal
-            env[module] = f"unavailable ({type(err).__name__})"
-    return env
+    return dict(common.versions(args.device), args=vars(args))
 
 
 def run(args: argparse.Namespace) -> list[dict]:
@@ -454,9 +410,7 @@ def run(args: argparse.Namespace) -> list[dict]:
                     row_s = time.perf_counter() - t0
                     rows[-1]["row_s"] = row_s
                     durations.setdefault((name, variant.endswith("+compile")), []).append(row_s)
-                print(json.dumps(rows[-1]), flush=True)
-                if args.json:
-                    Path(args.json).write_text(json.dumps(dict(env=env, rows=rows), indent=1))
+                common.emit(rows, env, args.json)
     print_table(rows)
     return rows
 
@@ -472,7 +426,9 @@ def main() -> None:
         default=[m for m in MODELS if m.startswith("vit")],
         help="model sizes (default: the CLIP ones)",
     )
-    parser.add_argument("--variants", nargs="+", choices=CHOICES, default=list(VARIANTS), help="table rows")
+    parser.add_argument(
+        "--variants", nargs="+", default=list(VARIANTS), metavar="SPEC", help="table rows (see above)"
+    )
     parser.add_argument(
         "--grad_ckpt",
         choices=("off", "on", "both"),
@@ -480,7 +436,10 @@ def main() -> None:
         help="gradient checkpointing of both towers",
     )
     parser.add_argument(
-        "--compile", choices=("layers", "model"), default="layers", help="what +compile rows compile"
+        "--compile",
+        choices=("model", "layers"),
+        default="model",
+        help="what +compile rows compile: the whole model (default) or each encoder layer",
     )
     parser.add_argument(
         "--compile_mode",
@@ -529,15 +488,19 @@ def main() -> None:
         "--profile",
         default=None,
         metavar="DIR",
-        help="after timing, profile --profile_steps more steps of each row: GPU time by kernel family in the "
-        "row's JSON, the top kernels in DIR/<model>_<variant>.txt ('+' written '_'; CUDA only)",
+        help="after timing, profile --profile_steps more steps of each row: GPU ms by kernel family printed, "
+        "in the row's JSON and DIR/<model>_<variant>.json, the top kernels in DIR/<model>_<variant>.txt "
+        "('+' written '_')",
     )
     parser.add_argument("--profile_steps", type=int, default=2, help="steps profiled per row with --profile")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="cpu: smoke test only")
     parser.add_argument("--tiny", action="store_true", help="shrink the models to CPU-test size (smoke test)")
     args = parser.parse_args()
-    if args.profile and args.device != "cuda":
-        parser.error("--profile needs --device cuda (it reports GPU kernel time)")
+    for spec in args.variants:
+        try:
+            parse_variant(spec)
+        except ValueError as err:
+            parser.error(str(err))
     if args.compile_mode == "reduce-overhead" and args.compile == "layers" and args.grad_ckpt != "off":
         # Checkpoint recompute re-runs each compiled layer inside backward, whose replay overwrites the CUDA-graph
         # outputs the first run still needs (H100: RuntimeError in every +compile row). examples/train_clip.py,

@@ -9,7 +9,7 @@ Triton's caches (bench_train.py's "1st step s" of a later row is flattered by an
     warm   the same caches again: a resumed or repeated run
 
 Per row: the first step's wall time, its ratio to the --baseline variant of the same model and pass, and where it
-went (benchmarks/compile_split.py): compiling the forward and backward graphs (of which waiting for Inductor's
+went (benchmarks/common.py): compiling the forward and backward graphs (of which waiting for Inductor's
 parallel kernel compiles) and running the step, which on its first call also autotunes and JIT-compiles kernels;
 and how many of its graphs Inductor's FX graph cache loaded, compiled, or could not cache (hit/miss/bypass).
 An untimed eager process runs first (--no_prime skips it) so that reading the libraries from disk on a fresh
@@ -35,6 +35,9 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+import common  # noqa: E402
+
 PASSES = ("cold", "warm")
 
 
@@ -100,15 +103,13 @@ def print_table(rows: list[dict], baseline: str) -> None:
         f"{'model':9} {'variant':28} {'pass':5} {'rep':>3} {'1st step s':>10} {f'x {baseline}':>18} {'compile fwd':>11} "
         f"{'compile bwd':>11} {'kernel wait':>11} {'run s':>7} {'ms/step':>8} {'graphs hit/miss/bypass':>22}"
     )
-    print(header)
-    print("-" * len(header))
+    common.print_header(header)
     for r in rows:
         lead = f"{r['model']:9} {r['variant']:28} {r['pass']:5} {r['repeat']:>3}"
         if "first_step_s" not in r:
             print(f"{lead} {r.get('status', 'error')}: {r.get('error', '')}")
             continue
-        ref = base.get((r["model"], r["pass"], r["repeat"]))
-        ratio = f"{r['first_step_s'] / ref:.2f}x" if ref else "-"
+        ratio = common.ratio(r["first_step_s"], base.get((r["model"], r["pass"], r["repeat"])))
         split = r.get("first_step_split") or {}
         phases = " ".join(
             f"{split[k]:11.1f}" if k in split else f"{'-':>11}"

@@ -189,4 +189,14 @@ def main(work: str, out: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    import argparse
+
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "work_dir", help="benchmarks/multi_gpu.sh's WORK folder (runs.tsv and one folder per run)"
+    )
+    parser.add_argument("out_dir", help="summary.json and summary.md go here")
+    args = parser.parse_args()
+    main(args.work_dir, args.out_dir)

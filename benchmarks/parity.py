@@ -39,7 +39,6 @@ import argparse
 import json
 import math
 import os
-import platform
 import signal
 import subprocess
 import sys
@@ -49,6 +48,10 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import common  # noqa: E402
+from common import mean_se, t95  # noqa: E402
+
 TRAIN_SCRIPT = ROOT / "examples" / "train_clip.py"
 MODEL_CONFIG = ROOT / "examples" / "configs" / "clip-vit-b-16.json"
 # --min_tokens 0: a parity run measures the 8-bit path; with the default floor the measured crossover table
@@ -144,16 +147,6 @@ def read_train_log(path: Path) -> tuple[list[dict], list[dict]]:
 def tail_window(train: list[dict]) -> list[dict]:
     """The last LAST_FRACTION of logged training steps (at least one)."""
     return train[-max(1, math.ceil(len(train) * LAST_FRACTION)) :]
-
-
-def mean_se(values: list[float]) -> tuple[float | None, float | None]:
-    if not values:
-        return None, None
-    mean = sum(values) / len(values)
-    if len(values) < 2:
-        return mean, None
-    var = sum((v - mean) ** 2 for v in values) / (len(values) - 1)
-    return mean, math.sqrt(var / len(values))
 
 
 def drop_step(train: list[dict], level: float) -> int | None:
@@ -289,27 +282,7 @@ def pooled(rows: list[dict]) -> list[dict]:
     return out
 
 
-# Two-sided 95% Student t quantiles by degrees of freedom (seeds - 1): with a handful of seeds, +-2 SE is far too
-# narrow (2 seeds: 12.7 SE).
-T95 = {
-    1: 12.71,
-    2: 4.30,
-    3: 3.18,
-    4: 2.78,
-    5: 2.57,
-    6: 2.45,
-    7: 2.36,
-    8: 2.31,
-    9: 2.26,
-    10: 2.23,
-    15: 2.13,
-    20: 2.09,
-}
 MIN_SEEDS_FOR_VERDICT = 3
-
-
-def t95(df: int) -> float:
-    return T95[max(k for k in T95 if k <= df)]
 
 
 def parity_verdict(pool: dict, bound_pp: float = PARITY_BOUND_PP) -> str:
@@ -493,17 +466,12 @@ def tiny_config(directory: Path) -> Path:
 
 
 def environment(args: argparse.Namespace, config: Path) -> dict:
-    env = dict(python=platform.python_version(), model=config.name, args=vars(args).copy())
-    env.update(batch_size=args.batch_size, steps=args.steps, lr=args.lr)
-    try:
-        import torch
+    import torch
 
-        env["torch"] = torch.__version__
-        if torch.cuda.is_available():
-            env["device"] = torch.cuda.get_device_name()
-    except ImportError:
-        pass
-    return env
+    env = dict(
+        model=config.name, args=vars(args).copy(), batch_size=args.batch_size, steps=args.steps, lr=args.lr
+    )
+    return dict(env, **common.versions("cuda" if torch.cuda.is_available() else "cpu", ()))
 
 
 def main() -> None:

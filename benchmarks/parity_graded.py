@@ -1,6 +1,6 @@
 """Accuracy parity that can resolve 0.5 pp: small CLIP models on the graded shapes task, many paired runs.
 
-Two protocols, both on `hf_switchback.training.graded_shapes` (batches generated on the device from
+Two protocols, both on `accuracy.graded_shapes` (batches generated on the device from
 (seed, step), so runs of one seed see identical batches and need no loader workers):
 
     finetune  pretrain once in bf16 on the PRETRAIN task (8 colours x 6 shapes) and save a normal HF
@@ -19,7 +19,7 @@ of its way down, to show whether runs split into early and late escapes (the def
 Variants: bf16 (no SwitchBack), int8 (the library default: on Hopper/Ada fp8 output gradients), fp8,
 int8-int8grad (the paper's all-int8), int8-memeff (the memory switch: memory_efficient=True), fp8-wgrad8 (fp8
 with wgrad_precision="fp8": the weight gradient in fp8 too), and sim-<q>: all-int8 SwitchBack simulated in torch
-(`training.sim_switchback`) with output-gradient quantizer q (row, block128, row-sr, row-outlier8, ...).
+(`accuracy.sim_switchback`) with output-gradient quantizer q (row, block128, row-sr, row-outlier8, ...).
 
     # one H100: pretrain once, then 4 variants x 5 seeds fine-tuned, one process per seed (its 4 variants one
     # after another: small runs are host-bound, and each process pays its own CUDA context and Triton autotune;
@@ -36,7 +36,6 @@ with wgrad_precision="fp8": the weight gradient in fp8 too), and sim-<q>: all-in
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import math
 import os
@@ -48,9 +47,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-_spec = importlib.util.spec_from_file_location("parity", Path(__file__).with_name("parity.py"))
-parity = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(parity)
+sys.path.insert(0, str(ROOT / "benchmarks"))  # `accuracy`, `common`, `parity`, however this file is loaded
+import common  # noqa: E402
+import parity  # noqa: E402
 
 BOUND_PP = 0.5
 METRICS = (("zero_shot_top1", "zero-shot top-1", 100.0), ("caption_r1", "image→caption R@1", 100.0))
@@ -104,8 +103,9 @@ SWITCHBACK_FIELDS = {
 
 def apply_variant(model, variant: str) -> list:
     """Swap the linears for the variant; returns the simulated linears (for gradient statistics)."""
+    from accuracy.sim_switchback import apply_sim_switchback
+
     from hf_switchback import SwitchBackConfig, apply_switchback
-    from hf_switchback.training.sim_switchback import apply_sim_switchback
 
     if variant == "bf16":
         return []
@@ -122,7 +122,7 @@ def check_variant(variant: str) -> str:
     if variant == "bf16" or variant in SWITCHBACK_FIELDS:
         return variant
     if variant.startswith("sim-"):
-        from hf_switchback.kernels.grad_quant_sim import parse_grad_quantizer
+        from accuracy.grad_quant_sim import parse_grad_quantizer
 
         parse_grad_quantizer(variant[len("sim-") :])
         return variant
@@ -158,8 +158,7 @@ def encode_images(model, pixels):
 def evaluate(model, tokenizer, task, spec: dict, device, autocast) -> dict:
     """Zero-shot top-1 (colour x shape prompts) and image->caption R@1 on spec['eval_samples'] images."""
     import torch
-
-    from hf_switchback.training import graded_shapes as gs
+    from accuracy import graded_shapes as gs
 
     model.eval()
     with torch.no_grad(), autocast():
@@ -254,8 +253,8 @@ def layer_stats(sims: list) -> dict:
 def train_one(spec: dict) -> dict:
     """Train one run as `spec` says; returns its record (losses, evals, timings, gradient statistics)."""
     import torch
+    from accuracy import graded_shapes as gs
 
-    from hf_switchback.training import graded_shapes as gs
     from hf_switchback.training.tokenizer import build_word_tokenizer
 
     t0 = time.perf_counter()
@@ -673,17 +672,8 @@ def environment(args) -> dict:
     )
     import torch
 
-    env["torch"] = torch.__version__
-    if torch.cuda.is_available():
-        env["device"] = torch.cuda.get_device_name()
-    try:
-        import transformers
-        import triton
-
-        env.update(transformers=transformers.__version__, triton=triton.__version__)
-    except ImportError:
-        pass
-    return env
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    return dict(env, **common.versions(device, ("triton", "transformers")))
 
 
 def steps_arg(value: str):

@@ -1,20 +1,22 @@
 """Where a training step's GPU time goes: kernel time by family and by phase (forward / backward), from torch.profiler.
 
-bench_memory.py --profile runs this on its rows. Each profiled step runs forward and backward (+ optimizer) in
+bench_train.py and bench_memory.py --profile run this on their rows. Each profiled step runs forward and backward (+ optimizer) in
 record_function ranges that end with a device synchronize, so every kernel starts inside the range of the phase
 that launched it; a kernel's phase is read from its start time.
 
 Families (the first rule that matches decides):
-  GEMM 8-bit           kernels launched by aten::_scaled_mm / aten::_int_mm (cuBLAS fp8 / int8: their names do
+  8-bit GEMM           kernels launched by aten::_scaled_mm / aten::_int_mm (cuBLAS fp8 / int8: their names do
                        not say so) and this package's Triton GEMMs (_scaled_mm_kernel, _scaled_mm_tma_kernel)
-  quantize/dequantize  this package's quantize kernels, and Inductor kernels whose fused ops say absmax or a cast
-                       to 8 bits (amax, round, clamp). A dequantize that Inductor fused into other pointwise work
-                       cannot be told apart and counts as elementwise.
+  quantize/cast        this package's quantize kernels, Inductor kernels whose fused ops say absmax or a cast to 8
+                       bits (amax, round, clamp) or that only cast (triton_poi_fused__to_copy_0), and eager dtype
+                       copies. A dequantize or cast that Inductor fused into other pointwise work cannot be told
+                       apart and counts as norm + elementwise.
   attention            flash / memory-efficient / cuDNN attention, forward and backward
-  GEMM 16-bit          cuBLAS / CUTLASS GEMMs (and cuDNN's implicit-GEMM convolution of the patch embedding)
   optimizer            AdamW's multi-tensor kernels
-  elementwise/other    everything else (Inductor's fused pointwise and reductions: LayerNorm, GELU, residual
-                       adds, casts; memcpy / memset)
+  16-bit GEMM          cuBLAS / CUTLASS GEMMs (and cuDNN's implicit-GEMM convolution of the patch embedding)
+  norm + elementwise   Inductor's other kernels (fused pointwise and reductions: LayerNorm, GELU, residual adds)
+                       and eager elementwise, reduction, norm and softmax kernels
+  other                the rest (memcpy / memset, fills, indexing)
 
 Recompute is not a kernel family (a recomputed op runs the same kernel as in forward, or is fused into a backward
 kernel by Inductor), so it is reported beside the families:
@@ -26,6 +28,8 @@ kernel by Inductor), so it is reported beside the families:
 
 from __future__ import annotations
 
+import json
+import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,20 +38,23 @@ import torch
 
 FORWARD, BACKWARD, OUTSIDE = "forward", "backward", "outside"
 MARK = "step_profile:"
-GEMM_8BIT, GEMM_16BIT, QUANT = "GEMM 8-bit", "GEMM 16-bit", "quantize/dequantize"
-ATTENTION, OPTIMIZER, OTHER = "attention", "optimizer", "elementwise/other"
-FAMILIES = (GEMM_16BIT, GEMM_8BIT, QUANT, ATTENTION, OPTIMIZER, OTHER)
+GEMM_16BIT, GEMM_8BIT, QUANT = "16-bit GEMM", "8-bit GEMM", "quantize/cast"
+ATTENTION, ELEMENTWISE, OPTIMIZER, OTHER = "attention", "norm + elementwise", "optimizer", "other"
+FAMILIES = (GEMM_16BIT, GEMM_8BIT, QUANT, ATTENTION, ELEMENTWISE, OPTIMIZER, OTHER)
 # (family, lower-case name fragments), in order; GEMM_8BIT also takes every kernel an 8-bit aten op launched
 NAME_RULES = (
     (GEMM_8BIT, ("_scaled_mm", "scaled_matmul", "e4m3", "e5m2", "_int_mm")),
-    (QUANT, ("quantize", "_rowwise", "colsum", "absmax", "_act_backward")),
+    (QUANT, ("quantize", "_rowwise", "colsum", "absmax", "_act_backward", "direct_copy")),
     (ATTENTION, ("flash", "fmha", "attention", "sdpa")),
     (OPTIMIZER, ("multi_tensor", "adam", "foreach")),
     (GEMM_16BIT, ("gemm", "nvjet", "cutlass", "xmma", "cublas", "splitk", "wgrad", "dgrad")),
+    (OTHER, ("fill", "memcpy", "memset")),
+    (ELEMENTWISE, ("triton_", "elementwise", "norm", "reduce", "softmax", "gelu", "clamp")),
 )
 EIGHT_BIT_OPS = ("aten::_scaled_mm", "aten::_int_mm", "hf_switchback::scaled_matmul")
-# Inductor-generated kernels (named triton_<kind>_fused_<aten ops>) that quantize: absmax, rounding, clamping
+# Inductor-generated kernels (named triton_<kind>_fused_<aten ops>_<n>) that quantize: absmax, rounding, clamping
 INDUCTOR_QUANT = ("amax", "round", "clamp")
+INDUCTOR_CAST = re.compile(r"triton_\w+?_fused__to_copy_\d+")  # a kernel whose only op is a dtype cast
 # attention kernels of a backward pass (flash bwd, cuDNN bprop, CUTLASS fmha backward); the others are forward's
 ATTENTION_BACKWARD = ("bwd", "bprop", "cutlassb", "backward")
 # the CPU's GEMM ops, which stand in for kernels when a CPU run is profiled (the smoke test)
@@ -72,7 +79,9 @@ def family(name: str, eight_bit: frozenset[str] = frozenset()) -> str:
     if name in CPU_GEMM_OPS:
         return GEMM_16BIT
     lowered = name.lower()
-    if lowered.startswith("triton_") and any(op in lowered for op in INDUCTOR_QUANT):
+    if lowered.startswith("triton_") and (
+        any(op in lowered for op in INDUCTOR_QUANT) or INDUCTOR_CAST.fullmatch(lowered)
+    ):
         return QUANT
     for fam, fragments in NAME_RULES:
         if any(fragment in lowered for fragment in fragments):
@@ -222,4 +231,28 @@ def profile_row(forward, finish, steps: int, device: str, path: Path, title: str
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(report(title, summary, kernels, steps, eight_bit))
     summary["report"] = str(path)
+    path.with_suffix(".json").write_text(json.dumps(dict(title=title, **summary), indent=1))
     return summary
+
+
+def print_profiles(rows: list[dict]) -> None:
+    """GPU ms per step by kernel family (forward + backward) of the rows that carry a profile (--profile)."""
+    profiled = [r for r in rows if "profile" in r]
+    if not profiled:
+        return
+    print(
+        f"\n{'GPU ms/step':50} " + " ".join(f"{f[:12]:>12}" for f in FAMILIES) + f" {'busy':>7} {'wall':>7}"
+    )
+    for r in profiled:
+        prof = r["profile"]
+        cells = " ".join(f"{sum(prof['ms'][f].values()):12.1f}" for f in FAMILIES)
+        print(
+            f"{r['model'] + ' ' + r['variant']:44} {r['batch']:5} {cells} {prof['gpu_ms_per_step']:7.1f} "
+            f"{r['ms_per_step']:7.1f}"
+        )
+        rec = prof["recompute"]
+        print(
+            f"{'':50} recompute: attention forward in backward {rec['attention_forward_in_backward_ms']:.1f} ms, "
+            f"{rec['extra_backward_gemm_calls']:.0f} extra backward GEMMs ~{rec['extra_backward_gemm_ms_est']:.1f} "
+            f"ms (est.); report {prof['report']}"
+        )

@@ -17,6 +17,12 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 
 
+# the scripts a user runs (common.py and step_profile.py are their helpers)
+SCRIPTS = sorted(
+    p.name for p in (ROOT / "benchmarks").glob("*.py") if p.name not in ("common.py", "step_profile.py")
+)
+
+
 def load_script(name: str):
     return helpers.load_script(f"benchmarks/{name}.py")
 
@@ -29,6 +35,24 @@ def run_script(args: list[str], timeout: int = 120) -> str:
     )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     return proc.stdout
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_every_benchmark_script_answers_help(script):
+    assert "usage:" in run_script([f"benchmarks/{script}", "--help"], timeout=60)
+
+
+def test_multi_gpu_summary_reads_a_work_folder(tmp_path):
+    """A finished run and a failed one (no results): both listed in summary.json, no model to load."""
+    work, out = tmp_path / "work", tmp_path / "out"
+    (work / "ddp2").mkdir(parents=True)
+    (work / "ddp2" / "all_results.json").write_text(json.dumps({"train_loss": 2.5, "num_processes": 2}))
+    (work / "runs.tsv").write_text("ddp2\t0\t31\nzero3\t1\t5\n")
+    run_script(["benchmarks/multi_gpu_summary.py", str(work), str(out)])
+    runs = json.loads((out / "summary.json").read_text())["runs"]
+    assert runs["ddp2"]["train_loss"] == 2.5 and runs["ddp2"]["seconds"] == 31
+    assert runs["zero3"]["rc"] == "1" and "train_loss" not in runs["zero3"]
+    assert (out / "summary.md").stat().st_size > 0
 
 
 @pytest.mark.slow
@@ -57,14 +81,14 @@ def test_bench_train_time_budget_skips_and_keeps_rows(tmp_path, monkeypatch):
     rows = json.loads(out.read_text())["rows"]
     assert len(rows) == 4 and all(r["status"] == "skipped" for r in rows)
     # a failing row is recorded with its error and the next row still runs
-    args = bench.argparse.Namespace(device="cpu", tiny=True, batch=None, compile="layers")
+    args = bench.argparse.Namespace(device="cpu", tiny=True, batch=None, compile="model")
     with pytest.raises(ValueError, match="unknown variant"):
         bench.time_training("vit-b-16", "int4", False, 1, 0, args)
 
 
 def test_bench_train_refuses_per_layer_cuda_graphs_with_checkpointing(monkeypatch, capsys):
     bench = load_script("bench_train")
-    argv = ["bench_train.py", "--device", "cpu", "--tiny", "--grad_ckpt", "on"]
+    argv = ["bench_train.py", "--device", "cpu", "--tiny", "--grad_ckpt", "on", "--compile", "layers"]
     argv += ["--compile_mode", "reduce-overhead"]
     monkeypatch.setattr(sys, "argv", argv)
     with pytest.raises(SystemExit) as exit_info:
@@ -73,34 +97,19 @@ def test_bench_train_refuses_per_layer_cuda_graphs_with_checkpointing(monkeypatc
     assert "--grad_ckpt on/both needs --compile model" in capsys.readouterr().err
 
 
-def test_bench_train_profile_families_and_report(tmp_path):
+def test_bench_train_profile_prints_the_grouped_table_and_writes_json(tmp_path, monkeypatch, capsys):
+    """--profile on the CPU (CPU ops stand in for kernels): the family table is printed and saved as JSON."""
     bench = load_script("bench_train")
-    families = {
-        "_scaled_mm_kernel": "switchback 8-bit GEMM",
-        "_rowwise_colsum_kernel": "switchback quantize (Triton)",
-        "triton_per_fused__to_copy_abs_amax_clamp_sum_0": "Inductor fused (Triton)",
-        "nvjet_sm90_tst_192x192_64x3_1x2_h_bz_coopB_NNN": "16-bit GEMM (cuBLAS/CUTLASS)",
-        "cudnn_generated_fort_native_sdpa_sm90_flash_bprop": "attention",
-        "void at::native::vectorized_elementwise_kernel<4, FillFunctor>": "other",
-    }
-    assert {name: bench.kernel_family(name) for name in families} == families
-    # on the CPU there are no CUDA kernels: zero GPU time, but the host-time table is written
-    x = torch.randn(64, 64, requires_grad=True)
-    report = bench.profile_steps(lambda: (x @ x).sum().backward(), 2, tmp_path / "prof" / "row.txt")
-    assert report == dict(gpu_ms_per_step=0, gpu_ms_by_family={})
-    text = (tmp_path / "prof" / "row.txt").read_text()
-    assert "self CPU ms/step" in text and "aten::mm" in text
-
-
-def test_bench_train_profile_needs_cuda():
-    proc = subprocess.run(
-        [sys.executable, "benchmarks/bench_train.py", "--device", "cpu", "--tiny", "--profile", "/tmp/p"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert proc.returncode == 2 and "--profile needs --device cuda" in proc.stderr
+    argv = ["bench_train.py", "--device", "cpu", "--tiny", "--models", "vit-b-16", "--variants", "bf16@4"]
+    argv += ["--steps", "1", "--warmup", "0", "--profile", str(tmp_path)]
+    monkeypatch.setattr(sys, "argv", argv)
+    bench.main()
+    out = capsys.readouterr().out
+    assert "GPU ms/step" in out and "16-bit GEMM" in out and "norm + elemen" in out
+    saved = json.loads((tmp_path / "vit-b-16_bf16_b4.json").read_text())
+    assert set(saved["ms"]) == set(bench.step_profile.FAMILIES)
+    assert saved["ms"]["16-bit GEMM"]["forward"] > 0  # aten::mm / addmm stand in for the GEMM kernels
+    assert saved["gpu_ms_per_step"] == pytest.approx(sum(sum(v.values()) for v in saved["ms"].values()))
 
 
 def test_bench_train_models_come_from_configs():
@@ -128,26 +137,6 @@ def test_bench_train_siglip_row_builds_a_switchback_siglip_model():
     assert isinstance(model, SiglipModel) and len(switchback_modules(model)) == 2 * 2 * 6
     ids, pixels = torch.randint(4, 64, (2, 64)), torch.randn(2, 3, 32, 32)
     assert torch.isfinite(model(input_ids=ids, pixel_values=pixels, return_loss=True).loss)
-
-
-def test_bench_loss_memory_computes_rank0s_share_of_each_loss():
-    """The benchmark's stand-ins compute what rank 0 would: checked on the CPU against the formulas."""
-    import torch.nn.functional as F
-
-    bench = load_script("bench_loss_memory")
-    g = torch.Generator().manual_seed(0)
-    image, text = (F.normalize(torch.randn(16, 8, generator=g, dtype=torch.float64), dim=-1) for _ in "it")
-    logits = 10.0 * image @ text.T
-    labels = torch.arange(16)
-    signs = 2 * torch.eye(16, dtype=torch.float64) - 1
-    assert torch.allclose(
-        bench.rank0_loss("clip-global", image, text, 4),
-        (F.cross_entropy(logits, labels) + F.cross_entropy(logits.T, labels)) / 2,
-    )
-    local = (F.cross_entropy(logits[:4], labels[:4]) + F.cross_entropy(logits.T[:4], labels[:4])) / 2
-    assert torch.allclose(bench.rank0_loss("clip-local", image, text, 4), local)
-    siglip = -F.logsigmoid(signs[:4] * (logits[:4] - 10.0)).sum() / 4
-    assert torch.allclose(bench.rank0_loss("siglip", image, text, 4), siglip)
 
 
 @pytest.mark.slow
@@ -297,42 +286,6 @@ def test_parity_summary_and_plot_from_fabricated_logs(tmp_path):
     )
 
 
-@pytest.mark.slow
-def test_quant_error_probe_records_every_operand(tmp_path):
-    """The probe wraps a real train_clip.py run (tiny model, CPU): recorded steps 0 and 2, every operand kind."""
-    out = tmp_path / "probe.jsonl"
-    train = ["examples/train_clip.py", "--output_dir", str(tmp_path / "run"), "--max_train_steps", "4"]
-    train += ["--min_tokens", "0", "--report_to", "none", "--max_eval_samples", "16", "--eval_steps", "0"]
-    run_script(
-        ["benchmarks/quant_error_probe.py", "--out", str(out), "--every", "2", "--", *train], timeout=180
-    )
-    lines = [json.loads(line) for line in out.read_text().splitlines()]
-    assert [line["step"] for line in lines] == [0, 2]
-    kinds = {key.split("(")[0] for key in lines[0] if key != "step"}
-    assert {"quantize_rowwise:int8", "quantize_tensorwise:int8", "quantize_rowwise_colsum:int8"} <= kinds
-    assert "quantize_tensorwise_transposed:int8" in kinds  # grad-input weight: CPU default is int8 gradients
-    for key, stats in lines[0].items():
-        if key != "step":
-            # int8 absmax on these tensors: ~1% relative error, a few % of entries flushed
-            assert 0 < stats["rel"][0] <= stats["rel"][1] < 0.05, (key, stats)
-            assert 0 <= stats["flush"] < 0.2 and 0 <= stats["lost"] < stats["rel"][1], (key, stats)
-
-
-def test_stochastic_int8_rounding_is_unbiased_where_nearest_flushes():
-    probe = load_script("quant_error_probe")
-    torch = pytest.importorskip("torch")
-    torch.manual_seed(0)
-    x = torch.full((4096, 8), 0.3)
-    x[:, 0] = 127.0  # scale 1: every 0.3 entry is below half a step, round-to-nearest gives 0
-    q, scale = probe.stochastic_int8_rowwise(x)
-    assert torch.equal(scale, torch.ones(4096))
-    small = q[:, 1:].float()
-    assert set(small.unique().tolist()) == {0.0, 1.0}
-    # mean of 4096 x 7 Bernoulli(0.3) draws: standard error 0.0036, bound at ~5.5 sigma
-    assert abs(small.mean().item() - 0.3) < 0.02
-    assert torch.equal(q[:, 0], torch.full((4096,), 127, dtype=torch.int8))
-
-
 def test_bench_memory_cpu_smoke_and_variant_grammar(tmp_path, monkeypatch, capsys):
     """Eager rows of bench_memory.py on a tiny model, in process (compile rows cost minutes on the CI CPUs)."""
     bench = load_script("bench_memory")
@@ -412,7 +365,7 @@ def test_bench_memory_profile_sees_checkpoint_recompute(tmp_path, monkeypatch):
     assert ckpt["recompute"]["attention_forward_in_backward_calls"] >= layers
     assert ckpt["recompute"]["extra_backward_gemm_ms_est"] > 0
     report = Path(ckpt["report"]).read_text()
-    assert "GEMM 16-bit" in report and "24 beyond 2 per forward GEMM" in report
+    assert "16-bit GEMM" in report and "24 beyond 2 per forward GEMM" in report
 
 
 def test_step_profile_families_and_recompute_estimate():
@@ -424,10 +377,9 @@ def test_step_profile_families_and_recompute_estimate():
     assert prof.family("_scaled_mm_tma_kernel") == prof.GEMM_8BIT
     assert prof.family("_rowwise_colsum_kernel") == prof.QUANT
     assert prof.family("triton_red_fused__to_copy_abs_amax_clamp_div_0") == prof.QUANT
-    assert prof.family("triton_poi_fused_add_mul_sigmoid_1") == prof.OTHER
-    assert (
-        prof.family("void at::native::clamp_min_kernel") == prof.OTHER
-    )  # eager, not Inductor: not a quantize
+    assert prof.family("triton_poi_fused_add_mul_sigmoid_1") == prof.ELEMENTWISE
+    # eager, not Inductor: not a quantize
+    assert prof.family("void at::native::clamp_min_kernel") == prof.ELEMENTWISE
     assert prof.family("multi_tensor_apply_kernel<FusedAdamMathFunctor>") == prof.OPTIMIZER
     assert prof.is_attention_forward("pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits>")
     assert not prof.is_attention_forward("pytorch_flash::flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel")
@@ -448,6 +400,35 @@ def test_step_profile_families_and_recompute_estimate():
     assert summary["ms"][prof.GEMM_16BIT][B] == 5.5 and summary["gpu_ms_per_step"] == 13.5
     assert prof.phase_of(5.0, [(0.0, 4.0, F), (4.5, 9.0, B)]) == B
     assert prof.phase_of(4.2, [(0.0, 4.0, F), (4.5, 9.0, B)]) == prof.OUTSIDE
+
+
+def test_step_profile_groups_kernels_as_the_profile_table_does():
+    """The seven groups of the profile table (bench_train.py / bench_memory.py --profile), by kernel name."""
+    prof = load_script("step_profile")
+    assert prof.FAMILIES == (
+        "16-bit GEMM", "8-bit GEMM", "quantize/cast", "attention", "norm + elementwise", "optimizer", "other"
+    )  # fmt: skip
+    families = {
+        "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64": "16-bit GEMM",
+        "nvjet_sm90_tst_192x192_64x3_1x2_h_bz_coopB_NNN": "16-bit GEMM",
+        "_scaled_mm_kernel": "8-bit GEMM",
+        "sm90_xmma_gemm_e4m3bf16_e4m3f32_f32_tn_n": "8-bit GEMM",
+        "_quantize_rowwise_kernel": "quantize/cast",
+        "_rowwise_colsum_kernel": "quantize/cast",
+        "triton_per_fused__to_copy_abs_amax_clamp_sum_0": "quantize/cast",
+        "triton_poi_fused__to_copy_3": "quantize/cast",
+        "void at::native::unrolled_elementwise_kernel<at::native::direct_copy_kernel_cuda>": "quantize/cast",
+        "pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits>": "attention",
+        "cudnn_generated_fort_native_sdpa_sm90_flash_bprop": "attention",
+        "triton_red_fused_native_layer_norm_0": "norm + elementwise",
+        "triton_poi_fused__to_copy_add_gelu_2": "norm + elementwise",
+        "void at::native::vectorized_layer_norm_kernel<float>": "norm + elementwise",
+        "void at::native::vectorized_elementwise_kernel<4, at::native::GeluCUDAKernelImpl>": "norm + elementwise",
+        "multi_tensor_apply_kernel<FusedAdamMathFunctor>": "optimizer",
+        "Memcpy DtoD (Device -> Device)": "other",
+        "void at::native::vectorized_elementwise_kernel<4, FillFunctor>": "other",
+    }
+    assert {name: prof.family(name) for name in families} == families
 
 
 def test_bench_memory_max_batch_estimate_and_saved_tensors():
@@ -512,17 +493,6 @@ def test_bench_train_variant_kernel_changes_apply_on_top_of_the_process_options(
     assert bench.switchback_config("int8-memeff").kernel_options == KernelOptions()
     for base, fields in bench.SWITCHBACK_VARIANTS.items():  # every row builds a valid config
         assert bench.switchback_config(base).memory_efficient == fields.get("memory_efficient", False)
-
-
-def test_bench_act_quantize_cpu_smoke():
-    bench = load_script("bench_act_quantize")
-    rows = bench.main(["--device", "cpu", "--tiny"])
-    assert [(r["pass"], r["impl"]) for r in rows] == [
-        ("forward", "inductor"),
-        ("backward", "inductor"),
-        ("backward + act", "inductor"),
-    ]
-    assert all(r["ms"] > 0 and r["GB/s"] > 0 for r in rows)
 
 
 def test_bench_memory_fit_search_and_verify_find_the_largest_batch(monkeypatch):
@@ -600,8 +570,8 @@ def test_bench_memory_budget_context_in_a_fresh_process():
     """+budgetF on the first row of a process: torch._functorch.config is not an attribute of torch._functorch
     until imported (the CPU table's first budget row failed with AttributeError)."""
     code = (
-        "import bench_memory, torch\n"
-        "with bench_memory.recompute_budget(0.25):\n"
+        "import common, torch\n"
+        "with common.recompute_budget(0.25):\n"
         "    assert torch._functorch.config.activation_memory_budget == 0.25\n"
         "assert torch._functorch.config.activation_memory_budget == 1.0\n"
     )
@@ -610,10 +580,10 @@ def test_bench_memory_budget_context_in_a_fresh_process():
     assert proc.returncode == 0, proc.stderr[-2000:]
 
 
-def test_compile_split_names_phases_this_torch_records():
+def test_common_names_compile_phases_this_torch_records():
     # A real compile (aot_eager: no C++ toolchain needed) on the installed torch: if torch renames its timers,
     # this fails instead of the split silently reading zeros.
-    split_mod = load_script("compile_split")
+    split_mod = load_script("common")
     layer = torch.nn.Linear(8, 8)
     compiled = torch.compile(layer, backend="aot_eager")
     torch._dynamo.reset()
@@ -631,12 +601,12 @@ def test_compile_split_names_phases_this_torch_records():
     assert split_mod.first_step_split({}, {}, 1.0) == {}  # a torch without the metrics: no split, no crash
 
 
-def test_compile_split_counts_graph_cache_outcomes_this_torch_records(tmp_path, monkeypatch):
+def test_common_counts_graph_cache_outcomes_this_torch_records(tmp_path, monkeypatch):
     # A real Inductor compile on the installed torch: the counters must move (a renamed one would read zero
     # forever). Inductor builds CPU kernels with a C++ compiler.
     if not (shutil.which("c++") or shutil.which("g++")):
         pytest.skip("Inductor on the CPU needs a C++ compiler (c++ or g++ on PATH)")
-    split_mod = load_script("compile_split")
+    split_mod = load_script("common")
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
     torch._dynamo.reset()
     before = split_mod.cache_counts()

@@ -3,17 +3,18 @@
 import importlib.util
 import math
 import statistics
+import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from hf_switchback.kernels import grad_quant_sim as gq
-from hf_switchback.training import graded_shapes as gs
-from hf_switchback.training.sim_switchback import SimSwitchBackLinear, apply_sim_switchback
-
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))  # the accuracy harness's research package lives there
+from accuracy import grad_quant_sim as gq  # noqa: E402
+from accuracy import graded_shapes as gs  # noqa: E402
+from accuracy.sim_switchback import SimSwitchBackLinear, apply_sim_switchback  # noqa: E402
 
 
 def load_script(name: str):

@@ -2,7 +2,7 @@
 
 The tensor-wise-weight SwitchBack linear (int8 row-wise input x int8 tensor-wise weight in forward, 16-bit
 grad-weight) with the grad-input GEMM's output gradient quantized by one of
-`hf_switchback.kernels.grad_quant_sim`'s quantizers. Everything is fake-quantized (quantize, dequantize,
+`grad_quant_sim`'s quantizers. Everything is fake-quantized (quantize, dequantize,
 float32 matmul): it measures accuracy on any device, not speed.
 """
 
@@ -11,9 +11,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..config import SwitchBackConfig
-from ..convert import _replace_submodules, find_targets
-from ..kernels.grad_quant_sim import (
+from hf_switchback import SwitchBackConfig
+from hf_switchback.convert import find_targets
+
+from .grad_quant_sim import (
     fake_quant_grad,
     fake_quant_rows,
     fake_quant_tensor,
@@ -94,7 +95,8 @@ def apply_sim_switchback(model: nn.Module, grad_quantizer: str, config=None) -> 
     replacements = {
         name: SimSwitchBackLinear.from_linear(model.get_submodule(name), grad_quantizer) for name in targets
     }
-    _replace_submodules(model, replacements)
     for name, module in replacements.items():
+        parent_name, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent_name), child, module)  # single-process runs: no sharding to keep
         module.name = name  # gradient statistics are reported by layer kind
     return list(replacements.values())

@@ -1,6 +1,6 @@
 """A second synthetic task for accuracy parity: shapes rendered in torch, in batches, on any device.
 
-The embedded default set (`synthetic.py`) draws each image with PIL in DataLoader workers and has 32 zero-shot
+The embedded default set (`hf_switchback.training.synthetic`) draws each image with PIL in DataLoader workers and has 32 zero-shot
 classes and at most 576 distinct eval samples; a ViT-B/16 trained on it from scratch sits on a loss plateau and
 leaves it in one sharp drop whose timing varies by hundreds of steps between runs, which decides most of a
 run's final accuracy. This task is built to compare training variants instead:
@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import synthetic
+from hf_switchback.training import synthetic
 
 COLORS = {
     # the pretraining colours: the default set's eight

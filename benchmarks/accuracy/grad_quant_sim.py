@@ -11,7 +11,7 @@ GEMM, in plain torch on any device: accuracy can be measured without a kernel, s
     row-sr        row-wise int8 with stochastic rounding (unbiased: small entries survive on average)
     row-outlier<K> the K output columns with the largest |G| kept in 16 bits, the rest row-wise int8
 
-`hf_switchback.training.sim_switchback.SimSwitchBackLinear` trains a model with one of them.
+`sim_switchback.SimSwitchBackLinear` trains a model with one of them.
 """
 
 from __future__ import annotations
