@@ -18,7 +18,7 @@ from ..config import BACKENDS, GRAD_PRECISIONS, PRECISIONS, WEIGHT_SCALINGS, Swi
 from . import synthetic
 from .checkpoints import check_checkpoint, check_output_dir
 from .data import CAPTION_COLUMNS, DEFAULT_MAX_IMAGE_PIXELS, IMAGE_COLUMNS
-from .guard import DEFAULT_MAX_CONSECUTIVE
+from .guard import DEFAULT_MAX_CONSECUTIVE, UNBOUNDED_CEILING
 from .model_setup import SWITCHBACK_FLAGS, model_type
 from .optim import OPTIMIZER_CHOICES
 from .runtime import COMPILE_MODES
@@ -242,7 +242,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=DEFAULT_MAX_CONSECUTIVE,
         help="A step with a NaN/inf loss or gradient norm is skipped (no update); stop the run (exit 1) after "
-        "this many in a row (0: never stop).",
+        f"this many in a row (0: after {UNBOUNDED_CEILING}, the most a diverged run may loop).",
     )
     g.add_argument(
         "--local_loss",
@@ -342,8 +342,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g.add_argument(
         "--resume_from_checkpoint",
-        help="'latest' (in output_dir/checkpoints) or a checkpoint path; newer checkpoints of output_dir move to "
-        "checkpoints/abandoned_after_step_N/.",
+        help="'latest' (in output_dir/checkpoints) or a checkpoint path; once it has loaded, newer checkpoints of "
+        "output_dir move to checkpoints/abandoned_after_step_N/.",
     )
     g.add_argument(
         "--overwrite_output_dir",
@@ -354,7 +354,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--allow_resume_mismatch",
         action="store_true",
         help="Resume although the checkpoint was written under other settings (model, data, batch geometry, "
-        "world size, steps, SwitchBack config, optimizer).",
+        "world size, steps, SwitchBack config, optimizer, mixed precision, text length, clipping, patch dropout; "
+        "never tower locks or layer-scale, which change the saved parameters).",
     )
     g.add_argument(
         "--ddp_timeout",
