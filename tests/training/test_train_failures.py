@@ -20,6 +20,7 @@ from train_helpers import (
 )
 
 from hf_switchback.training.checkpoints import checkpoint_dirs
+from hf_switchback.training.guard import UNBOUNDED_CEILING
 
 
 def run_script(args: list[str], timeout: int = 300) -> subprocess.CompletedProcess:
@@ -56,6 +57,13 @@ def test_a_diverged_run_stops_with_an_error_and_keeps_the_previous_model(tmp_pat
     assert read_results(out)["status"] == "failed" and "step 2" in read_results(out)["error"]
     assert sha256(out / "model.safetensors") == model  # the good model is still there
     assert sorted(os.listdir(out / "checkpoints")) == ["step_1"]  # only the finite step was saved
+
+    # --max_nonfinite_steps 0 is no license to loop forever: a skipped step leaves the weights as they were
+    unbounded = run_script([*again, "--max_train_steps", "20", "--lr", "1e9", "--max_nonfinite_steps", "0"])
+    assert unbounded.returncode == 1
+    assert f"step 2: {UNBOUNDED_CEILING} consecutive steps with a non-finite loss" in unbounded.stderr
+    assert read_results(out)["status"] == "failed"
+    assert sha256(out / "model.safetensors") == model
 
     # lr inf: the first update itself makes the weights non-finite; they are never written
     poisoned = run_script([*again, "--max_train_steps", "4", "--lr", "inf"])
