@@ -55,7 +55,9 @@ def test_save_is_atomic_and_rotation_keeps_complete_ones(tmp_path, monkeypatch):
         marker = json.loads((folder / ckpt.MARKER).read_text())
         assert (marker["step"], marker["fingerprint"]) == (step, {"world_size": 1})
         # the marker lists every file beside it, with its size
-        assert marker["files"] == {f.name: f.stat().st_size for f in folder.iterdir() if f.name != ckpt.MARKER}
+        assert marker["files"] == {
+            f.name: f.stat().st_size for f in folder.iterdir() if f.name != ckpt.MARKER
+        }
     assert path.endswith("step_3")
     assert sorted(os.listdir(tmp_path / "checkpoints")) == ["step_2", "step_3"]
     assert json.loads((tmp_path / "checkpoints" / "step_3" / "train_state_rank0.json").read_text()) == {
@@ -286,7 +288,11 @@ def test_fingerprint_covers_precision_text_length_clipping_dropout_and_refuses_s
     saved = ckpt.run_fingerprint(_fingerprint_args(), config, 1, mixed_precision="no", max_text_length=16)
     path = _complete(tmp_path, 2, saved)
     changed = ckpt.run_fingerprint(
-        _fingerprint_args(grad_clip_norm=0.0, patch_dropout=0.5), config, 1, mixed_precision="bf16", max_text_length=8
+        _fingerprint_args(grad_clip_norm=0.0, patch_dropout=0.5),
+        config,
+        1,
+        mixed_precision="bf16",
+        max_text_length=8,
     )
     _refusal(
         path,
@@ -296,11 +302,17 @@ def test_fingerprint_covers_precision_text_length_clipping_dropout_and_refuses_s
         "grad_clip_norm: 1.0 in the checkpoint, 0.0 now",
         "patch_dropout: 0.0 in the checkpoint, 0.5 now",
     )
-    assert len(ckpt.check_fingerprint(str(path), changed, allow_mismatch=True)) == 4  # these may be overridden
+    assert (
+        len(ckpt.check_fingerprint(str(path), changed, allow_mismatch=True)) == 4
+    )  # these may be overridden
     for flag, value in (("lock_image", True), ("lock_text", True), ("layer_scale_init", 0.0)):
-        other = ckpt.run_fingerprint(_fingerprint_args(**{flag: value}), config, 1, mixed_precision="no", max_text_length=16)
+        other = ckpt.run_fingerprint(
+            _fingerprint_args(**{flag: value}), config, 1, mixed_precision="no", max_text_length=16
+        )
         with pytest.raises(ValueError, match=rf"other trained parameters .*structure\.{flag}: "):
-            ckpt.check_fingerprint(str(path), other, allow_mismatch=True)  # these never: the state cannot load
+            ckpt.check_fingerprint(
+                str(path), other, allow_mismatch=True
+            )  # these never: the state cannot load
 
 
 def test_a_marker_vouches_only_for_the_files_it_lists(tmp_path):

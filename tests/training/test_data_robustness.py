@@ -181,5 +181,5 @@ def test_a_csv_caption_that_is_not_utf8_is_skipped_and_counted_with_its_row(tmp_
         captions, skipped = read_all(source, num_workers=0)
     assert sorted(captions) == ["0", "2", "3"] and skipped == 1
     assert "skipping sample 1: ValueError: caption holds bytes that are not UTF-8" in caplog.text
-    images, eval_captions, _ = load_eval_samples(source, 10)
+    _images, eval_captions, _ = load_eval_samples(source, 10)
     assert eval_captions == ["a red square 0", "a red square 2", "a red square 3"]

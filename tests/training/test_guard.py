@@ -8,8 +8,8 @@ from accelerate import Accelerator
 from torch import nn
 
 from hf_switchback.training.guard import (
-    NonFiniteError,
     UNBOUNDED_CEILING,
+    NonFiniteError,
     NonFiniteGuard,
     check_finite_before_save,
     check_mixed_precision,
@@ -93,11 +93,15 @@ def test_a_limit_of_zero_still_ends_a_run_of_skips_and_its_warnings_are_rate_lim
     with caplog.at_level("WARNING", logger="hf_switchback.training.guard"):
         for step in range(1, UNBOUNDED_CEILING):
             guard.record(step, False, detail="nan")
-        with pytest.raises(NonFiniteError, match=rf"step {UNBOUNDED_CEILING}: {UNBOUNDED_CEILING} consecutive"):
+        with pytest.raises(
+            NonFiniteError, match=rf"step {UNBOUNDED_CEILING}: {UNBOUNDED_CEILING} consecutive"
+        ):
             guard.record(UNBOUNDED_CEILING, False, detail="nan")
     # the first 5, then at 8, 16, 32, 64 in a row (100 raises instead)
     assert len(caplog.records) == 9
-    assert NonFiniteGuard(max_consecutive=UNBOUNDED_CEILING + 50).consecutive == 0  # a larger limit is allowed
+    assert (
+        NonFiniteGuard(max_consecutive=UNBOUNDED_CEILING + 50).consecutive == 0
+    )  # a larger limit is allowed
 
 
 def test_an_inf_loss_with_finite_gradients_is_skipped_too():

@@ -120,14 +120,21 @@ def test_resume_keeps_the_skip_count_checks_the_quantization_and_sets_newer_chec
 
     # a structure change is refused before loading, and a load that fails moves nothing: `latest` is still step_4
     with pytest.raises(ValueError, match=r"other trained parameters .*structure.lock_image: False in the"):
-        run_in_process(script, [*run, "--resume_from_checkpoint", step_2, "--lock_image", "--allow_resume_mismatch"])
+        run_in_process(
+            script, [*run, "--resume_from_checkpoint", step_2, "--lock_image", "--allow_resume_mismatch"]
+        )
     broken = tmp_path / "broken_step_2"
     shutil.copytree(step_2, broken)
     size = (broken / "optimizer.bin").stat().st_size
     (broken / "optimizer.bin").write_bytes(b"\0" * size)  # same size: only loading finds it out
-    with pytest.raises(Exception, match="(?i)pickle|load|zip"):
+    with pytest.raises(Exception, match=r"(?i)pickle|load|zip"):
         run_in_process(script, [*run, "--resume_from_checkpoint", str(broken)])
-    assert [os.path.basename(p) for p in checkpoint_dirs(str(out))] == ["step_1", "step_2", "step_3", "step_4"]
+    assert [os.path.basename(p) for p in checkpoint_dirs(str(out))] == [
+        "step_1",
+        "step_2",
+        "step_3",
+        "step_4",
+    ]
     assert not any(name.startswith("abandoned") for name in os.listdir(out / "checkpoints"))
 
     resumed = run_in_process(script, [*run, "--resume_from_checkpoint", step_2, "--checkpointing_steps", "0"])
@@ -234,7 +241,10 @@ def test_a_full_disk_during_a_checkpoint_fails_the_run_naming_the_path(tmp_path,
     finally:
         AcceleratorState._reset_state(True)
     checkpoints = out / "checkpoints"
-    assert str(exc.value) == f"training failed: [Errno 28] no space left on device while writing {checkpoints}/.step_1.tmp: free space and resume"
+    assert (
+        str(exc.value)
+        == f"training failed: [Errno 28] no space left on device while writing {checkpoints}/.step_1.tmp: free space and resume"
+    )
     assert read_results(out)["status"] == "failed" and "no space left" in read_results(out)["error"]
     assert os.listdir(checkpoints) == []  # the partial save is removed
 
@@ -296,7 +306,11 @@ def test_a_kill_during_rotation_and_a_second_writer_lose_nothing(tmp_path, tiny)
     assert checkpoint_dirs(str(out)) == [str(out / "checkpoints" / "step_2")]
 
     holder = subprocess.Popen(
-        [sys.executable, "-c", LOCK_HOLDER, str(out)], env=clean_env(), cwd=REPO, stdout=subprocess.PIPE, text=True
+        [sys.executable, "-c", LOCK_HOLDER, str(out)],
+        env=clean_env(),
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        text=True,
     )
     try:
         assert holder.stdout.readline().strip() == "held"
