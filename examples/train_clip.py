@@ -62,7 +62,6 @@ from tqdm.auto import tqdm
 from hf_switchback import apply_switchback
 from hf_switchback.training import data as data_lib
 from hf_switchback.training.checkpoints import (
-    DiskFullError,
     append_log,
     clear_previous_run,
     disk_full_error,
@@ -420,14 +419,9 @@ def _train(args):
         state_dict = export_state_dict(state_dict, scalar_logit_scale=not siglip)
         # layer-scale folded into out_proj / fc2: the checkpoint is a plain CLIPModel with the same outputs
         state_dict = fold_layer_scale_state_dict(state_dict)
-        try:
-            clip.save_pretrained(args.output_dir, state_dict=state_dict, save_function=accelerator.save)
-            processor.save_pretrained(args.output_dir)
-        except Exception as err:
-            full = disk_full_error(err, args.output_dir)
-            if full is not None:
-                raise full from err
-            raise
+        # a full disk here is reported by main() (disk_full_error), with status failed
+        clip.save_pretrained(args.output_dir, state_dict=state_dict, save_function=accelerator.save)
+        processor.save_pretrained(args.output_dir)
         publish_mode(args.output_dir)
         write_results(args.output_dir, results)
         accelerator.print(json.dumps(results, indent=2))
@@ -460,13 +454,19 @@ def main():
         training_function(args)
     except OutputDirBusy as err:  # the other process's results are not ours to write
         sys.exit(f"training refused: {err}")
-    except (NonFiniteError, DiskFullError) as err:  # NonFiniteError: every rank at the same step (reduced)
+    except Exception as err:
+        # NonFiniteError: every rank at the same step (the decision is reduced); a full disk: wherever it struck
+        failure = err if isinstance(err, NonFiniteError) else disk_full_error(err, args.output_dir)
+        if failure is None:
+            raise
         if int(os.environ.get("RANK", "0")) == 0:
             try:
-                write_results(args.output_dir, {"status": "failed", "error": str(err)})  # model files kept
+                write_results(
+                    args.output_dir, {"status": "failed", "error": str(failure)}
+                )  # model files kept
             except OSError as write_err:  # a disk still full
                 logger.error("could not write all_results.json: %s", write_err)
-        sys.exit(f"training failed: {err}")
+        sys.exit(f"training failed: {failure}")
 
 
 if __name__ == "__main__":

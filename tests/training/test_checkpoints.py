@@ -377,6 +377,9 @@ def test_a_full_disk_during_a_save_is_named_and_leaves_the_previous_checkpoint(t
     statvfs.f_bavail = 1 << 20
     assert ckpt.disk_full_error(torch_error, str(tmp_path)) is None
     assert ckpt.disk_full_error(ValueError("other"), str(tmp_path)) is None
+    # anywhere else (the log, the final model): the file the OSError names
+    raw = OSError(errno.ENOSPC, "No space left on device", "/out/train_log.jsonl")
+    assert "while writing /out/train_log.jsonl" in str(ckpt.disk_full_error(raw, "/out"))
 
 
 def test_checkpoint_files_get_the_umasks_mode(tmp_path):

@@ -243,7 +243,7 @@ def test_a_full_disk_during_a_checkpoint_fails_the_run_naming_the_path(tmp_path,
     checkpoints = out / "checkpoints"
     assert (
         str(exc.value)
-        == f"training failed: [Errno 28] no space left on device while writing {checkpoints}/.step_1.tmp: free space and resume"
+        == f"training failed: [Errno 28] no space left on device while writing {checkpoints}/.step_1.tmp/optimizer.bin: free space and resume"
     )
     assert read_results(out)["status"] == "failed" and "no space left" in read_results(out)["error"]
     assert os.listdir(checkpoints) == []  # the partial save is removed

@@ -206,10 +206,14 @@ def disk_full_error(err: BaseException, path: str) -> DiskFullError | None:
 
     torch.save reports ENOSPC as "RuntimeError: [enforce fail at inline_container.cc] . unexpected pos ...",
     with no errno, so a RuntimeError counts when the file system has no space left."""
+    if isinstance(err, DiskFullError):
+        return err
     full = isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT)
+    if full and err.filename:
+        path = err.filename
     if not full and isinstance(err, RuntimeError) and "unexpected pos" in str(err):
         try:
-            stat = os.statvfs(os.path.dirname(os.path.abspath(path)))
+            stat = os.statvfs(path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path)))
             full = stat.f_bavail * stat.f_frsize < 1 << 20
         except OSError:
             full = False
