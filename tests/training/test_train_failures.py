@@ -330,3 +330,65 @@ def test_a_kill_during_rotation_and_a_second_writer_lose_nothing(tmp_path, tiny)
     assert expected.keys() == got.keys()
     assert all(torch.equal(expected[k], got[k]) for k in expected)  # bit-identical to the uninterrupted run
     assert sorted(os.listdir(out / "checkpoints")) == ["step_4"]
+
+
+def _logged_step(output_dir) -> int:
+    """The highest step in train_log.jsonl (0: none yet); a line cut by a kill is ignored."""
+    best = 0
+    try:
+        with open(os.path.join(output_dir, "train_log.jsonl")) as f:
+            for line in f:
+                try:
+                    best = max(best, int(json.loads(line)["step"]))
+                except (ValueError, KeyError, TypeError):
+                    continue
+    except FileNotFoundError:
+        pass
+    return best
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(os.environ.get("HF_SWITCHBACK_SOAK") != "1", reason="soak test: set HF_SWITCHBACK_SOAK=1")
+def test_soak_twenty_kill_9_of_the_training_process_end_with_the_uninterrupted_weights(tmp_path, tiny):
+    """kill -9 of the training process itself (no launcher in between) 20 times over one run, each at a random
+    moment of a step or a checkpoint save, relaunched with `latest` each time: the final weights equal an
+    uninterrupted run's bit for bit. Minutes on 2 cores, so only on request (HF_SWITCHBACK_SOAK=1)."""
+    import random
+    import time
+
+    import torch
+
+    steps, kills = 60, 20
+    run = [*tiny, "--max_train_steps", str(steps), "--checkpointing_steps", "1", "--logging_steps", "1"]
+    reference = tmp_path / "reference"
+    began = time.monotonic()
+    done = run_script([*run, "--output_dir", str(reference)])
+    assert done.returncode == 0, done.stderr[-3000:]
+    step_time = (time.monotonic() - began) / steps  # generous: includes the start-up
+
+    out, rng, killed = tmp_path / "run", random.Random(0), 0
+    while killed < kills:
+        resume = ["--resume_from_checkpoint", "latest"] if out.exists() else []
+        if resume and not checkpoint_dirs(str(out)):
+            resume.append("--overwrite_output_dir")  # killed before the first checkpoint was complete
+        from_step = (
+            int(os.path.basename(checkpoint_dirs(str(out))[-1])[5:]) if checkpoint_dirs(str(out)) else 0
+        )
+        cmd = [sys.executable, SCRIPT, *run, "--output_dir", str(out), *resume]
+        proc = subprocess.Popen(
+            cmd, env=clean_env(), cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        )
+        while proc.poll() is None and _logged_step(out) <= from_step:  # a step of this launch has run
+            time.sleep(0.02)
+        time.sleep(rng.uniform(0, 2 * step_time))
+        if proc.poll() is not None:
+            break  # finished before the kill
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        killed += 1
+    final = run_script([*run, "--output_dir", str(out), "--resume_from_checkpoint", "latest"])
+    assert final.returncode == 0, final.stderr[-3000:]
+    assert killed >= kills // 2, f"only {killed} kills landed before the run ended"
+    expected, got = final_weights(reference), final_weights(out)
+    assert all(torch.equal(expected[k], got[k]) for k in expected)
+    assert read_results(out)["train_steps"] == steps
