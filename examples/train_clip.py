@@ -460,10 +460,8 @@ def main():
         if failure is None:
             raise
         if int(os.environ.get("RANK", "0")) == 0:
-            try:
-                write_results(
-                    args.output_dir, {"status": "failed", "error": str(failure)}
-                )  # model files kept
+            try:  # the model files of an earlier run are kept
+                write_results(args.output_dir, {"status": "failed", "error": str(failure)})
             except OSError as write_err:  # a disk still full
                 logger.error("could not write all_results.json: %s", write_err)
         sys.exit(f"training failed: {failure}")

@@ -9,13 +9,14 @@ counts as complete only while every file its marker lists is there with its size
 A checkpoint is never seen half written: every rank writes into .step_<N>.tmp/, the main process writes the
 marker last and renames the folder to step_<N>/ (a rename within a directory is atomic). A kill at any
 moment leaves either the new complete checkpoint or a temporary folder that `latest` never picks and the next
-save removes; the rotation deletes old checkpoints only after the new one is complete, and renames each one
-to a temporary name before deleting it, so a kill during the deletion leaves no step_<N> with missing files. `latest` is decided
+save removes; the rotation deletes old checkpoints only after the new one is complete, each renamed to a
+temporary name first, so a kill during the deletion leaves no step_<N> with missing files. `latest` is decided
 on the main process and broadcast, so every rank resumes from the same step (OpenCLIP does the same).
 
-The run fingerprint (model config, data, batch geometry, world size, schedule, SwitchBack config, optimizer)
-is stored in the marker and checked on resume: continuing a checkpoint under other settings silently trains
-something else.
+The run fingerprint (model config, data, batch geometry, world size, schedule, SwitchBack config, optimizer,
+mixed precision, text length, clipping, patch dropout, tower locks, layer-scale) is stored in the marker and
+checked on resume: continuing a checkpoint under other settings silently trains something else. A change of
+the trained parameters (locks, layer-scale) is refused even with --allow_resume_mismatch: that state cannot load.
 
 Resuming from step N while <output_dir>/checkpoints holds complete checkpoints after N (a rollback, e.g. past a
 loss spike) moves those into checkpoints/abandoned_after_step_<N>/ once step N has loaded (a failed load moves
@@ -38,9 +39,9 @@ CHECKPOINT_PREFIX = "step_"
 MARKER = "checkpoint.json"
 # What a finished or interrupted run leaves in its output_dir: a new run there would mix with it.
 RUN_FILES = ("checkpoints", "all_results.json", "train_log.jsonl", "model.safetensors")
-# fingerprint fields that change which parameters exist or train
-STRUCTURE = "structure"
 CLEARED_ON_OVERWRITE = ("checkpoints", "all_results.json", "train_log.jsonl", "spike_monitor.png")
+# The fingerprint's group of fields that change which parameters exist or train.
+STRUCTURE = "structure"
 
 
 def checkpoint_dirs(output_dir: str) -> list[str]:
