@@ -427,3 +427,16 @@ def test_ddp_timeout_always_reaches_the_process_group():
         handler = process_group_kwargs(minutes)
         assert handler.to_kwargs() == {"timeout": handler.timeout}
         assert handler.timeout.total_seconds() == minutes * 60
+
+
+def test_the_output_dir_lock_refuses_a_second_writer_naming_it_and_is_free_once_released(tmp_path):
+    import socket
+
+    from hf_switchback.training.run_lock import OutputDirBusy, OutputDirLock
+
+    with OutputDirLock(str(tmp_path / "run")):
+        with pytest.raises(OutputDirBusy, match=rf"another training process \(pid {os.getpid()} on host "):
+            OutputDirLock(str(tmp_path / "run")).acquire()
+        assert socket.gethostname() in (tmp_path / "run" / ".train.lock").read_text()
+    with OutputDirLock(str(tmp_path / "run")):  # released: free again, nothing to clean up
+        pass
