@@ -67,6 +67,8 @@ from hf_switchback.training import data as data_lib
 from hf_switchback.training.checkpoints import (
     append_log,
     clear_previous_run,
+    disk_full_error,
+    publish_mode,
     reset_log,
     resolve_checkpoint,
     resume_from,
@@ -102,6 +104,7 @@ from hf_switchback.training.optim import (
 )
 from hf_switchback.training.patch_dropout import add_patch_dropout
 from hf_switchback.training.reporting import push_model, switchback_results, tracker_config
+from hf_switchback.training.run_lock import OutputDirBusy, OutputDirLock
 from hf_switchback.training.runtime import check_deepspeed, dynamo_plugin, process_group_kwargs
 from hf_switchback.training.siglip_loss import SigLipLoss
 from hf_switchback.training.sources import load_eval_set, load_train_source, micro_batch_stream
@@ -120,6 +123,14 @@ logger = logging.getLogger("train_clip")
 
 
 def training_function(args):
+    """Train as `args` say; the main process holds the output directory's lock throughout (run_lock.py)."""
+    if int(os.environ.get("RANK", "0")) != 0:
+        return _train(args)
+    with OutputDirLock(args.output_dir):
+        return _train(args)
+
+
+def _train(args):
     report_to = None if args.report_to == "none" else args.report_to
     accelerator = Accelerator(
         # A multi-process launch on a machine without CUDA (CI, laptops): gloo on the CPU, not a GPU backend.
@@ -193,7 +204,14 @@ def training_function(args):
         steps_per_epoch = max(1, per_rank // (args.batch_size * args.accum_freq))
         args.max_train_steps = args.num_train_epochs * steps_per_epoch
     warmup = args.warmup_steps if args.warmup_steps is not None else max(1, args.max_train_steps // 20)
-    fingerprint = run_fingerprint(args, clip.config.to_dict(), accelerator.num_processes, sb_config)
+    fingerprint = run_fingerprint(
+        args,
+        clip.config.to_dict(),
+        accelerator.num_processes,
+        sb_config,
+        mixed_precision=accelerator.mixed_precision,
+        max_text_length=max_text_length,
+    )
 
     # What accelerate wraps: forward returns (image features, text features, exp(logit_scale)), OpenCLIP-style.
     # logit_scale becomes shape (1,) (FSDP2 and ZeRO-3 shard along dim 0; 0-d is refused), on every backend so
@@ -405,8 +423,10 @@ def training_function(args):
         state_dict = export_state_dict(state_dict, scalar_logit_scale=not siglip)
         # layer-scale folded into out_proj / fc2: the checkpoint is a plain CLIPModel with the same outputs
         state_dict = fold_layer_scale_state_dict(state_dict)
+        # a full disk here is reported by main() (disk_full_error), with status failed
         clip.save_pretrained(args.output_dir, state_dict=state_dict, save_function=accelerator.save)
         processor.save_pretrained(args.output_dir)
+        publish_mode(args.output_dir)
         write_results(args.output_dir, results)
         accelerator.print(json.dumps(results, indent=2))
         saved = ["the model, processor, all_results.json, train_log.jsonl"]
@@ -436,12 +456,19 @@ def main():
     check_args(parser, args)  # every refusal happens here: nothing is loaded or created before it
     try:
         training_function(args)
-    except NonFiniteError as err:  # every rank raises it at the same step (the decision is reduced)
+    except OutputDirBusy as err:  # the other process's results are not ours to write
+        sys.exit(f"training refused: {err}")
+    except Exception as err:
+        # NonFiniteError: every rank at the same step (the decision is reduced); a full disk: wherever it struck
+        failure = err if isinstance(err, NonFiniteError) else disk_full_error(err, args.output_dir)
+        if failure is None:
+            raise
         if int(os.environ.get("RANK", "0")) == 0:
-            write_results(
-                args.output_dir, {"status": "failed", "error": str(err)}
-            )  # the model files are kept
-        sys.exit(f"training failed: {err}")
+            try:  # the model files of an earlier run are kept
+                write_results(args.output_dir, {"status": "failed", "error": str(failure)})
+            except OSError as write_err:  # a disk still full
+                logger.error("could not write all_results.json: %s", write_err)
+        sys.exit(f"training failed: {failure}")
 
 
 if __name__ == "__main__":

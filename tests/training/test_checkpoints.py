@@ -51,9 +51,12 @@ def test_save_is_atomic_and_rotation_keeps_complete_ones(tmp_path, monkeypatch):
     accelerator, _, _, args = _prepared(tmp_path)
     for step in (1, 2, 3):
         path = ckpt.save_checkpoint(accelerator, args, {"step": step}, fingerprint={"world_size": 1})
-        assert json.loads((tmp_path / "checkpoints" / f"step_{step}" / ckpt.MARKER).read_text()) == {
-            "step": step,
-            "fingerprint": {"world_size": 1},
+        folder = tmp_path / "checkpoints" / f"step_{step}"
+        marker = json.loads((folder / ckpt.MARKER).read_text())
+        assert (marker["step"], marker["fingerprint"]) == (step, {"world_size": 1})
+        # the marker lists every file beside it, with its size
+        assert marker["files"] == {
+            f.name: f.stat().st_size for f in folder.iterdir() if f.name != ckpt.MARKER
         }
     assert path.endswith("step_3")
     assert sorted(os.listdir(tmp_path / "checkpoints")) == ["step_2", "step_3"]
@@ -210,7 +213,8 @@ def _fingerprint_args(**changes):
         train_file=None, train_data_dir=None, train_shards="/d/*.tar", dataset_name=None, dataset_config_name=None,
         synthetic_train_samples=100, train_split="train", seed=0, batch_size=8, accum_freq=2, max_train_steps=6,
         optimizer="adamw", lr=1e-3, beta1=0.9, beta2=0.98, eps=1e-6, weight_decay=0.1, warmup_steps=None,
-        min_lr_ratio=0.0,
+        min_lr_ratio=0.0, grad_clip_norm=1.0, patch_dropout=0.0, lock_image=False, lock_text=False,
+        layer_scale_init=None,
     )  # fmt: skip
     return SimpleNamespace(**{**vars(args), **changes})
 
@@ -279,6 +283,117 @@ def test_fingerprint_covers_switchback_and_optimizer_and_old_checkpoints_still_r
         _fingerprint_args(lr=5e-4), config, 1, int8)) == []  # fmt: skip
 
 
+def test_fingerprint_covers_precision_text_length_clipping_dropout_and_refuses_structure_always(tmp_path):
+    config = {"text_config": {"hidden_size": 32}}
+    saved = ckpt.run_fingerprint(_fingerprint_args(), config, 1, mixed_precision="no", max_text_length=16)
+    path = _complete(tmp_path, 2, saved)
+    changed = ckpt.run_fingerprint(
+        _fingerprint_args(grad_clip_norm=0.0, patch_dropout=0.5),
+        config,
+        1,
+        mixed_precision="bf16",
+        max_text_length=8,
+    )
+    _refusal(
+        path,
+        changed,
+        "mixed_precision: 'no' in the checkpoint, 'bf16' now",
+        "max_text_length: 16 in the checkpoint, 8 now",
+        "grad_clip_norm: 1.0 in the checkpoint, 0.0 now",
+        "patch_dropout: 0.0 in the checkpoint, 0.5 now",
+    )
+    assert (
+        len(ckpt.check_fingerprint(str(path), changed, allow_mismatch=True)) == 4
+    )  # these may be overridden
+    for flag, value in (("lock_image", True), ("lock_text", True), ("layer_scale_init", 0.0)):
+        other = ckpt.run_fingerprint(
+            _fingerprint_args(**{flag: value}), config, 1, mixed_precision="no", max_text_length=16
+        )
+        with pytest.raises(ValueError, match=rf"other trained parameters .*structure\.{flag}: "):
+            ckpt.check_fingerprint(
+                str(path), other, allow_mismatch=True
+            )  # these never: the state cannot load
+
+
+def test_a_marker_vouches_only_for_the_files_it_lists(tmp_path):
+    """A kill during a deletion, or a truncation, leaves step_N with its marker but not its files: neither
+    `latest` nor an explicit resume may take it. A marker that lists no files (older checkpoints) still counts."""
+    old = _complete(tmp_path, 2)
+    path = _complete(tmp_path, 4)
+    (path / "model.safetensors").write_bytes(b"w" * 8)
+    (path / ckpt.MARKER).write_text(
+        json.dumps({"step": 4, "files": {"optimizer.bin": 10, "model.safetensors": 8}})
+    )
+    assert ckpt.checkpoint_dirs(str(tmp_path))[-1] == str(path)
+    (path / "model.safetensors").unlink()
+    assert ckpt.checkpoint_dirs(str(tmp_path)) == [str(old)]
+    with pytest.raises(ValueError, match=r"is damaged: model.safetensors \(missing\)"):
+        ckpt.check_checkpoint(str(path))
+    (path / "model.safetensors").write_bytes(b"w" * 3)  # cut short
+    assert ckpt.missing_files(str(path)) == ["model.safetensors (3 bytes, 8 written)"]
+
+
+def test_rotation_renames_before_deleting_so_a_kill_leaves_no_damaged_checkpoint(tmp_path, monkeypatch):
+    accelerator, _, _, args = _prepared(tmp_path)
+    args.checkpoints_total_limit = 1
+    ckpt.save_checkpoint(accelerator, args, {"step": 1})
+    real_rmtree = ckpt.shutil.rmtree
+
+    def killed_while_deleting(path, *a, **kw):
+        if os.path.exists(os.path.join(path, "optimizer.bin")):  # dies half-way through an old checkpoint
+            os.remove(os.path.join(path, "optimizer.bin"))
+            raise KeyboardInterrupt("kill -9")
+        return real_rmtree(path, *a, **kw)
+
+    monkeypatch.setattr(ckpt.shutil, "rmtree", killed_while_deleting)
+    with pytest.raises(KeyboardInterrupt):
+        ckpt.save_checkpoint(accelerator, args, {"step": 2})
+    monkeypatch.setattr(ckpt.shutil, "rmtree", real_rmtree)
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == [".step_1.old.tmp", "step_2"]
+    assert ckpt.checkpoint_dirs(str(tmp_path)) == [str(tmp_path / "checkpoints" / "step_2")]
+    ckpt.save_checkpoint(accelerator, args, {"step": 3})  # the leftover goes with the next save
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["step_3"]
+
+
+def test_a_full_disk_during_a_save_is_named_and_leaves_the_previous_checkpoint(tmp_path, monkeypatch):
+    import errno
+
+    accelerator, _, _, args = _prepared(tmp_path)
+    good = ckpt.save_checkpoint(accelerator, args, {"step": 1})
+
+    def full(folder):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(accelerator, "save_state", full)
+    with pytest.raises(ckpt.DiskFullError, match=r"no space left on device while writing .*\.step_2\.tmp"):
+        ckpt.save_checkpoint(accelerator, args, {"step": 2})
+    assert ckpt.checkpoint_dirs(str(tmp_path)) == [good]
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["step_1"]  # the partial save is gone
+    # torch.save's own report of ENOSPC carries no errno: recognised when the file system is full
+    torch_error = RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 64 vs 0")
+    statvfs = SimpleNamespace(f_bavail=0, f_frsize=4096)
+    monkeypatch.setattr(ckpt.os, "statvfs", lambda path: statvfs)
+    assert isinstance(ckpt.disk_full_error(torch_error, str(tmp_path)), ckpt.DiskFullError)
+    statvfs.f_bavail = 1 << 20
+    assert ckpt.disk_full_error(torch_error, str(tmp_path)) is None
+    assert ckpt.disk_full_error(ValueError("other"), str(tmp_path)) is None
+    # anywhere else (the log, the final model): the file the OSError names
+    raw = OSError(errno.ENOSPC, "No space left on device", "/out/train_log.jsonl")
+    assert "while writing /out/train_log.jsonl" in str(ckpt.disk_full_error(raw, "/out"))
+
+
+def test_checkpoint_files_get_the_umasks_mode(tmp_path):
+    accelerator, _, _, args = _prepared(tmp_path)
+    old = os.umask(0o027)
+    try:
+        path = ckpt.save_checkpoint(accelerator, args, {"step": 1})
+    finally:
+        os.umask(old)
+    modes = {name: os.stat(os.path.join(path, name)).st_mode & 0o777 for name in os.listdir(path)}
+    assert modes.pop("model.safetensors") == 0o640  # safetensors alone would give 0600
+    assert set(modes.values()) == {0o640}
+
+
 def test_damaged_log_lines_are_dropped_on_resume(tmp_path):
     log = tmp_path / "train_log.jsonl"
     log.write_text('{"step": 1, "loss": 2.0}\n{"step": 2, "loss": 1.5}\n{"step": 3, "lo')  # killed mid-line
@@ -312,3 +427,16 @@ def test_ddp_timeout_always_reaches_the_process_group():
         handler = process_group_kwargs(minutes)
         assert handler.to_kwargs() == {"timeout": handler.timeout}
         assert handler.timeout.total_seconds() == minutes * 60
+
+
+def test_the_output_dir_lock_refuses_a_second_writer_naming_it_and_is_free_once_released(tmp_path):
+    import socket
+
+    from hf_switchback.training.run_lock import OutputDirBusy, OutputDirLock
+
+    with OutputDirLock(str(tmp_path / "run")):
+        with pytest.raises(OutputDirBusy, match=rf"another training process \(pid {os.getpid()} on host "):
+            OutputDirLock(str(tmp_path / "run")).acquire()
+        assert socket.gethostname() in (tmp_path / "run" / ".train.lock").read_text()
+    with OutputDirLock(str(tmp_path / "run")):  # released: free again, nothing to clean up
+        pass

@@ -166,3 +166,20 @@ def test_a_missing_shard_is_an_error_not_a_truncated_one(tmp_path):
     """Only damaged data is skipped: a wrong path must stop the run, not read as 'truncated after 0 samples'."""
     with pytest.raises(FileNotFoundError):
         list(read_shard(str(tmp_path / "no-such-shard.tar")))
+
+
+def test_a_csv_caption_that_is_not_utf8_is_skipped_and_counted_with_its_row(tmp_path, caplog):
+    """One latin-1 caption used to abort loading the whole CSV (UnicodeDecodeError inside datasets)."""
+    lines = [b"path,text"]
+    for i in range(4):
+        (tmp_path / f"{i}.png").write_bytes(png())
+        lines.append(b"%d.png,a red square %d" % (i, i))
+    lines[2] = b"1.png,caf\xe9 cr\xe8me"  # data row 1
+    (tmp_path / "train.csv").write_bytes(b"\n".join(lines) + b"\n")
+    source = load_source(train_file=str(tmp_path / "train.csv"), image_column="path", caption_column="text")
+    with caplog.at_level(logging.WARNING):
+        captions, skipped = read_all(source, num_workers=0)
+    assert sorted(captions) == ["0", "2", "3"] and skipped == 1
+    assert "skipping sample 1: ValueError: caption holds bytes that are not UTF-8" in caplog.text
+    _images, eval_captions, _ = load_eval_samples(source, 10)
+    assert eval_captions == ["a red square 0", "a red square 2", "a red square 3"]

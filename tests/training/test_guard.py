@@ -8,6 +8,7 @@ from accelerate import Accelerator
 from torch import nn
 
 from hf_switchback.training.guard import (
+    UNBOUNDED_CEILING,
     NonFiniteError,
     NonFiniteGuard,
     check_finite_before_save,
@@ -85,6 +86,22 @@ def test_consecutive_non_finite_steps_stop_the_run_naming_the_step():
     assert not non_finite_parameters(model)  # the weights are still the good ones
     with pytest.raises(ValueError, match="max_consecutive"):
         NonFiniteGuard(max_consecutive=-1)
+
+
+def test_a_limit_of_zero_still_ends_a_run_of_skips_and_its_warnings_are_rate_limited(caplog):
+    guard = NonFiniteGuard(max_consecutive=0)
+    with caplog.at_level("WARNING", logger="hf_switchback.training.guard"):
+        for step in range(1, UNBOUNDED_CEILING):
+            guard.record(step, False, detail="nan")
+        with pytest.raises(
+            NonFiniteError, match=rf"step {UNBOUNDED_CEILING}: {UNBOUNDED_CEILING} consecutive"
+        ):
+            guard.record(UNBOUNDED_CEILING, False, detail="nan")
+    # the first 5, then at 8, 16, 32, 64 in a row (100 raises instead)
+    assert len(caplog.records) == 9
+    assert (
+        NonFiniteGuard(max_consecutive=UNBOUNDED_CEILING + 50).consecutive == 0
+    )  # a larger limit is allowed
 
 
 def test_an_inf_loss_with_finite_gradients_is_skipped_too():

@@ -29,7 +29,7 @@ from ..config import (
     SwitchBackConfig,
 )
 from .data import CAPTION_COLUMNS, DEFAULT_MAX_IMAGE_PIXELS, IMAGE_COLUMNS
-from .guard import DEFAULT_MAX_CONSECUTIVE
+from .guard import DEFAULT_MAX_CONSECUTIVE, UNBOUNDED_CEILING
 from .optim import OPTIMIZER_CHOICES
 from .runtime import COMPILE_MODES, COMPILE_SCOPES
 from .siglip_loss import DIST_IMPLS
@@ -221,7 +221,7 @@ class OptimizationArguments:
     max_nonfinite_steps: int = arg(
         DEFAULT_MAX_CONSECUTIVE,
         "A step with a NaN/inf loss or gradient norm is skipped (no update); stop the run (exit 1) after this "
-        "many in a row (0: never stop).",
+        f"many in a row (0: after {UNBOUNDED_CEILING}, the most a diverged run may loop).",
     )
     local_loss: bool = switch(True, "CLIP: local rows x global columns loss.")
     gather_with_grad: bool = switch(True, "CLIP: differentiable all-gather of features.")
@@ -288,8 +288,8 @@ class RunArguments:
     )
     resume_from_checkpoint: str | None = arg(
         None,
-        "'latest' (in output_dir/checkpoints) or a checkpoint path; newer checkpoints of output_dir move to "
-        "checkpoints/abandoned_after_step_N/.",
+        "'latest' (in output_dir/checkpoints) or a checkpoint path; once it has loaded, newer checkpoints of "
+        "output_dir move to checkpoints/abandoned_after_step_N/.",
         unset="none, start from scratch",
     )
     overwrite_output_dir: bool = arg(
@@ -300,7 +300,8 @@ class RunArguments:
     allow_resume_mismatch: bool = arg(
         False,
         "Resume although the checkpoint was written under other settings (model, data, batch geometry, world "
-        "size, steps, SwitchBack config, optimizer).",
+        "size, steps, SwitchBack config, optimizer, mixed precision, text length, clipping, patch dropout; never "
+        "tower locks or layer-scale, which change the saved parameters).",
     )
     ddp_timeout: float = arg(
         30,

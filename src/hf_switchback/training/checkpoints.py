@@ -3,25 +3,29 @@ plus our data position, and the run's output directory (train_log.jsonl, all_res
 
 Layout: <output_dir>/checkpoints/step_<N>/ holds what `accelerator.save_state` writes, one
 train_state_rank<R>.json per rank ({"step", "epoch", "batch_in_epoch", "loss_sum", "num_skipped", ...}) and
-checkpoint.json ({"step", "fingerprint"}), the completion marker.
+checkpoint.json ({"step", "fingerprint", "files": {relative path: size}}), the completion marker. A checkpoint
+counts as complete only while every file its marker lists is there with its size.
 
 A checkpoint is never seen half written: every rank writes into .step_<N>.tmp/, the main process writes the
 marker last and renames the folder to step_<N>/ (a rename within a directory is atomic). A kill at any
 moment leaves either the new complete checkpoint or a temporary folder that `latest` never picks and the next
-save removes; the rotation deletes old checkpoints only after the new one is complete. `latest` is decided
+save removes; the rotation deletes old checkpoints only after the new one is complete, each renamed to a
+temporary name first, so a kill during the deletion leaves no step_<N> with missing files. `latest` is decided
 on the main process and broadcast, so every rank resumes from the same step (OpenCLIP does the same).
 
-The run fingerprint (model config, data, batch geometry, world size, schedule, SwitchBack config, optimizer)
-is stored in the marker and checked on resume: continuing a checkpoint under other settings silently trains
-something else.
+The run fingerprint (model config, data, batch geometry, world size, schedule, SwitchBack config, optimizer,
+mixed precision, text length, clipping, patch dropout, tower locks, layer-scale) is stored in the marker and
+checked on resume: continuing a checkpoint under other settings silently trains something else. A change of
+the trained parameters (locks, layer-scale) is refused even with --allow_resume_mismatch: that state cannot load.
 
 Resuming from step N while <output_dir>/checkpoints holds complete checkpoints after N (a rollback, e.g. past a
-loss spike) moves those into checkpoints/abandoned_after_step_<N>/: nothing is deleted, and a later `latest`
-continues the resumed run, not the branch it left.
+loss spike) moves those into checkpoints/abandoned_after_step_<N>/ once step N has loaded (a failed load moves
+nothing): nothing is deleted, and a later `latest` continues the resumed run, not the branch it left.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import logging
@@ -36,6 +40,8 @@ MARKER = "checkpoint.json"
 # What a finished or interrupted run leaves in its output_dir: a new run there would mix with it.
 RUN_FILES = ("checkpoints", "all_results.json", "train_log.jsonl", "model.safetensors")
 CLEARED_ON_OVERWRITE = ("checkpoints", "all_results.json", "train_log.jsonl", "spike_monitor.png")
+# The fingerprint's group of fields that change which parameters exist or train.
+STRUCTURE = "structure"
 
 
 def checkpoint_dirs(output_dir: str) -> list[str]:
@@ -44,7 +50,7 @@ def checkpoint_dirs(output_dir: str) -> list[str]:
     if not os.path.isdir(root):
         return []
     names = [n for n in os.listdir(root) if re.fullmatch(rf"{CHECKPOINT_PREFIX}\d+", n)]
-    names = [n for n in names if os.path.isfile(os.path.join(root, n, MARKER))]
+    names = [n for n in names if not missing_files(os.path.join(root, n))]
     return [os.path.join(root, n) for n in sorted(names, key=lambda n: int(n[len(CHECKPOINT_PREFIX) :]))]
 
 
@@ -53,6 +59,12 @@ def check_checkpoint(path: str) -> None:
     if not os.path.isdir(path):
         raise ValueError(f"--resume_from_checkpoint {path!r} is not a directory")
     if os.path.isfile(os.path.join(path, MARKER)):
+        missing = missing_files(path)
+        if missing:
+            raise ValueError(
+                f"--resume_from_checkpoint {path!r} is damaged: {', '.join(missing[:3])} (listed by its {MARKER}) "
+                "missing or cut short, e.g. by a kill while it was deleted; resume another checkpoint"
+            )
         return
     if checkpoint_dirs(path):
         raise ValueError(
@@ -64,6 +76,26 @@ def check_checkpoint(path: str) -> None:
         "another tool's folder, or not a checkpoint. Checkpoints are <output_dir>/checkpoints/step_<N>; "
         "'latest' picks the newest complete one"
     )
+
+
+def missing_files(path: str) -> list[str]:
+    """What keeps `path` from being a complete checkpoint: the marker, or the files it lists ("name (why)").
+    A marker written before files were listed vouches for the folder as it is."""
+    try:
+        with open(os.path.join(path, MARKER)) as f:
+            listed = json.load(f).get("files") or {}
+    except (OSError, ValueError, AttributeError):
+        return [MARKER]
+    missing = []
+    for name, size in listed.items():
+        try:
+            actual = os.path.getsize(os.path.join(path, name))
+        except OSError:
+            missing.append(f"{name} (missing)")
+            continue
+        if actual != size:
+            missing.append(f"{name} ({actual} bytes, {size} written)")
+    return missing
 
 
 def resolve_checkpoint(args, accelerator=None) -> str | None:
@@ -95,13 +127,22 @@ def save_checkpoint(accelerator, args, state: dict, fingerprint: dict | None = N
         shutil.rmtree(tmp, ignore_errors=True)  # left by a save that was killed
         os.makedirs(tmp)
     accelerator.wait_for_everyone()
-    accelerator.save_state(tmp)
-    # Every rank has its own data position (streams are per rank), so every rank writes its own file.
-    _write_json(os.path.join(tmp, f"train_state_rank{accelerator.process_index}.json"), state)
+    try:
+        accelerator.save_state(tmp)
+        # Every rank has its own data position (streams are per rank), so every rank writes its own file.
+        _write_json(os.path.join(tmp, f"train_state_rank{accelerator.process_index}.json"), state)
+    except Exception as err:
+        full = disk_full_error(err, tmp)  # before the cleanup below frees space
+        if accelerator.is_main_process:
+            shutil.rmtree(tmp, ignore_errors=True)  # give the space back: the results file still needs some
+        if full is not None:
+            raise full from err
+        raise
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
-        _sync_tree(tmp)
-        _write_json(os.path.join(tmp, MARKER), {"step": state["step"], "fingerprint": fingerprint})
+        files = _sync_tree(tmp)
+        marker = {"step": state["step"], "fingerprint": fingerprint, "files": files}
+        _write_json(os.path.join(tmp, MARKER), marker)
         if os.path.exists(final):  # the same step saved again (a resumed run): the new one replaces it
             # Moved aside in one rename, not deleted in place: a kill during a slow rmtree would leave step_N
             # with its marker but missing files, and `latest` would pick it. _rotate clears the .tmp later.
@@ -120,7 +161,11 @@ def _rotate(root: str, keep: int | None) -> None:
             shutil.rmtree(os.path.join(root, entry), ignore_errors=True)
     if keep:
         for old in checkpoint_dirs(os.path.dirname(root))[:-keep]:
-            shutil.rmtree(old, ignore_errors=True)
+            # renamed first: a kill during rmtree must leave a .tmp folder, not a step_N missing files
+            doomed = os.path.join(root, f".{os.path.basename(old)}.old.tmp")
+            shutil.rmtree(doomed, ignore_errors=True)
+            os.replace(old, doomed)
+            shutil.rmtree(doomed, ignore_errors=True)
 
 
 def _write_json(path: str, data) -> None:
@@ -130,12 +175,52 @@ def _write_json(path: str, data) -> None:
         os.fsync(f.fileno())
 
 
-def _sync_tree(path: str) -> None:
-    """fsync every file under `path`: the marker must not reach the disk before the data it vouches for."""
-    for folder, _dirs, files in os.walk(path):
-        for name in files:
-            with open(os.path.join(folder, name), "rb") as f:
+def _sync_tree(path: str) -> dict[str, int]:
+    """fsync every file under `path` (the marker must not reach the disk before the data it vouches for) and
+    give it the umask's mode; returns {relative path: size} for the marker."""
+    mode = umask_mode()
+    files = {}
+    for folder, _dirs, names in os.walk(path):
+        for name in names:
+            file = os.path.join(folder, name)
+            with open(file, "rb") as f:
                 os.fsync(f.fileno())
+            os.chmod(file, mode)
+            files[os.path.relpath(file, path)] = os.path.getsize(file)
+    return files
+
+
+def umask_mode() -> int:
+    """The mode open() gives a new file under this process's umask. safetensors creates its files 0600,
+    so a published model would be unreadable to the serving user while every other output is not."""
+    mask = os.umask(0)
+    os.umask(mask)
+    return 0o666 & ~mask
+
+
+class DiskFullError(OSError):
+    """A save ran out of space; the message names the path."""
+
+
+def disk_full_error(err: BaseException, path: str) -> DiskFullError | None:
+    """A DiskFullError naming `path` when `err` is a write that failed for lack of space there, else None.
+
+    torch.save reports ENOSPC as "RuntimeError: [enforce fail at inline_container.cc] . unexpected pos ...",
+    with no errno, so a RuntimeError counts when the file system has no space left."""
+    if isinstance(err, DiskFullError):
+        return err
+    full = isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT)
+    if full and err.filename:
+        path = err.filename
+    if not full and isinstance(err, RuntimeError) and "unexpected pos" in str(err):
+        try:
+            stat = os.statvfs(path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path)))
+            full = stat.f_bavail * stat.f_frsize < 1 << 20
+        except OSError:
+            full = False
+    if not full:
+        return None
+    return DiskFullError(errno.ENOSPC, f"no space left on device while writing {path}: free space and resume")
 
 
 def _sync_dir(path: str) -> None:
@@ -194,15 +279,17 @@ def set_aside_newer_checkpoints(output_dir: str, checkpoint: str) -> str | None:
 
 
 def resume_from(accelerator, args, checkpoint: str, fingerprint: dict) -> dict:
-    """Check the fingerprint, set newer checkpoints aside, load accelerate's state; return this rank's train
-    state ({"step", "epoch", ...})."""
+    """Check the fingerprint, load accelerate's state, then set newer checkpoints aside; return this rank's
+    train state ({"step", "epoch", ...}). A load that fails leaves output_dir's checkpoints where they were."""
     accelerator.print(f"resuming from {checkpoint}")
     check_fingerprint(checkpoint, fingerprint, args.allow_resume_mismatch)
+    accelerator.load_state(checkpoint)
+    state = load_train_state(checkpoint, accelerator.process_index)
+    accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         set_aside_newer_checkpoints(args.output_dir, checkpoint)
     accelerator.wait_for_everyone()
-    accelerator.load_state(checkpoint)
-    return load_train_state(checkpoint, accelerator.process_index)
+    return state
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -235,11 +322,30 @@ def data_description(args) -> str:
     return ", ".join(given + [f"max_train_samples={limit}"] * bool(limit))
 
 
-def run_fingerprint(args, model_config: dict, world_size: int, switchback=None) -> dict:
+def run_fingerprint(
+    args,
+    model_config: dict,
+    world_size: int,
+    switchback=None,
+    *,
+    mixed_precision: str | None = None,
+    max_text_length: int | None = None,
+) -> dict:
     """The settings a checkpoint is only valid under; args.max_train_steps must be resolved already.
     `switchback`: the run's SwitchBackConfig (None: --switchback off); its kernel options are left out (they
-    compute the same result)."""
+    compute the same result). `mixed_precision`, `max_text_length`: what the run uses (accelerate's resolved
+    autocast dtype, the text length after the model's cap)."""
     return {
+        # what changes the set of trained parameters: the optimizer state would not fit (never overridable)
+        STRUCTURE: {
+            "lock_image": args.lock_image,
+            "lock_text": args.lock_text,
+            "layer_scale_init": args.layer_scale_init,
+        },
+        "mixed_precision": mixed_precision,
+        "max_text_length": max_text_length,
+        "grad_clip_norm": args.grad_clip_norm,
+        "patch_dropout": args.patch_dropout,
         "model_config": config_digest(model_config),
         "data": data_description(args),
         "seed": args.seed,
@@ -283,6 +389,12 @@ def check_fingerprint(checkpoint: str, current: dict, allow_mismatch: bool = Fal
         saved = json.load(f).get("fingerprint") or {}
     # through JSON as the checkpoint was: tuples become lists, int keys strings
     changed = _differences(saved, json.loads(json.dumps(current)))
+    structural = [c for c in changed if c.startswith(f"{STRUCTURE}.")]
+    if structural:
+        raise ValueError(
+            f"{checkpoint} holds other trained parameters than this run ({'; '.join(structural)}): its weights "
+            "and optimizer state cannot load. Use the checkpoint's settings, or another --output_dir"
+        )
     if changed and not allow_mismatch:
         raise ValueError(
             f"{checkpoint} was written by a run with other settings ({'; '.join(changed)}): resuming it would not "
@@ -343,6 +455,14 @@ def clear_previous_run(output_dir: str) -> None:
             shutil.rmtree(path)
         elif os.path.exists(path):
             os.remove(path)
+
+
+def publish_mode(output_dir: str) -> None:
+    """Give the final model's safetensors files the umask's mode (safetensors writes them 0600)."""
+    mode = umask_mode()
+    for name in os.listdir(output_dir):
+        if name.endswith(".safetensors"):
+            os.chmod(os.path.join(output_dir, name), mode)
 
 
 def write_results(output_dir: str, results: dict) -> None:

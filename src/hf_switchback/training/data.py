@@ -140,6 +140,10 @@ def load_source(
         if builder is None:
             raise ValueError(f"train file must be .csv, .tsv, .json or .jsonl, got {train_file!r}")
         kwargs = {"delimiter": "\t"} if ext == "tsv" else {}
+        if builder == "csv":
+            # pandas would refuse the whole file for one non-UTF-8 caption; read as U+FFFD instead, the row is
+            # skipped and counted like an unreadable image (pick_caption)
+            kwargs["encoding_errors"] = "replace"
         ds = datasets.load_dataset(
             builder, data_files=train_file, split="train", streaming=streaming, **kwargs
         )
@@ -220,6 +224,9 @@ def field_value(example: dict, column: str):
     return value
 
 
+REPLACEMENT_CHAR = "\ufffd"
+
+
 def pick_caption(value, rng: random.Random) -> str:
     """A caption string; a list (several captions per image, as COCO) gives one at random."""
     if isinstance(value, (bytes, bytearray)):
@@ -230,6 +237,8 @@ def pick_caption(value, rng: random.Random) -> str:
             value = value.decode("utf-8")
     if not isinstance(value, str) or not value.strip():
         raise ValueError("empty or missing caption")
+    if REPLACEMENT_CHAR in value:  # what undecodable bytes became (a CSV is read with errors="replace")
+        raise ValueError(f"caption holds bytes that are not UTF-8 (read as U+FFFD): {value[:60]!r}")
     return value.strip()
 
 

@@ -18,6 +18,8 @@ such a skip, with a finite loss and a scale still >= 1, is the scaler's business
 the stop. Anything else counts. Default stop after 5 in a row: an isolated bad batch is skipped and logged,
 while a diverged run (every step NaN from then on) stops within seconds, before its checkpoints rotate the
 good ones away. OpenCLIP stops at the first non-finite loss; Megatron-LM raises on the first NaN gradient.
+A limit of 0 turns the stop into a ceiling of UNBOUNDED_CEILING in a row: a skipped step leaves the weights as
+they were, so a model that gives NaN on every batch would otherwise loop over the data forever without a step.
 """
 
 from __future__ import annotations
@@ -33,6 +35,9 @@ from torch import nn
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_CONSECUTIVE = 5
+# The stop for max_consecutive=0: far beyond any run of isolated bad batches, reached in seconds to minutes by
+# a diverged model.
+UNBOUNDED_CEILING = 100
 
 
 class NonFiniteError(RuntimeError):
@@ -41,7 +46,8 @@ class NonFiniteError(RuntimeError):
 
 @dataclass
 class NonFiniteGuard:
-    """Counts skipped steps; raises NonFiniteError after `max_consecutive` counted skips in a row (0: never).
+    """Counts skipped steps; raises NonFiniteError after `max_consecutive` counted skips in a row (0: after
+    UNBOUNDED_CEILING).
 
     `skipped` and `last_skipped_step` go into checkpoints (state_dict) and come back on resume, so the run's
     results count the skips of every launch."""
@@ -64,14 +70,15 @@ class NonFiniteGuard:
         self.last_skipped_step = step
         if counts:
             self.consecutive += 1
-        logger.warning(
-            "step %d skipped: %s (%d skipped so far, %d in a row)",
-            step,
-            detail,
-            self.skipped,
-            self.consecutive,
-        )
-        if self.max_consecutive and self.consecutive >= self.max_consecutive:
+        if self.consecutive <= 5 or self.consecutive & (self.consecutive - 1) == 0:  # then at powers of two
+            logger.warning(
+                "step %d skipped: %s (%d skipped so far, %d in a row)",
+                step,
+                detail,
+                self.skipped,
+                self.consecutive,
+            )
+        if self.consecutive >= (self.max_consecutive or UNBOUNDED_CEILING):
             raise NonFiniteError(
                 f"step {step}: {self.consecutive} consecutive steps with a non-finite loss or gradient norm "
                 f"({detail}); stopping. The weights are those before the first of them; lower --lr, check the "
