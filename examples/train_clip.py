@@ -59,7 +59,7 @@ from accelerate import Accelerator
 from accelerate.utils import DistributedType, set_seed
 from tqdm.auto import tqdm
 
-from hf_switchback import apply_switchback
+from hf_switchback import apply_switchback, precision_summary
 from hf_switchback.training import data as data_lib
 from hf_switchback.training.checkpoints import (
     append_log,
@@ -241,6 +241,8 @@ def training_function(args):
         f"{accelerator.distributed_type.value} on {accelerator.device.type}), "
         f"SwitchBack: {sb_config if sb_config else 'off'}"
     )
+    if sb_config:
+        accelerator.print(precision_summary(clip, accelerator.device))
 
     def run_eval(step: int) -> dict:
         metrics = evaluate(
