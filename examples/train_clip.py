@@ -98,7 +98,7 @@ from hf_switchback.training.optim import (
     unstable_parameters,
 )
 from hf_switchback.training.patch_dropout import add_patch_dropout
-from hf_switchback.training.reporting import push_model, switchback_results, tracker_config
+from hf_switchback.training.reporting import push_model, save_final_config, switchback_results, tracker_config
 from hf_switchback.training.runtime import check_deepspeed, dynamo_plugin, process_group_kwargs
 from hf_switchback.training.siglip_loss import SigLipLoss
 from hf_switchback.training.sources import load_eval_set, load_train_source, micro_batch_stream
@@ -404,6 +404,7 @@ def training_function(args):
         # layer-scale folded into out_proj / fc2: the checkpoint is a plain CLIPModel with the same outputs
         state_dict = fold_layer_scale_state_dict(state_dict)
         clip.save_pretrained(args.output_dir, state_dict=state_dict, save_function=accelerator.save)
+        save_final_config(args.output_dir, args, sb_config)
         processor.save_pretrained(args.output_dir)
         write_results(args.output_dir, results)
         accelerator.print(json.dumps(results, indent=2))

@@ -152,7 +152,7 @@ def test_default_run_learns_far_above_chance(tmp_path):
     # the run's mean contrastive loss sits below chance level, ln(batch)
     assert 0 < results["train_loss"] < math.log(results["global_batch_size"]), results
     assert results["train_samples_per_second"] > 0
-    # the final model is a plain CLIP checkpoint in safetensors, with its processor
+    # the final model: CLIP safetensors with its processor (config.json: SwitchBack's quantization_config)
     assert (out / "model.safetensors").exists()
     from transformers import CLIPModel, CLIPProcessor
 

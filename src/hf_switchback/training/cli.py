@@ -363,6 +363,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="Minutes a collective waits for a stuck rank before the run fails (30 as in HF Trainer: torch's own "
         "default for gloo, up from its 10 for NCCL, so a rank writing the model or a checkpoint alone is not cut off).",
     )
+    g.add_argument(
+        "--save_plain",
+        action="store_true",
+        help="Save (and push) the final model as a plain CLIPModel: config.json without SwitchBack's "
+        "quantization_config, so it reloads without SwitchBack layers even with hf_switchback imported.",
+    )
     g.add_argument("--push_to_hub", action="store_true", help="Upload the final model with a model card.")
     g.add_argument("--hub_model_id", help="Repository id for --push_to_hub, e.g. user/clip-switchback.")
     g.add_argument(
