@@ -8,7 +8,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-
 from hf_switchback import metrics
 
 REPO = Path(__file__).resolve().parents[1]
