@@ -60,6 +60,7 @@ from accelerate.utils import DistributedType, set_seed
 from tqdm.auto import tqdm
 
 from hf_switchback import apply_switchback, precision_summary
+from hf_switchback import metrics as metric_modules
 from hf_switchback.training import data as data_lib
 from hf_switchback.training.checkpoints import (
     append_log,
@@ -407,8 +408,10 @@ def training_function(args):
         save_final_config(args.output_dir, args, sb_config)
         processor.save_pretrained(args.output_dir)
         write_results(args.output_dir, results)
+        # the final eval alone, as evaluate.save writes it (examples/evaluate_clip.py writes the same for any model)
+        metric_modules.save(os.path.join(args.output_dir, "eval_results.json"), metrics)
         accelerator.print(json.dumps(results, indent=2))
-        saved = ["the model, processor, all_results.json, train_log.jsonl"]
+        saved = ["the model, processor, all_results.json, eval_results.json, train_log.jsonl"]
         if monitor:
             monitor.save_plot(os.path.join(args.output_dir, "spike_monitor.png"))
             saved.append("spike_monitor.png")

@@ -14,7 +14,7 @@ import tempfile
 from collections.abc import Mapping
 from typing import Any
 
-from huggingface_hub import HfApi, ModelCardData
+from huggingface_hub import EvalResult, HfApi, ModelCardData
 from torch import nn
 
 from .config import SwitchBackConfig
@@ -70,6 +70,45 @@ def _hub_id_or_none(name: Any) -> str | None:
     return None
 
 
+# Where the card's model-index says the evaluation ran, looked up under these training-argument keys in order.
+EVAL_DATA_KEYS = (
+    "validation_file",
+    "validation_shards",
+    "dataset_name",
+    "train_file",
+    "train_data_dir",
+    "train_shards",
+)
+# metric key prefix -> (task type, metric type, readable name prefix), for the model-index
+_EVAL_METRICS = {
+    "zero_shot_top": ("zero-shot-image-classification", "accuracy", "zero-shot top-"),
+    "image_to_text_R@": ("image-to-text", "recall", "image→text retrieval R@"),
+    "text_to_image_R@": ("text-to-image", "recall", "text→image retrieval R@"),
+}
+
+
+def eval_results(metrics: Mapping[str, Any], training_args: Mapping[str, Any]) -> list[EvalResult]:
+    """The model-index entries of the shipped evaluate metrics (zero-shot top-k, recall@K) found in
+    `metrics`; the eval data as the training arguments name it (the embedded synthetic set when none)."""
+    args = _public_args(training_args)
+    data = next((str(args[k]) for k in EVAL_DATA_KEYS if args.get(k)), "synthetic-shapes")
+    results = []
+    for key, value in sorted(metrics.items()):
+        for prefix, (task, metric_type, name) in _EVAL_METRICS.items():
+            if key.startswith(prefix) and isinstance(value, (int, float)) and not isinstance(value, bool):
+                results.append(
+                    EvalResult(
+                        task_type=task,
+                        dataset_type=data,
+                        dataset_name=data,
+                        metric_type=metric_type,
+                        metric_name=name + key.removeprefix(prefix),
+                        metric_value=value,
+                    )
+                )
+    return results
+
+
 def _cell(value: Any) -> str:
     text = json.dumps(value) if isinstance(value, (list, tuple, dict, bool)) or value is None else str(value)
     return text.replace("|", "\\|").replace("\n", " ")
@@ -109,6 +148,9 @@ def model_card(
         ],
         base_model=base,
         datasets=[d for d in datasets if _hub_id_or_none(d)] or None,
+        # model-index: what the Hub shows as evaluation results (needs the model's name)
+        model_name=repo_id.split("/")[-1],
+        eval_results=eval_results(metrics, training_args) or None,
     )
     sb = switchback_config.to_dict()
     sections = [

@@ -23,16 +23,26 @@ def path(name: str) -> str:
     return str(METRICS_DIR / name)
 
 
-@functools.cache
-def load(name: str):
-    """evaluate.load of metric `name`, in memory (no cache files next to the run), loaded once per process."""
+def _evaluate():
     try:
         import evaluate
     except ImportError as err:
         raise ImportError(
             "the zero-shot and retrieval metrics need the evaluate package: pip install 'hf_switchback[train]'"
         ) from err
-    return evaluate.load(path(name), keep_in_memory=True)
+    return evaluate
 
 
-__all__ = ["METRICS_DIR", "NAMES", "load", "path"]
+@functools.cache
+def load(name: str):
+    """evaluate.load of metric `name`, in memory (no cache files next to the run), loaded once per process."""
+    return _evaluate().load(path(name), keep_in_memory=True)
+
+
+def save(file: str, results: dict) -> str:
+    """Write `results` with evaluate.save (the values plus evaluate's run metadata: time, versions) to the
+    JSON file `file`; returns its path."""
+    return str(_evaluate().save(file, **results))
+
+
+__all__ = ["METRICS_DIR", "NAMES", "load", "path", "save"]
