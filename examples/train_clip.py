@@ -46,7 +46,6 @@ Flag names from transformers' run_clip.py that mean the same here work too (--pe
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import sys
@@ -57,7 +56,6 @@ from functools import partial
 import torch
 from accelerate import Accelerator
 from accelerate.utils import DistributedType, set_seed
-from tqdm.auto import tqdm
 
 from hf_switchback import apply_switchback, precision_summary
 from hf_switchback import metrics as metric_modules
@@ -73,7 +71,7 @@ from hf_switchback.training.checkpoints import (
     write_results,
 )
 from hf_switchback.training.cli import build_parser, check_args
-from hf_switchback.training.console import console, setup_logging
+from hf_switchback.training.console import console, format_config, progress_bar, setup_logging, summary_line
 from hf_switchback.training.evaluation import evaluate
 from hf_switchback.training.guard import (
     NonFiniteError,
@@ -240,7 +238,7 @@ def training_function(args):
         f"training {args.max_train_steps} steps, global batch {global_batch} "
         f"({args.batch_size} x accum {args.accum_freq} x {accelerator.num_processes} processes, "
         f"{accelerator.distributed_type.value} on {accelerator.device.type}), "
-        f"SwitchBack: {sb_config if sb_config else 'off'}"
+        + (f"SwitchBack {sb_config.variant}:\n{format_config(sb_config)}" if sb_config else "SwitchBack: off")
     )
     if sb_config:
         accelerator.print(precision_summary(clip, accelerator.device))
@@ -265,8 +263,8 @@ def training_function(args):
         stream, collate, args.batch_size, args.num_workers, state["epoch"], state["batch_in_epoch"]
     )
     model.train()
-    progress = tqdm(
-        total=args.max_train_steps, initial=state["step"], disable=not accelerator.is_local_main_process
+    progress = progress_bar(
+        args.max_train_steps, state["step"], args.logging_steps, disable=not accelerator.is_local_main_process
     )
     start_step, train_time = state["step"], 0.0  # train_time leaves evals and checkpoints out
     # Steady-state throughput leaves the first steps of this launch out (compile, autotune, allocator warm-up).
@@ -410,7 +408,7 @@ def training_function(args):
         write_results(args.output_dir, results)
         # the final eval alone, as evaluate.save writes it (examples/evaluate_clip.py writes the same for any model)
         metric_modules.save(os.path.join(args.output_dir, "eval_results.json"), metrics)
-        accelerator.print(json.dumps(results, indent=2))
+        accelerator.print(summary_line(results))
         saved = ["the model, processor, all_results.json, eval_results.json, train_log.jsonl"]
         if monitor:
             monitor.save_plot(os.path.join(args.output_dir, "spike_monitor.png"))
