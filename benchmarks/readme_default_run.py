@@ -17,6 +17,7 @@ import re
 import subprocess
 import sys
 import tempfile
+import textwrap
 import time
 from pathlib import Path
 
@@ -42,14 +43,20 @@ def record_from(results: dict, wall_seconds: float | None) -> dict:
         "zero_shot_classes": len(synthetic.zeroshot_classnames()),
         "eval_samples": results["eval_samples"],
         "cpu_count": os.cpu_count(),
+        # other jobs on the machine stretch the time: a load above the core count is said in the sentence
+        "load_average": round(os.getloadavg()[1], 1),
         "date": datetime.date.today().isoformat(),
     }
 
 
 def sentence(record: dict) -> str:
     """The README's words for a record."""
+    shared = record["load_average"] > record["cpu_count"]
+    machine = f"{record['cpu_count']}-core CPU" + (
+        f" shared with other jobs (load {record['load_average']:.0f})" if shared else ""
+    )
     return (
-        f"on a {record['cpu_count']}-core CPU, {record['train_steps']} steps x {record['global_batch_size']} pairs "
+        f"on a {machine}, {record['train_steps']} steps x {record['global_batch_size']} pairs "
         f"in about {record['seconds'] / 60:.1f} minutes, zero-shot top-1 {record['zero_shot_top1']:.1%} "
         f"(chance {1 / record['zero_shot_classes']:.1%}), image→text R@1 {record['image_to_text_R@1']:.1%}, "
         f"text→image R@1 {record['text_to_image_R@1']:.1%} (chance {1 / record['eval_samples']:.1%}; "
@@ -67,7 +74,8 @@ def readme_sentence(text: str) -> str:
 
 def rewrite(text: str, record: dict) -> str:
     readme_sentence(text)  # the markers must be there
-    return MARKERS.sub(lambda m: m.group(1) + sentence(record) + m.group(3), text, count=1)
+    wrapped = textwrap.fill(sentence(record), width=110)
+    return MARKERS.sub(lambda m: f"{m.group(1)}\n{wrapped}\n{m.group(3)}", text, count=1)
 
 
 def main() -> None:

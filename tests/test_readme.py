@@ -40,3 +40,32 @@ def test_quick_start_test_command_is_what_ci_runs():
     makefile = (REPO / "Makefile").read_text()
     recipe = makefile.split("\ntest: ", 1)[1].split("\n\n", 1)[0]
     assert "ruff check ." in recipe and "ruff format --check ." in recipe and "-m pytest -q" in recipe
+
+
+def test_default_run_figures_come_from_the_recorded_run():
+    """The Training section's figures are benchmarks/readme_default_run.py's sentence for the recorded run."""
+    import json
+
+    from helpers import load_script
+
+    script = load_script("benchmarks/readme_default_run.py")
+    record = json.loads(script.RECORD.read_text())
+    assert script.readme_sentence(README) == script.sentence(record)
+
+
+def test_default_run_rewrite_replaces_only_the_marked_sentence():
+    from helpers import load_script
+
+    script = load_script("benchmarks/readme_default_run.py")
+    results = {"train_steps": 10, "global_batch_size": 4, "train_samples_per_second": 2.0, "zero_shot_top1": 0.5,
+               "image_to_text_R@1": 0.25, "text_to_image_R@1": 0.125, "eval_samples": 8}  # fmt: skip
+    record = script.record_from(results, None)
+    assert record["seconds"] == 20.0  # 10 steps x 4 pairs at 2 pairs/s
+    text = "before <!-- default-run -->old\nwrapped words<!-- /default-run --> after"
+    new = script.rewrite(text, record)
+    assert new.startswith("before <!-- default-run -->\non a ") and new.endswith(
+        "\n<!-- /default-run --> after"
+    )
+    words = " ".join(new.split())  # the sentence is wrapped
+    assert "zero-shot top-1 50.0% (chance 3.1%)" in words and "text→image R@1 12.5% (chance 12.5%;" in words
+    assert script.readme_sentence(new) == script.sentence(record)
