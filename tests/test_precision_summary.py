@@ -82,3 +82,10 @@ def test_runs_text(floor, text):
 
 def test_model_without_switchback_layers():
     assert precision_summary(nn.Linear(2, 2)) == "hf_switchback: no SwitchBack layers"
+
+
+def test_meta_weights_are_described_for_the_device_they_will_run_on():
+    with torch.device("meta"):
+        model = two_linears()
+    expected = "cuda" if torch.cuda.is_available() else "cpu"
+    assert precision_summary(model).startswith(f"hf_switchback on {expected}")

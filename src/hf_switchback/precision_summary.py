@@ -58,8 +58,9 @@ def precision_summary(model: nn.Module, device: torch.device | str | None = None
     if not modules:
         return "hf_switchback: no SwitchBack layers"
     if device is None:
+        # weights on the CPU or the meta device (from_pretrained's swap) usually train on the GPU when there is one
         weights = next(iter(modules.values())).weight.device
-        device = "cuda" if weights.type != "cuda" and torch.cuda.is_available() else weights
+        device = weights if weights.type == "cuda" else "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
