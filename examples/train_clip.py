@@ -49,7 +49,6 @@ Your own data needs a tokenizer (--model_name_or_path or --tokenizer_name_or_pat
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import sys
@@ -60,9 +59,9 @@ from functools import partial
 import torch
 from accelerate import Accelerator
 from accelerate.utils import DistributedType, set_seed
-from tqdm.auto import tqdm
 
-from hf_switchback import apply_switchback
+from hf_switchback import apply_switchback, precision_summary
+from hf_switchback import metrics as metric_modules
 from hf_switchback.training import data as data_lib
 from hf_switchback.training.checkpoints import (
     append_log,
@@ -77,7 +76,7 @@ from hf_switchback.training.checkpoints import (
     write_results,
 )
 from hf_switchback.training.cli import build_parser, check_args, parse_args
-from hf_switchback.training.console import console, setup_logging
+from hf_switchback.training.console import console, format_config, progress_bar, setup_logging, summary_line
 from hf_switchback.training.evaluation import evaluate
 from hf_switchback.training.guard import (
     NonFiniteError,
@@ -103,7 +102,7 @@ from hf_switchback.training.optim import (
     unstable_parameters,
 )
 from hf_switchback.training.patch_dropout import add_patch_dropout
-from hf_switchback.training.reporting import push_model, switchback_results, tracker_config
+from hf_switchback.training.reporting import push_model, save_final_config, switchback_results, tracker_config
 from hf_switchback.training.run_lock import OutputDirBusy, OutputDirLock
 from hf_switchback.training.runtime import check_deepspeed, dynamo_plugin, process_group_kwargs
 from hf_switchback.training.siglip_loss import SigLipLoss
@@ -260,8 +259,10 @@ def _train(args):
         f"training {args.max_train_steps} steps, global batch {global_batch} "
         f"({args.batch_size} x accum {args.accum_freq} x {accelerator.num_processes} processes, "
         f"{accelerator.distributed_type.value} on {accelerator.device.type}), "
-        f"SwitchBack: {sb_config if sb_config else 'off'}"
+        + (f"SwitchBack {sb_config.variant}:\n{format_config(sb_config)}" if sb_config else "SwitchBack: off")
     )
+    if sb_config:
+        accelerator.print(precision_summary(clip, accelerator.device))
 
     def run_eval(step: int) -> dict:
         metrics = evaluate(
@@ -284,8 +285,8 @@ def _train(args):
         stream, collate, args.batch_size, args.num_workers, state["epoch"], state["batch_in_epoch"]
     )
     model.train()
-    progress = tqdm(
-        total=args.max_train_steps, initial=state["step"], disable=not accelerator.is_local_main_process
+    progress = progress_bar(
+        args.max_train_steps, state["step"], args.logging_steps, disable=not accelerator.is_local_main_process
     )
     start_step, train_time = state["step"], 0.0  # train_time leaves evals and checkpoints out
     # Steady-state throughput leaves the first steps of this launch out (compile, autotune, allocator warm-up).
@@ -425,11 +426,14 @@ def _train(args):
         state_dict = fold_layer_scale_state_dict(state_dict)
         # a full disk here is reported by main() (disk_full_error), with status failed
         clip.save_pretrained(args.output_dir, state_dict=state_dict, save_function=accelerator.save)
+        save_final_config(args.output_dir, args, sb_config)
         processor.save_pretrained(args.output_dir)
         publish_mode(args.output_dir)
         write_results(args.output_dir, results)
-        accelerator.print(json.dumps(results, indent=2))
-        saved = ["the model, processor, all_results.json, train_log.jsonl"]
+        # the final eval alone, as evaluate.save writes it (examples/evaluate_clip.py writes the same for any model)
+        metric_modules.save(os.path.join(args.output_dir, "eval_results.json"), metrics)
+        accelerator.print(summary_line(results))
+        saved = ["the model, processor, all_results.json, eval_results.json, train_log.jsonl"]
         if monitor:
             monitor.save_plot(os.path.join(args.output_dir, "spike_monitor.png"))
             saved.append("spike_monitor.png")

@@ -212,3 +212,21 @@ def test_siglip_model_card_and_saved_folder(tmp_path):
     )
     assert "SiglipModel" in (tmp_path / "README.md").read_text()
     assert set(switchback_modules(SiglipModel.from_pretrained(tmp_path))) == set(switchback_modules(model))
+
+
+def test_model_card_model_index_lists_the_eval_metrics():
+    metrics = {"zero_shot_top1": 0.5, "image_to_text_R@5": 0.25, "train_loss": 1.0, "status": "completed"}
+    card = ModelCard(
+        model_card(
+            "me/c", switchback_config=CONFIG, training_args={"validation_file": "/d/val.csv"}, metrics=metrics
+        )
+    )
+    found = {
+        (r.task_type, r.metric_type, r.metric_name, r.dataset_name, r.metric_value)
+        for r in card.data.eval_results
+    }
+    assert found == {
+        ("zero-shot-image-classification", "accuracy", "zero-shot top-1", "val.csv", 0.5),
+        ("image-to-text", "recall", "image→text retrieval R@5", "val.csv", 0.25),
+    }
+    assert card.data.model_name == "c"

@@ -14,6 +14,9 @@ from .convert import apply_switchback, remove_switchback, switchback_modules
 from .functional import switchback_linear
 from .modules import SwitchBackLinear
 
+# What runs 8-bit on a device (token floors, measured crossovers) and why the rest does not
+from .precision_summary import precision_summary
+
 # isort: split
 # Inference: quantize weights once for eval / serving, reversibly
 from .inference import prepare_for_inference, restore_training, switchback_inference
@@ -40,6 +43,7 @@ __all__ = [
     "apply_switchback",
     "check_fp8_interop",
     "model_card",
+    "precision_summary",
     "prepare_for_inference",
     "push_to_hub",
     "remove_switchback",

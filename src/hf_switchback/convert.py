@@ -23,6 +23,7 @@ from .config import SwitchBackConfig
 from .kernels.backends import check_backend
 from .mlp import sync_fused_mlps
 from .modules import SwitchBackLinear
+from .precision_summary import precision_summary
 from .weight_cache import drop_weight_cache
 
 logger = logging.getLogger(__name__)
@@ -168,6 +169,8 @@ def apply_switchback(
         fused,
         fused_qkv,
     )
+    # What runs 8-bit on this device and why the rest does not: "switchback=int8" alone would overclaim.
+    logger.info(precision_summary(model))
     return model
 
 

@@ -14,11 +14,12 @@ import tempfile
 from collections.abc import Mapping
 from typing import Any
 
-from huggingface_hub import HfApi, ModelCardData
+from huggingface_hub import EvalResult, HfApi, ModelCardData
 from torch import nn
 
 from .config import SwitchBackConfig
 from .convert import switchback_modules
+from .quantizer import strip_quantization_config, write_quantization_config
 
 # Dataset names are looked up under these training-argument keys, in this order.
 DATASET_KEYS = ("dataset_name", "dataset", "train_data", "data")
@@ -69,6 +70,45 @@ def _hub_id_or_none(name: Any) -> str | None:
     return None
 
 
+# Where the card's model-index says the evaluation ran, looked up under these training-argument keys in order.
+EVAL_DATA_KEYS = (
+    "validation_file",
+    "validation_shards",
+    "dataset_name",
+    "train_file",
+    "train_data_dir",
+    "train_shards",
+)
+# metric key prefix -> (task type, metric type, readable name prefix), for the model-index
+_EVAL_METRICS = {
+    "zero_shot_top": ("zero-shot-image-classification", "accuracy", "zero-shot top-"),
+    "image_to_text_R@": ("image-to-text", "recall", "image→text retrieval R@"),
+    "text_to_image_R@": ("text-to-image", "recall", "text→image retrieval R@"),
+}
+
+
+def eval_results(metrics: Mapping[str, Any], training_args: Mapping[str, Any]) -> list[EvalResult]:
+    """The model-index entries of the shipped evaluate metrics (zero-shot top-k, recall@K) found in
+    `metrics`; the eval data as the training arguments name it (the embedded synthetic set when none)."""
+    args = _public_args(training_args)
+    data = next((str(args[k]) for k in EVAL_DATA_KEYS if args.get(k)), "synthetic-shapes")
+    results = []
+    for key, value in sorted(metrics.items()):
+        for prefix, (task, metric_type, name) in _EVAL_METRICS.items():
+            if key.startswith(prefix) and isinstance(value, (int, float)) and not isinstance(value, bool):
+                results.append(
+                    EvalResult(
+                        task_type=task,
+                        dataset_type=data,
+                        dataset_name=data,
+                        metric_type=metric_type,
+                        metric_name=name + key.removeprefix(prefix),
+                        metric_value=value,
+                    )
+                )
+    return results
+
+
 def _cell(value: Any) -> str:
     text = json.dumps(value) if isinstance(value, (list, tuple, dict, bool)) or value is None else str(value)
     return text.replace("|", "\\|").replace("\n", " ")
@@ -88,9 +128,11 @@ def model_card(
     metrics: Mapping[str, Any],
     base_model: str | None = None,
     model_class: str = "CLIPModel",
+    plain: bool = False,
 ) -> str:
     """README.md text for a SwitchBack-trained model: YAML metadata, config, data, hyper-parameters,
-    metrics and a usage snippet with both ways to load. Secrets in training_args are left out."""
+    metrics and a usage snippet with both ways to load (plain: config.json has no quantization_config, so one
+    way). Secrets in training_args are left out."""
     args = _public_args(training_args)
     base = _hub_id_or_none(base_model) or _hub_id_or_none(args.get("model_name_or_path"))
     datasets = [str(args[k]) for k in DATASET_KEYS if args.get(k)]
@@ -106,6 +148,9 @@ def model_card(
         ],
         base_model=base,
         datasets=[d for d in datasets if _hub_id_or_none(d)] or None,
+        # model-index: what the Hub shows as evaluation results (needs the model's name)
+        model_name=repo_id.split("/")[-1],
+        eval_results=eval_results(metrics, training_args) or None,
     )
     sb = switchback_config.to_dict()
     sections = [
@@ -123,7 +168,7 @@ def model_card(
         "## Training hyper-parameters\n\n"
         + (_table(args, ("argument", "value")) if args else "Not recorded."),
         "## Evaluation\n\n" + (_table(metrics, ("metric", "value")) if metrics else "Not recorded."),
-        _usage(repo_id, model_class),
+        _plain_usage(repo_id, model_class) if plain else _usage(repo_id, model_class),
     ]
     return "\n\n".join(sections) + "\n"
 
@@ -163,6 +208,21 @@ processor = AutoProcessor.from_pretrained("{repo_id}")
 """
 
 
+def _plain_usage(repo_id: str, model_class: str) -> str:
+    return f"""## Usage
+
+config.json holds no quantization_config: the repo loads as a standard 16-bit {model_class}, with or
+without `hf_switchback` (`hf_switchback.apply_switchback(model)` turns SwitchBack on again for training):
+
+```python
+from transformers import AutoProcessor, {model_class}
+
+model = {model_class}.from_pretrained("{repo_id}")
+processor = AutoProcessor.from_pretrained("{repo_id}")
+```
+"""
+
+
 def _check_model(model: nn.Module, switchback_config: SwitchBackConfig) -> None:
     """Reject what would publish a wrong config.json / card, before anything is created on the Hub."""
     if not hasattr(model, "save_pretrained"):
@@ -187,22 +247,22 @@ def save_for_hub(
     switchback_config: SwitchBackConfig,
     training_args: Mapping[str, Any],
     metrics: Mapping[str, Any],
+    plain: bool = False,
 ) -> list[str]:
-    """Write what push_to_hub uploads into `folder`; returns the file names written (sorted)."""
+    """Write what push_to_hub uploads into `folder`; returns the file names written (sorted).
+
+    config.json carries SwitchBack's quantization_config (the model reloads as SwitchBack under hf_switchback,
+    as a plain model elsewhere); plain=True leaves it out (a plain model everywhere)."""
     _check_model(model, switchback_config)
     folder = os.fspath(folder)
     model.save_pretrained(folder)
     if processor is not None:
         processor.save_pretrained(folder)
-    # A model converted with apply_switchback (not from_pretrained) has no quantization_config yet: write
-    # it so that the checkpoint reloads as SwitchBack under hf_switchback.
-    config_path = os.path.join(folder, "config.json")
-    with open(config_path, encoding="utf-8") as f:
-        config = json.load(f)
-    config["quantization_config"] = switchback_config.to_dict()
-    with open(config_path, "w", encoding="utf-8") as f:
-        json.dump(config, f, indent=2, sort_keys=True)
-        f.write("\n")
+    # The same config.json rule as train_clip's --output_dir: SwitchBack's quantization_config unless `plain`.
+    if plain:
+        strip_quantization_config(folder)
+    else:
+        write_quantization_config(folder, switchback_config)
     base_model = getattr(getattr(model, "config", None), "name_or_path", None)
     card = model_card(
         repo_id,
@@ -211,6 +271,7 @@ def save_for_hub(
         metrics=metrics,
         base_model=base_model,
         model_class=type(model).__name__,
+        plain=plain,
     )
     with open(os.path.join(folder, "README.md"), "w", encoding="utf-8") as f:
         f.write(card)
@@ -227,12 +288,13 @@ def push_to_hub(
     metrics: dict,
     private: bool = False,
     token: str | None = None,
+    plain: bool = False,
 ) -> str:
     """Create (or reuse) the Hub repo `repo_id` and upload model + processor + model card in one commit.
 
     model: an unwrapped transformers model (SwitchBack layers or plain); processor: anything with
     save_pretrained (CLIPProcessor), or None. `token`: default HF_TOKEN or the cached login. Returns the
-    repo URL.
+    repo URL. plain: config.json without quantization_config (see save_for_hub).
     """
     _check_model(model, switchback_config)
     api = HfApi(token=resolve_token(token))
@@ -247,6 +309,7 @@ def push_to_hub(
             switchback_config=switchback_config,
             training_args=training_args,
             metrics=metrics,
+            plain=plain,
         )
         api.upload_folder(
             repo_id=repo_url.repo_id,

@@ -7,7 +7,8 @@ from torch import nn
 
 from .accelerate_fp8 import check_accelerate_fp8
 from .config import SwitchBackConfig
-from .functional import switchback_linear
+from .functional import switchback_linear, token_floor
+from .kernels import crossover
 from .weight_cache import cached_linear, drop_weight_cache, has_weight_cache
 
 
@@ -75,8 +76,20 @@ class SwitchBackLinear(nn.Linear):
         return switchback_linear(x, self.weight, self.bias, self.switchback_config)
 
     def extra_repr(self) -> str:
+        # What this layer runs where its weight is (one linear's floor; a fused MLP block runs from the larger
+        # of fc1's and fc2's, see precision_summary), so the repr never claims a path that is not taken.
         cfg = self.switchback_config
-        return f"{super().extra_repr()}, switchback={cfg.variant}, backend={cfg.backend}"
+        floor = token_floor(cfg, self.weight.device, (self.in_features, self.out_features))
+        return f"{super().extra_repr()}, switchback={cfg.variant}, backend={cfg.backend}, runs={runs_text(floor, cfg.precision)}"
+
+
+def runs_text(floor: int, precision: str) -> str:
+    """A layer's path for a token floor: "int8", "16-bit below 16384 tokens", "16-bit (int8 never pays here)"."""
+    if floor == 0:
+        return precision
+    if floor >= crossover.NEVER:
+        return f"16-bit ({precision} never pays here)"
+    return f"16-bit below {floor} tokens"
 
 
 __all__ = ["SwitchBackLinear"]

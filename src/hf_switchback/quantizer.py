@@ -143,13 +143,28 @@ def strip_quantization_config(model_or_dir: nn.Module | str | os.PathLike) -> No
         elif getattr(getattr(model_or_dir, "config", None), "quantization_config", None) is not None:
             del model_or_dir.config.quantization_config
         return
-    path = os.path.join(os.fspath(model_or_dir), "config.json")
+    _set_quantization_config(model_or_dir, None)
+
+
+def write_quantization_config(folder: str | os.PathLike, config: SwitchBackConfig) -> None:
+    """Record `config` as quantization_config in a save_pretrained directory's config.json, so the checkpoint
+    reloads as SwitchBack under hf_switchback (and as a plain model elsewhere). A model converted with
+    apply_switchback rather than from_pretrained saves without it; every save path of this package calls this."""
+    _set_quantization_config(folder, as_switchback_config(config).to_dict())
+
+
+def _set_quantization_config(folder: str | os.PathLike, entry: dict[str, Any] | None) -> None:
+    path = os.path.join(os.fspath(folder), "config.json")
     with open(path, encoding="utf-8") as f:
         data = json.load(f)
-    if data.pop("quantization_config", None) is not None:
-        with open(path, "w", encoding="utf-8") as f:
-            json.dump(data, f, indent=2, sort_keys=True)
-            f.write("\n")
+    if entry is None and "quantization_config" not in data:
+        return
+    data.pop("quantization_config", None)
+    if entry is not None:
+        data["quantization_config"] = entry
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(data, f, indent=2, sort_keys=True)
+        f.write("\n")
 
 
 register()
@@ -160,4 +175,5 @@ __all__ = [
     "as_switchback_config",
     "register",
     "strip_quantization_config",
+    "write_quantization_config",
 ]

@@ -54,7 +54,7 @@ def write_csv(path, header="image,caption", rows=4):
 
 NUMERIC = [
     (["--lr", "-1"], "--lr must be a number > 0"),
-    (["--lr", "3e38", "--warmup_steps", "0"], "--lr must be a number > 0 and < 1e+06"),
+    (["--lr", "3e38", "--warmup_steps", "0"], "--lr must be a number > 0 and < 1e+10"),
     (["--lr", "nan"], "--lr must be"),
     (["--min_tokens", "-1"], "--min_tokens must be >= 0"),
     (["--eval_steps", "-5"], "--eval_steps must be >= 0"),

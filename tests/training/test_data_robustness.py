@@ -102,6 +102,19 @@ def test_eval_samples_skip_bad_ones_too(poisoned):
     assert len(images) == len(captions) == 14 and labels is None
 
 
+def test_eval_skip_warning_names_the_row(tmp_path, caplog):
+    """A CSV without __key__: the warning names the bad row's position in the file, not the count kept so far."""
+    Image.new("RGB", (8, 8)).save(tmp_path / "ok.png")
+    (tmp_path / "bad.png").write_bytes(b"not a png")
+    rows = ["ok.png,a", "bad.png,b", "ok.png,c", "bad.png,d", "ok.png,e"]
+    (tmp_path / "data.csv").write_text("image,caption\n" + "\n".join(rows) + "\n")
+    with caplog.at_level(logging.WARNING):
+        images, _, _ = load_eval_samples(load_source(train_file=str(tmp_path / "data.csv")), 10)
+    assert len(images) == 3
+    # the second bad row is row 3, with 2 images kept before it
+    assert "eval: skipping sample row 1:" in caplog.text and "eval: skipping sample row 3:" in caplog.text
+
+
 def test_eval_data_gets_the_training_pixel_cap(poisoned):
     """--max_image_pixels caps the eval images too (a decompression bomb in the validation shards)."""
     from hf_switchback.training import cli

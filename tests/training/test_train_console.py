@@ -33,8 +33,15 @@ def terminal_lines(text: str) -> list[str]:
     return [line.split("\r")[-1] for line in text.split("\n")]
 
 
+class Terminal(io.StringIO):
+    """stdout and stderr into one stream that says it is a terminal (the progress bar is drawn there)."""
+
+    def isatty(self) -> bool:
+        return True
+
+
 def test_eval_and_loss_lines_stand_on_their_own_lines(script, tmp_path, monkeypatch):
-    terminal = io.StringIO()  # stdout and stderr into one stream, as in a terminal
+    terminal = Terminal()
     monkeypatch.setattr(sys, "stdout", terminal)
     monkeypatch.setattr(sys, "stderr", terminal)
     run_in_process(script, tiny_run(tmp_path, "--log_losses", "--logging_steps", "1", "--eval_steps", "1"))
@@ -48,6 +55,23 @@ def test_eval_and_loss_lines_stand_on_their_own_lines(script, tmp_path, monkeypa
         assert all(line.split("\r")[-1].startswith(marker) for line in lines), lines
     assert f"output directory: {out}" in shown
     assert any(line.startswith("saved the model") and line.endswith(f"in {out}") for line in shown), shown
+
+
+def test_log_file_gets_plain_lines_a_readable_config_and_a_short_summary(script, tmp_path, monkeypatch):
+    """stderr redirected to a file: no carriage-return redraws, a progress line every --logging_steps, the
+    SwitchBack config one field a line, and a one-line summary instead of the results JSON."""
+    out, err = io.StringIO(), io.StringIO()
+    monkeypatch.setattr(sys, "stdout", out)
+    monkeypatch.setattr(sys, "stderr", err)
+    run_in_process(script, tiny_run(tmp_path, "--max_train_steps", "5", "--logging_steps", "2"))
+    stdout, stderr = out.getvalue(), err.getvalue()
+    assert "\r" not in stderr and "\r" not in stdout
+    progress = [line.split(" elapsed ")[0] for line in stderr.splitlines() if line.startswith("step ")]
+    assert [p.split(" loss=")[0] for p in progress] == ["step 2/5 (40%)", "step 4/5 (80%)", "step 5/5 (100%)"]
+    assert "\n  weight_scaling    tensor\n" in stdout and "SwitchBackConfig(" not in stdout
+    summary = [line for line in stdout.splitlines() if line.startswith("completed: 5 steps, zero_shot_top1 ")]
+    assert len(summary) == 1 and '"status"' not in stdout
+    assert json.loads((tmp_path / "run" / "all_results.json").read_text())["train_steps"] == 5
 
 
 def test_log_records_go_above_the_progress_bar(monkeypatch):

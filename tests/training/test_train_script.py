@@ -86,6 +86,17 @@ def test_help_lists_every_flag_with_help_and_its_default_once():
         (["--compile_mode", "reduce-overhead"], "--compile_mode needs --torch_compile"),
         (["--compile_scope", "blocks"], "--compile_scope needs --torch_compile"),
         (
+            [
+                "--torch_compile",
+                "--compile_scope",
+                "blocks",
+                "--compile_mode",
+                "reduce-overhead",
+                "--gradient_checkpointing",
+            ],
+            "cannot recompute layers",
+        ),
+        (
             ["--torch_compile", "--compile_mode", "reduce-overhead", "--accum_freq", "2"],
             "needs --accum_freq 1",
         ),
@@ -120,12 +131,13 @@ def test_compile_mode_reaches_accelerate_and_picks_the_gemm(monkeypatch):
     assert runtime.dynamo_plugin(parser.parse_args([])) is None
     plugin = runtime.dynamo_plugin(parser.parse_args(["--torch_compile"]))
     assert plugin.backend.value.lower() == "inductor" and plugin.mode == "default"
-    assert not plugin.use_regional_compilation
-    regional = runtime.dynamo_plugin(parser.parse_args(["--torch_compile", "--compile_scope", "blocks"]))
-    assert regional.use_regional_compilation
+    assert plugin.use_regional_compilation  # the default scope: per block
+    whole = runtime.dynamo_plugin(parser.parse_args(["--torch_compile", "--compile_scope", "model"]))
+    assert not whole.use_regional_compilation
     graphs = parser.parse_args(["--torch_compile", "--compile_mode", "reduce-overhead"])
     monkeypatch.setattr(runtime, "tma_gemm_available", lambda: False)
     assert runtime.dynamo_plugin(graphs).mode == "reduce-overhead"
+    assert not runtime.dynamo_plugin(graphs).use_regional_compilation  # CUDA graphs: the whole model
     assert model_setup.switchback_config(graphs).kernel_options == KernelOptions(use_tma=False)
     monkeypatch.setattr(runtime, "tma_gemm_available", lambda: True)
     assert (
@@ -156,7 +168,7 @@ def test_default_run_learns_far_above_chance(tmp_path):
     # the run's mean contrastive loss sits below chance level, ln(batch)
     assert 0 < results["train_loss"] < math.log(results["global_batch_size"]), results
     assert results["train_samples_per_second"] > 0
-    # the final model is a plain CLIP checkpoint in safetensors, with its processor
+    # the final model: CLIP safetensors with its processor (config.json: SwitchBack's quantization_config)
     assert (out / "model.safetensors").exists()
     from transformers import CLIPModel, CLIPProcessor
 

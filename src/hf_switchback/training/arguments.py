@@ -257,11 +257,10 @@ class SpeedArguments:
     )
     compile_scope: Literal[COMPILE_SCOPES] | None = arg(
         None,
-        "What --torch_compile compiles. model: the whole model as one graph per tower pass (Inductor fuses across "
-        "layers). blocks: each repeated encoder layer compiled once and reused by the others (accelerate's "
-        "regional compilation): a several times shorter first step, step time measured in BENCHMARKS.md "
-        "'Whole training step'.",
-        unset="model",
+        "What --torch_compile compiles. blocks: each repeated encoder layer compiled once and reused by the others "
+        "(accelerate's regional compilation): a 4-12x shorter first step at the same step time (BENCHMARKS.md "
+        "'Whole training step'). model: the whole model as one graph per tower pass.",
+        unset="blocks; model with --compile_mode reduce-overhead",
     )
     lock_image: bool = arg(False, "Freeze the vision tower and its projection.")
     lock_text: bool = arg(False, "Freeze the text tower and its projection.")
@@ -308,6 +307,11 @@ class RunArguments:
         "Minutes a collective waits for a stuck rank before the run fails (30 as in HF Trainer: torch's own "
         "default for gloo, up from its 10 for NCCL, so a rank writing the model or a checkpoint alone is not "
         "cut off).",
+    )
+    save_plain: bool = arg(
+        False,
+        "Save (and push) the final model as a plain CLIPModel: config.json without SwitchBack's "
+        "quantization_config, so it reloads without SwitchBack layers even with hf_switchback imported.",
     )
     push_to_hub: bool = arg(False, "Upload the final model with a model card.")
     hub_model_id: str | None = arg(

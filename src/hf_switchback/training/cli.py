@@ -28,7 +28,7 @@ __all__ = ["build_parser", "check_args", "parse_args"]
 ARGUMENT_FILES = (".json", ".yaml", ".yml")
 # An Adam step moves a weight by about lr: far above 1 nothing trains, and near float32's limit the optimizer
 # itself overflows. The bound only catches typos (3e38 for 3e-8), not bad choices.
-MAX_LR = 1e6
+MAX_LR = 1e10
 # Files up to this size are read whole to count their rows (batch size vs data set size); larger ones are not.
 MAX_COUNTED_BYTES = 16 * 2**20
 # (flag, lowest, highest): a None bound is open; every bound is inclusive.
@@ -149,6 +149,16 @@ def _check_combinations(parser, args) -> None:
         parser.error("--compile_mode needs --torch_compile")
     if args.compile_scope is not None and not args.torch_compile:
         parser.error("--compile_scope needs --torch_compile")
+    if (
+        args.compile_scope == "blocks"
+        and args.compile_mode == "reduce-overhead"
+        and args.gradient_checkpointing
+    ):
+        # a recomputed layer replays its CUDA graph while the first replay's outputs are still needed
+        parser.error(
+            "--compile_scope blocks with --compile_mode reduce-overhead cannot recompute layers "
+            "(--gradient_checkpointing): use --compile_scope model"
+        )
     if args.compile_mode == "reduce-overhead" and args.accum_freq > 1:
         # the cached-feature passes keep outputs of one replay while the next replay overwrites them
         parser.error("--compile_mode reduce-overhead (CUDA graphs) needs --accum_freq 1")

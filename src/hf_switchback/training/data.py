@@ -418,7 +418,8 @@ def load_eval_samples(
     iterator = (
         iter(source.dataset) if source.streaming else (source.dataset[i] for i in range(len(source.dataset)))
     )
-    for example in iterator:
+    # row: the example's position in the eval data (not the count kept so far), so a warning names the row to fix
+    for row, example in enumerate(iterator):
         if len(images) >= max_samples:
             break
         try:
@@ -428,7 +429,7 @@ def load_eval_samples(
                 int(field_value(example, source.label_column)) if source.label_column is not None else None
             )
         except Exception as err:
-            skip_log.add(str(example.get("__key__", len(images))), err, example.get("__url__"))
+            skip_log.add(str(example.get("__key__", f"row {row}")), err, example.get("__url__"))
             continue
         images.append(image)
         captions.append(caption)

@@ -7,6 +7,9 @@ SigLIP scores a pair on its own: p(match) = sigmoid(logit_scale * cos + logit_bi
 metrics also report those probabilities (pass `sigmoid=(logit_scale, logit_bias)`, logit_scale exp()'d). Ranks
 and top-k come from the logits scale * cos + bias, never from the probabilities: in float32 the sigmoid rounds
 many scores to exactly 0 or 1, and ties would count as hits. With scale > 0 that is the cosine's order.
+
+The numbers themselves come from the `evaluate` metrics shipped in hf_switchback/metrics (loaded by path,
+offline); this file computes the features and the logits they score.
 """
 
 from __future__ import annotations
@@ -14,6 +17,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from PIL import Image
+
+from .. import metrics as metric_modules
 
 
 @torch.no_grad()
@@ -80,31 +85,25 @@ def _blank_image(image_processor) -> Image.Image:
     return Image.new("RGB", (size["width"], size["height"]))
 
 
+def _scores(features: torch.Tensor, candidates: torch.Tensor, sigmoid) -> torch.Tensor:
+    """(N, M) logits: cosine, or SigLIP's scale * cos + bias."""
+    logits = features @ candidates.T
+    return logits if sigmoid is None else sigmoid[0] * logits + sigmoid[1]
+
+
 def retrieval_metrics(
     image_features: torch.Tensor, text_features: torch.Tensor, ks=(1, 5), sigmoid=None
 ) -> dict:
-    """Pair i of (N, D) images and (N, D) texts matches; recall@K both ways, in [0, 1]. sigmoid=(scale, bias)
-    (SigLIP) adds the mean p(match) of the matching pairs and of all the others."""
-    logits = image_features @ text_features.T
-    if sigmoid is not None:
-        logits = sigmoid[0] * logits + sigmoid[1]
-    target = torch.arange(len(logits), device=logits.device)
-    metrics = {}
-    for name, scores in (("image_to_text", logits), ("text_to_image", logits.T)):
-        # rank of the right answer = number of candidates scored strictly higher
-        right = scores.gather(1, target[:, None])
-        rank = (scores > right).sum(dim=1)
-        for k in ks:
-            metrics[f"{name}_R@{k}"] = (rank < k).float().mean().item()
-    if sigmoid is not None:
-        probs, matching = (
-            torch.sigmoid(logits),
-            torch.eye(len(logits), dtype=torch.bool, device=logits.device),
-        )
-        metrics["pair_prob_matching"] = probs[matching].mean().item()
-        if len(logits) > 1:
-            metrics["pair_prob_other"] = probs[~matching].mean().item()
-    return metrics
+    """Pair i of (N, D) images and (N, D) texts matches; recall@K both ways, in [0, 1], through the shipped
+    `retrieval_recall` evaluate metric. sigmoid=(scale, bias) (SigLIP) adds the mean p(match) of the matching
+    pairs and of all the others."""
+    scores = _scores(image_features, text_features, sigmoid)
+    return metric_modules.load("retrieval_recall").compute(
+        predictions=scores.float().cpu().numpy(),
+        references=range(len(scores)),
+        ks=tuple(ks),
+        sigmoid=sigmoid is not None,
+    )
 
 
 def zero_shot_classifier(model, tokenizer, image_processor, classnames, templates, **encode_kwargs):
@@ -118,20 +117,16 @@ def zero_shot_classifier(model, tokenizer, image_processor, classnames, template
 def zero_shot_accuracy(
     image_features: torch.Tensor, classifier: torch.Tensor, labels, ks=(1, 5), sigmoid=None
 ) -> dict:
-    """Top-k accuracy of (N, D) images against (C, D) class embeddings. sigmoid=(scale, bias) (SigLIP) adds
-    the mean p(true class) and the mean number of classes with p > 0.5 (SigLIP may call none or several)."""
-    labels = torch.as_tensor(labels, device=image_features.device)
-    ks = [k for k in ks if k <= classifier.shape[0]]  # top-5 of 3 classes is meaningless
-    logits = image_features @ classifier.T
-    if sigmoid is not None:
-        logits = sigmoid[0] * logits + sigmoid[1]
-    hits = logits.topk(max(ks), dim=1).indices == labels[:, None]
-    metrics = {f"zero_shot_top{k}": hits[:, :k].any(dim=1).float().mean().item() for k in ks}
-    if sigmoid is not None:
-        probs = torch.sigmoid(logits)
-        metrics["zero_shot_prob_true"] = probs.gather(1, labels[:, None]).mean().item()
-        metrics["zero_shot_classes_above_half"] = (probs > 0.5).sum(dim=1).float().mean().item()
-    return metrics
+    """Top-k accuracy of (N, D) images against (C, D) class embeddings, through the shipped
+    `zero_shot_accuracy` evaluate metric (a k above C is left out). sigmoid=(scale, bias) (SigLIP) adds the mean
+    p(true class) and the mean number of classes with p > 0.5 (SigLIP may call none or several)."""
+    scores = _scores(image_features, classifier, sigmoid)
+    return metric_modules.load("zero_shot_accuracy").compute(
+        predictions=scores.float().cpu().numpy(),
+        references=torch.as_tensor(labels).cpu().numpy(),
+        top_k=tuple(ks),
+        sigmoid=sigmoid is not None,
+    )
 
 
 def evaluate(

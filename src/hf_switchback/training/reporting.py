@@ -21,7 +21,8 @@ def tracker_config(args) -> dict:
 
 
 def push_model(model, processor, args, sb_config, metrics) -> None:
-    """--push_to_hub: the final CLIPModel, its processor and a model card to --hub_model_id."""
+    """--push_to_hub: the final CLIPModel, its processor and a model card to --hub_model_id, with the same
+    config.json as --output_dir's (save_final_config)."""
     from ..hub import push_to_hub  # imported here: only --push_to_hub needs huggingface_hub's upload path
 
     url = push_to_hub(
@@ -34,9 +35,27 @@ def push_model(model, processor, args, sb_config, metrics) -> None:
             k: v for k, v in metrics.items() if k != "switchback"
         },  # the card has its own config section
         private=args.hub_private,
+        plain=saves_plain(args, sb_config),
         token=args.hub_token,
     )
     logger.info("pushed to %s", url)
+
+
+def saves_plain(args, sb_config) -> bool:
+    """Whether the final model is saved and pushed without SwitchBack's quantization_config."""
+    return sb_config is None or args.save_plain
+
+
+def save_final_config(output_dir: str, args, sb_config) -> None:
+    """The one config.json rule for the saved and the pushed model: SwitchBack's quantization_config (the
+    model reloads as SwitchBack under hf_switchback, as a plain CLIPModel elsewhere), unless --save_plain or
+    --switchback off (a plain CLIPModel everywhere)."""
+    from ..quantizer import strip_quantization_config, write_quantization_config
+
+    if saves_plain(args, sb_config):
+        strip_quantization_config(output_dir)
+    else:
+        write_quantization_config(output_dir, sb_config)
 
 
 def switchback_results(sb_config) -> dict | None:

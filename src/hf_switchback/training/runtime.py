@@ -28,10 +28,19 @@ def dynamo_plugin(args) -> TorchDynamoPlugin | None:
     # A resumed or repeated run then loads the traced SwitchBack layers from torch.compile's disk cache instead
     # of tracing them again (compile_cache.py says why that is sound for them).
     allow_compile_cache()
-    regional = getattr(args, "compile_scope", None) == "blocks"
+    regional = compile_scope(args) == "blocks"
     return TorchDynamoPlugin(
         backend="inductor", mode=args.compile_mode or "default", use_regional_compilation=regional
     )
+
+
+def compile_scope(args) -> str:
+    """--compile_scope, or its default: per block (a first step 4-12x shorter at a step time as fast, BENCHMARKS.md
+    'Whole training step'), except under CUDA graphs, which replay one graph per compiled region and so need
+    the whole model when layers are recomputed."""
+    if getattr(args, "compile_scope", None):
+        return args.compile_scope
+    return "model" if args.compile_mode == "reduce-overhead" else "blocks"
 
 
 def kernel_options(args) -> KernelOptions:
