@@ -80,7 +80,9 @@ def train_command(
 ) -> list[str]:
     """The train_clip.py command line of one run."""
     cmd = [sys.executable, str(TRAIN_SCRIPT), "--model_config", str(config), *VARIANT_FLAGS[variant]]
-    cmd += ["--seed", str(seed), "--output_dir", str(run_dir), "--report_to", "none"]
+    # the harness writes the run's own log into run_dir first, so the dir is never empty
+    cmd += ["--seed", str(seed), "--output_dir", str(run_dir), "--overwrite_output_dir"]
+    cmd += ["--report_to", "none"]
     cmd += ["--batch_size", str(args.batch_size), "--max_train_steps", str(args.steps)]
     cmd += ["--synthetic_train_samples", str(args.steps * args.batch_size)]  # one epoch: no loader restart
     cmd += ["--lr", str(args.lr), "--warmup_steps", str(args.warmup_steps)]
