@@ -263,7 +263,7 @@ class SpeedArguments:
     compile_scope: Literal[COMPILE_SCOPES] | None = arg(
         None,
         "What --torch_compile compiles. blocks: each repeated encoder layer compiled once and reused by the others "
-        "(accelerate's regional compilation): a 4-12x shorter first step at the same step time (BENCHMARKS.md "
+        "(accelerate's regional compilation): a much shorter first step at the same step time (BENCHMARKS.md "
         "'Whole training step'). model: the whole model as one graph per tower pass.",
         unset="blocks; model with --compile_mode reduce-overhead",
     )
