@@ -180,8 +180,8 @@ class SwitchBackConfig:
     # fc1's output being recomputed in backward by one more 8-bit GEMM (bit-identical). Supported
     # activations: gelu (erf), the tanh approximations and quick_gelu; other blocks keep the separate layers.
     # None (default): on with memory_efficient, off otherwise. Off by default without it: under torch.compile
-    # the separate layers make a faster whole training step (eager favours the fused block), which saves
-    # activation memory instead (BENCHMARKS.md, Whole training step). True / False force it either way.
+    # the separate layers make a faster whole training step (eager favours the fused block); the fused block
+    # saves activation memory (BENCHMARKS.md, Whole training step). True / False force it either way.
     fuse_mlp: bool | None = None
     # When q_proj, k_proj and v_proj of a transformers CLIP / SigLIP attention block are all converted with
     # this config, compute them as one op (hf_switchback.blocks.attention): their shared input is quantized once

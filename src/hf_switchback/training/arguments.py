@@ -209,9 +209,10 @@ class OptimizationArguments:
     warmup_steps: int | None = arg(None, "Linear warmup steps (>= 0).", unset="5%% of the steps")
     min_lr_ratio: float = arg(0.0, "Cosine floor as a fraction of --lr, in [0, 1].")
     weight_decay: float = arg(0.1, "Decoupled weight decay on weight matrices (>= 0).")
-    # Betas and eps are OpenCLIP's ViT recipe, also the SwitchBack paper's. beta2 = 0.98, not 0.999: a slower
-    # second moment under-estimates g² after a quiet stretch, and that under-estimate precedes loss spikes
-    # (paper §3.4). eps 1e-6, not 1e-8: with bf16/fp16 activations a small v̂ would blow up the update.
+    # Betas and eps are OpenCLIP's ViT recipe, also the SwitchBack paper's. beta2 = 0.98, not 0.999: 0.999's
+    # slower second moment under-estimates g² after a quiet stretch, and that under-estimate precedes loss
+    # spikes (paper §3.4); StableAdamW lets beta2 go back up. eps 1e-6, not 1e-8: with bf16/fp16 activations a
+    # small v̂ would blow up the update.
     beta1: float = arg(0.9, "Adam beta1, in [0, 1).", "--adam_beta1")
     beta2: float = arg(0.98, "Adam beta2, in [0, 1).", "--adam_beta2")
     eps: float = arg(1e-6, "Adam epsilon (> 0).", "--adam_epsilon")
