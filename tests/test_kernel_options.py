@@ -11,7 +11,7 @@ from helpers import HAS_TRITON, KernelSpy, tiny_clip_config
 from torch import nn
 
 from hf_switchback import KernelOptions, SwitchBackConfig, SwitchBackLinear, apply_switchback
-from hf_switchback.kernels import backends, library, reference
+from hf_switchback.kernels import library, reference
 from hf_switchback.kernels.options import TMA_ENV
 
 
@@ -61,13 +61,13 @@ def test_kernel_options_stay_out_of_config_json_and_of_config_equality():
 def test_every_kernel_set_takes_the_options_with_the_reference_signatures():
     """Every kernel set (the reference set and, where triton imports, the Triton sets) has one function per
     declared operator, with its twin's parameters, `options` last."""
-    assert len(backends.KERNEL_FUNCTIONS) == 11
+    assert len(library.OP_NAMES) == 11
     sets = [library.REFERENCE]
     if HAS_TRITON:
         from hf_switchback.kernels import compiled, ops
 
         sets += [ops.KERNELS, compiled.KERNELS]
-    for name in backends.KERNEL_FUNCTIONS:
+    for name in library.OP_NAMES:
         want = list(inspect.signature(getattr(reference, name)).parameters)
         assert want[-1] == "options", name
         for kernel_set in sets:

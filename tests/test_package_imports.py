@@ -1,4 +1,4 @@
-"""The package's modules import each other without circles (DESIGN.md: dependencies point one way).
+"""The package's modules import each other without circles: dependencies point one way.
 
 Walks every `import` of every module under src/hf_switchback, function-local ones included (a local import
 only hides a circle from Python, not from a reader), and looks for a cycle in the module graph.

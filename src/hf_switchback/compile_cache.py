@@ -5,8 +5,8 @@ it, AOT autograd's cache, which also skips tracing forward and backward again. A
 that holds a custom `torch.autograd.Function` unless `torch._functorch.config.
 autograd_cache_allow_custom_autograd_functions` is set: torch's cautious default, since an arbitrary Function may
 depend on Python state its cache key does not see. SwitchBack layers are such Functions, so by default a resumed or
-repeated compiled run traces every layer again (ViT-B/16 b256 on the H100: first step 11.8 s on warm caches,
-6.1 s with the setting; bf16 2.8 s; BENCHMARKS.md, Whole training step).
+repeated compiled run traces every layer again, and its first step takes much longer than with the setting
+(BENCHMARKS.md, Whole training step).
 
 Why the cache key covers SwitchBack's Functions: Dynamo traces their forward and backward into the graph it hashes
 (nothing of them runs as Python afterwards); every choice they make (precision, KernelOptions, the crossover

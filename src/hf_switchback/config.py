@@ -132,10 +132,8 @@ class SwitchBackConfig:
     # The memory switch. Save each swapped linear's input in 8 bits (+ its row scales) for backward instead of
     # 16 bits, and (through fuse_mlp's default) run each CLIP MLP fused, recomputing its fc1 output in
     # backward. Numerics: grad-weight is computed from the dequantized 8-bit input (8-bit-accurate dW);
-    # forward and grad-input are unchanged. On the H100 under torch.compile a ViT-H/14 vision layer saves
-    # 17.1 x d bytes per token instead of bf16's 34.1 x d (fp8; int8 the same once fc1's output is recomputed), and ViT-H/14 at batch 192 fits without
-    # recompute (56.5 GiB), where bf16 + compile needs checkpointing or an activation budget
-    # (BENCHMARKS.md, Memory).
+    # forward and grad-input are unchanged. A vision layer's saved activations about halve, so batches fit
+    # without recompute where bf16 + compile needs checkpointing or an activation budget (BENCHMARKS.md, Memory).
     memory_efficient: bool = False
     # Forward format. "int8": symmetric absmax int8 (the paper). "fp8": e4m3. Gradients: see grad_precision.
     precision: str = "int8"
@@ -146,11 +144,9 @@ class SwitchBackConfig:
     # Format of the grad-input GEMM operands (the output gradient and the transposed weight). "auto": fp8
     # (`fp8_grad_format`) on GPUs with fp8 tensor cores (compute capability >= 8.9: Ada, Hopper, Blackwell) and
     # whenever precision="fp8"; int8 elsewhere (Ampere, CPU). Row-wise int8 rounds every entry below absmax/254
-    # of a gradient row to zero (up to 20% of them in ViT-B/16 from scratch), fp8 keeps them. On the graded-shapes
-    # parity runs (H100, BENCHMARKS.md, Accuracy) both are at parity with bf16 zero-shot, fine-tuning (5 pairs)
-    # and from scratch (all-int8: 25 pairs, -0.05 pp, 95% interval -0.30..+0.19); on the ViT-B/16 default task,
-    # whose single runs swing by ~30 pp, all-int8 fell 15-32 pp behind bf16 in both of its runs.
-    # "int8" forces the paper's all-int8 SwitchBack.
+    # of a gradient row to zero (a sizeable share of them when training from scratch), fp8 keeps them. Both are
+    # at parity with bf16 on the graded-shapes parity runs, while all-int8 fell behind on the ViT-B/16 default
+    # task (BENCHMARKS.md, Accuracy). "int8" forces the paper's all-int8 SwitchBack.
     grad_precision: str = "auto"
     # Format of the weight-gradient GEMM dW = Gᵀ X, whose reduction runs over all batch x tokens. "16bit": the
     # paper's choice (SwitchBack "switches back" here). "fp8", opt-in beyond the paper: e5m2 output gradient
@@ -183,10 +179,9 @@ class SwitchBackConfig:
     # only fc1's input and output (half of bf16's activations); with memory_efficient only fc1's 8-bit input,
     # fc1's output being recomputed in backward by one more 8-bit GEMM (bit-identical). Supported
     # activations: gelu (erf), the tanh approximations and quick_gelu; other blocks keep the separate layers.
-    # None (default): on with memory_efficient, off otherwise. Off by default without it: in a whole ViT-B/16
-    # training step on the H100 under torch.compile the separate layers were 13% faster (125 vs 143 ms/step;
-    # eager: fused 6% faster); the fused block saves ~20% activation memory (21.1 -> 16.8 GiB peak at batch
-    # 256) (BENCHMARKS.md, Whole training step). True / False force it either way.
+    # None (default): on with memory_efficient, off otherwise. Off by default without it: under torch.compile
+    # the separate layers make a faster whole training step (eager favours the fused block); the fused block
+    # saves activation memory (BENCHMARKS.md, Whole training step). True / False force it either way.
     fuse_mlp: bool | None = None
     # When q_proj, k_proj and v_proj of a transformers CLIP / SigLIP attention block are all converted with
     # this config, compute them as one op (hf_switchback.blocks.attention): their shared input is quantized once

@@ -9,7 +9,6 @@ import torch
 from torch import nn
 
 from hf_switchback.training.optim import (
-    OPENCLIP_VIT_DEFAULTS,
     OPTIMIZER_CHOICES,
     create_optimizer,
     unstable_parameters,
@@ -32,14 +31,14 @@ def _state_bytes(opt: torch.optim.Optimizer) -> int:
 
 
 def test_choices_and_defaults():
-    """The training script's optimizer flags default to a known choice and to OpenCLIP's ViT betas and eps (what
-    the README promises); an unknown name is refused."""
+    """The training script's optimizer flags default to a known choice and to what the README's stability recipe
+    states (OpenCLIP's ViT betas and eps; lr 2e-3, weight decay 0.1); an unknown name is refused."""
     from hf_switchback.training import cli
 
     parser = cli.build_parser()
     assert parser.get_default("optimizer") in OPTIMIZER_CHOICES
     args = parser.parse_args([])
-    assert ((args.beta1, args.beta2), args.eps) == (OPENCLIP_VIT_DEFAULTS.betas, OPENCLIP_VIT_DEFAULTS.eps)
+    assert (args.beta1, args.beta2, args.eps, args.lr, args.weight_decay) == (0.9, 0.98, 1e-6, 2e-3, 0.1)
     with pytest.raises(ValueError, match="not one of"):
         create_optimizer("sgd", [{"params": [nn.Parameter(torch.ones(2))]}], lr=LR, betas=BETAS, eps=EPS)
 

@@ -18,17 +18,13 @@ import sys
 import torch
 
 from . import library
-from .library import OP_NAMES, KernelSet
+from .library import KernelSet
 from .options import KernelOptions
 
 logger = logging.getLogger(__name__)
 
 TRITON_MODULE = "hf_switchback.kernels.ops"
 COMPILED_MODULE = "hf_switchback.kernels.compiled"
-
-
-# The functions of every kernel set: one per declared operator (tests check every set against it).
-KERNEL_FUNCTIONS = OP_NAMES
 
 
 @functools.cache

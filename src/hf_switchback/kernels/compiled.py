@@ -13,9 +13,8 @@ Three passes stay ours too, as traced triton_ops, where Inductor's code was meas
 - the output gradient's quantize (with the bias gradient's column sum). That tensor is written in 16 bits
   anyway (the grad-weight GEMM reads it), so fusing its quantize into the op that produced it saves nothing;
   Inductor's version re-read the producer's inputs instead (GELU backward: grad and h) in a slow persistent
-  reduction: on the H100, a ViT-H/14 step spent 18.4 ms in it for the 32 fc1 gradients alone, vs 11.4 ms for
-  all 192 gradient quantizes with our kernel (BENCHMARKS.md, Whole training step). KernelOptions.
-  triton_grad_quantize.
+  reduction that cost more for the fc1 gradients alone than our kernel for every gradient quantize of the step
+  (BENCHMARKS.md, Whole training step). KernelOptions.triton_grad_quantize.
 - the fused MLP's (fuse_mlp, memory_efficient) activation + quantize of fc1's output in forward and its
   activation backward + quantize + column sum in backward: their input is a GEMM's output, with nothing for
   Inductor to fuse them into, and its code for them was slower than ours (BENCHMARKS.md, Memory).

@@ -7,9 +7,8 @@ fp8 GEMM takes scale_a (M, 1) and scale_b (1, N) float32, A row-major and B colu
 SwitchBack's operands already are: b_q (N, K) contiguous is B = b_q.T column-major, so no copy is made. A
 per-tensor weight scale () is broadcast to (1, N) (cuBLAS takes both scales row-wise or both per-tensor).
 
-Why: on the H100 at the per-call shapes of a CLIP training step (M = 16k-50k tokens) cuBLAS fp8 row-wise ran
-1.27-1.78x over cuBLAS bf16 at every shape, this package's Triton fp8 kernels 0.92-1.57x (BENCHMARKS.md, "GEMM
-kernels"). Under torch.compile the call stays `aten._scaled_mm`, an op Inductor knows (it can also fuse the
+Why: on the H100 at the per-call shapes of a CLIP training step cuBLAS fp8 row-wise beats cuBLAS bf16 at every
+shape, by more than this package's Triton fp8 kernels do (BENCHMARKS.md, GEMM kernels). Under torch.compile the call stays `aten._scaled_mm`, an op Inductor knows (it can also fuse the
 operand quantize into the producer), instead of an opaque kernel.
 
 Accuracy: use_fast_accum=False, so cuBLAS promotes the fp8 tensor-core partial sums to float32 (Hopper's

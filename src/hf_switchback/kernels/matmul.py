@@ -42,10 +42,10 @@ _TILE_SHAPES = (
     (128, 256, 64, 8, 4),
     (64, 128, 128, 4, 4),
 )
-# On the H100 these three came within 1.029x of the fastest of all eight at every per-call shape of ViT-B/16,
-# L/14 and H/14 training steps (60 shapes, forward and grad-input at 4,928-98,688 tokens; 57 within 1.005x;
-# BENCHMARKS.md, GEMM kernels). Every config compiles (~1 s of Triton each) and is benchmarked at each new shape,
-# so tuning three instead of eight shortens a compiled run's first step (BENCHMARKS.md, compile warm-up).
+# On the H100 these three come within a few percent of the fastest of all eight at every per-call shape of
+# ViT-B/16, L/14 and H/14 training steps (BENCHMARKS.md, GEMM kernels). Every config compiles and is benchmarked
+# at each new shape, so tuning three instead of eight shortens a compiled run's first step (BENCHMARKS.md,
+# compile warm-up).
 _SM90_TILE_SHAPES = ((128, 256, 128, 8, 3), (128, 256, 128, 8, 4), (64, 128, 128, 4, 4))
 
 

@@ -63,12 +63,12 @@ class KernelOptions:
     triton_grad_quantize: bool = True
     # Under torch.compile, the fused MLP's two activation passes over its (M, 4d) hidden tensor (forward:
     # act + quantize for fc2; backward: act' + quantize + column sum for fc1) stay our Triton kernels, traced
-    # into Inductor's code. Inductor's own code for them was slower: forward 1.09 vs 0.74 ms (ViT-H/14 b192),
-    # backward 2.26 ms in a step vs 1.44; whole step +4% (BENCHMARKS.md, Memory). False leaves them to Inductor.
+    # into Inductor's code. Inductor's own code for them was slower, forward and backward, and so was the whole
+    # step (BENCHMARKS.md, Memory). False leaves them to Inductor.
     triton_act_quantize: bool = True
     # In eager mode, call the Triton launchers directly instead of through the torch.library custom ops, whose
-    # dispatcher only adds CPU time to every call (~10 per layer and step; ViT-B/16 eager 187.7 vs 216-278 ms,
-    # BENCHMARKS.md, Whole training step). False: through the custom ops.
+    # dispatcher only adds CPU time to every call (about ten per layer and step, which adds up in launch-bound
+    # eager steps; BENCHMARKS.md, Whole training step). False: through the custom ops.
     direct_eager: bool = True
     # The fused MLP's activation backward + quantize on CUDA: "rows" (one pass, whole rows per program),
     # "tiles" (two 2-D tiled passes, full occupancy) or "auto" (rows up to 4096 wide, tiles above: the
@@ -76,15 +76,15 @@ class KernelOptions:
     act_backward_impl: str = "auto"
     # The persistent TMA 8-bit GEMM on Hopper (sm90) for M >= 1024 and aligned operands; elsewhere, or if it
     # cannot be built here (then a warning, once per device), the portable kernel. Off by default: alone it
-    # is faster (1.50-1.63x over cuBLAS bf16 vs 1.37-1.53x), but its host-side setup made launch-bound
-    # training steps slower; under CUDA graphs (torch.compile mode="reduce-overhead") that setup is not
-    # replayed and it wins (BENCHMARKS.md, GEMM kernels and Whole training step). The default comes from HF_SWITCHBACK_TMA (0 / 1).
+    # is faster than the portable kernel, but its host-side setup makes launch-bound training steps slower;
+    # under CUDA graphs (torch.compile mode="reduce-overhead") that setup is not replayed and it wins
+    # (BENCHMARKS.md, GEMM kernels and Whole training step). The default comes from HF_SWITCHBACK_TMA (0 / 1).
     use_tma: bool = dataclasses.field(default_factory=_tma_default)
     # fp8 GEMMs (fp8 forward, fp8 grad-input) on cuBLAS's row-wise torch._scaled_mm (kernels/cublas.py) or on
-    # our Triton kernels. "auto": cuBLAS on Hopper (sm90), where it was measured faster at every CLIP GEMM
-    # shape (1.48-1.59x over cuBLAS bf16 vs our fp8 1.41-1.48x at d=1280, 65,536 tokens; BENCHMARKS.md, GEMM
-    # kernels), Triton elsewhere (sm89 unmeasured; sm80 has no fp8). "cublas": wherever torch._scaled_mm
-    # runs (sm89+). Operands cuBLAS does not take (e5m2 x e5m2, K or N not a multiple of 16) stay on Triton.
+    # our Triton kernels. "auto": cuBLAS on Hopper (sm90), where it was measured faster than our fp8 kernels at
+    # every CLIP GEMM shape (BENCHMARKS.md, GEMM kernels), Triton elsewhere (sm89 unmeasured; sm80 has no
+    # fp8). "cublas": wherever torch._scaled_mm runs (sm89+). Operands cuBLAS does not take (e5m2 x e5m2, K or
+    # N not a multiple of 16) stay on Triton.
     # The default comes from HF_SWITCHBACK_FP8_GEMM.
     fp8_gemm: str = dataclasses.field(default_factory=_fp8_gemm_default)
 

@@ -38,8 +38,7 @@ _COLSUM_PROGRAMS = 1024
 _COLSUM_MAX_ROWS = 64
 # KernelOptions.act_backward_impl "auto": whole rows per program ("rows": reads less, but a row of 4d values
 # must fit in one program's registers, which limits occupancy) up to this width, 2-D tiles ("tiles") above. On
-# the H100 "rows" won at 4d = 3072 (50432 rows: 0.60 vs 0.84 ms; 16448: 0.21 vs 0.30) and lost at 4d = 5120
-# (1.52 vs 1.38; 0.53 vs 0.47), BENCHMARKS.md, GEMM kernels.
+# the H100 "rows" wins at 4d = 3072 and loses at 4d = 5120 (BENCHMARKS.md, GEMM kernels).
 _ROWS_IMPL_MAX_K = 4096
 # Tile of the "tiles" activation backward.
 _BWD_TILE_M, _BWD_TILE_K = 32, 256

@@ -203,10 +203,16 @@ class OptimizationArguments:
     )
     num_train_epochs: int = arg(1, "Epochs when --max_train_steps is not given.")
     optimizer: Literal[OPTIMIZER_CHOICES] = arg("adamw", "Optimizer.")
+    # lr 2e-3 and weight decay 0.1 are for the embedded default run (small model, small batch); OpenCLIP's
+    # ViT-B runs at batch ~32k use 5e-4 and 0.2: scale the learning rate with the batch size.
     lr: float = arg(2e-3, "Peak learning rate (> 0).", "--learning_rate")
     warmup_steps: int | None = arg(None, "Linear warmup steps (>= 0).", unset="5%% of the steps")
     min_lr_ratio: float = arg(0.0, "Cosine floor as a fraction of --lr, in [0, 1].")
     weight_decay: float = arg(0.1, "Decoupled weight decay on weight matrices (>= 0).")
+    # Betas and eps are OpenCLIP's ViT recipe, also the SwitchBack paper's. beta2 = 0.98, not 0.999: 0.999's
+    # slower second moment under-estimates g² after a quiet stretch, and that under-estimate precedes loss
+    # spikes (paper §3.4); StableAdamW lets beta2 go back up. eps 1e-6, not 1e-8: with bf16/fp16 activations a
+    # small v̂ would blow up the update.
     beta1: float = arg(0.9, "Adam beta1, in [0, 1).", "--adam_beta1")
     beta2: float = arg(0.98, "Adam beta2, in [0, 1).", "--adam_beta2")
     eps: float = arg(1e-6, "Adam epsilon (> 0).", "--adam_epsilon")
@@ -258,7 +264,7 @@ class SpeedArguments:
     compile_scope: Literal[COMPILE_SCOPES] | None = arg(
         None,
         "What --torch_compile compiles. blocks: each repeated encoder layer compiled once and reused by the others "
-        "(accelerate's regional compilation): a 4-12x shorter first step at the same step time (BENCHMARKS.md "
+        "(accelerate's regional compilation): a much shorter first step at the same step time (BENCHMARKS.md "
         "'Whole training step'). model: the whole model as one graph per tower pass.",
         unset="blocks; model with --compile_mode reduce-overhead",
     )

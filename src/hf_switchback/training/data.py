@@ -306,8 +306,8 @@ class CaptionStream(torch.utils.data.IterableDataset):
         worker = torch.utils.data.get_worker_info()
         if worker is not None:
             # Whole blocks per worker, not every W-th sample: with the latter, batch b would hold the samples
-            # of worker b % W, and changing --num_workers would change what every batch contains (seen on the
-            # GPU: the same int8 parity run, seed 2, ended at 63% zero-shot with 5 workers and 97% with 4).
+            # of worker b % W, and changing --num_workers would change what every batch contains (and with it a
+            # seeded run's result).
             block, stride = self.worker_block, self.worker_block * worker.num_workers
             start = worker.id * block
             order = [i for b in range(start, len(order), stride) for i in order[b : b + block]]

@@ -31,7 +31,6 @@ most) and the parameters passed as ``keep_32bit`` (embeddings, see `unstable_par
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 from collections.abc import Iterable
@@ -40,9 +39,7 @@ import torch
 from torch import nn
 
 __all__ = [
-    "OPENCLIP_VIT_DEFAULTS",
     "OPTIMIZER_CHOICES",
-    "OptimizerDefaults",
     "cosine_with_warmup",
     "create_optimizer",
     "param_groups",
@@ -59,26 +56,6 @@ OPTIMIZER_CHOICES: tuple[str, ...] = (
 
 # bitsandbytes' own default: tensors below this many elements keep 32-bit states.
 DEFAULT_MIN_8BIT_SIZE = 4096
-
-
-@dataclasses.dataclass(frozen=True)
-class OptimizerDefaults:
-    """Hyperparameters a training script can use as its argparse defaults."""
-
-    # Peak learning rate for batch size ~32k in OpenCLIP's ViT-B runs; scale it with the batch size.
-    lr: float = 5e-4
-    # β2 = 0.98, not the usual 0.999: a slower second moment under-estimates g² after a quiet stretch and
-    # that under-estimate is what precedes loss spikes (paper §3.4); StableAdamW lets β2 go back up.
-    betas: tuple[float, float] = (0.9, 0.98)
-    # 1e-6 instead of 1e-8: with bf16/fp16 activations small v̂ would otherwise blow up the update.
-    eps: float = 1e-6
-    # Decoupled weight decay on matrices only (the param groups exclude norms, biases, logit_scale).
-    weight_decay: float = 0.2
-
-
-# OpenCLIP's ViT recipe (open_clip/training/params.py `get_default_params` for ViT models), also used by the
-# SwitchBack paper's CLIP runs.
-OPENCLIP_VIT_DEFAULTS = OptimizerDefaults()
 
 
 def unstable_parameters(model: nn.Module) -> list[nn.Parameter]:

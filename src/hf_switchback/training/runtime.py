@@ -35,7 +35,7 @@ def dynamo_plugin(args) -> TorchDynamoPlugin | None:
 
 
 def compile_scope(args) -> str:
-    """--compile_scope, or its default: per block (a first step 4-12x shorter at a step time as fast, BENCHMARKS.md
+    """--compile_scope, or its default: per block (a much shorter first step at a step time as fast, BENCHMARKS.md
     'Whole training step'), except under CUDA graphs, which replay one graph per compiled region and so need
     the whole model when layers are recomputed."""
     if getattr(args, "compile_scope", None):
@@ -47,9 +47,8 @@ def kernel_options(args) -> KernelOptions:
     """The run's SwitchBack KernelOptions: the defaults, and with CUDA graphs on Hopper the TMA 8-bit GEMM."""
     graphs = args.torch_compile and args.compile_mode == "reduce-overhead"
     if graphs and tma_gemm_available():
-        # Alone the TMA GEMM is 10-15% faster than the portable one, but its host-side setup made launch-bound
-        # steps slower; replayed as a CUDA graph that setup is gone (ViT-B/16: 102.6 vs 106.9 ms/step,
-        # BENCHMARKS.md, Whole training step).
+        # Alone the TMA GEMM is faster than the portable one, but its host-side setup makes launch-bound steps
+        # slower; replayed as a CUDA graph that setup is gone (BENCHMARKS.md, Whole training step).
         logger.info("CUDA graphs: using the Hopper TMA 8-bit GEMM (KernelOptions(use_tma=True))")
         return KernelOptions(use_tma=True)
     return KernelOptions()
