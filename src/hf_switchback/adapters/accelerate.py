@@ -56,8 +56,10 @@ def init_process_group_kwargs(timeout: timedelta):
             "accelerate's InitProcessGroupKwargs has no to_kwargs() in this version, so hf_switchback cannot pass "
             "the collective timeout on. Use an accelerate version in the range pyproject.toml names."
         )
-    if to_kwargs().get("timeout") != timeout:
-        handler.to_kwargs = lambda: {**to_kwargs(), "timeout": handler.timeout}
+    passed = to_kwargs()
+    if passed.get("timeout") != timeout:
+        # A snapshot: accelerate's to_kwargs would list this instance attribute as a field once it is set.
+        handler.to_kwargs = lambda: {**passed, "timeout": timeout}
     return handler
 
 
