@@ -1,7 +1,7 @@
 """accelerate: the mixed precision of an already created Accelerator, and a collective timeout that always
 reaches torch.distributed.
 
-Checked against accelerate 1.10-1.15 (`AcceleratorState._shared_state`, `KwargsHandler.to_kwargs`).
+Checked against accelerate 1.15 (`AcceleratorState._shared_state`, `KwargsHandler.to_kwargs`).
 """
 
 from __future__ import annotations

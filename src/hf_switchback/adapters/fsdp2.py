@@ -1,7 +1,8 @@
 """FSDP2 (torch.distributed.fsdp.fully_shard): retarget its per-parameter module records after a module swap.
 
-Checked against torch 2.6-2.13's `torch.distributed.fsdp._fully_shard` (`FSDPModule._get_fsdp_state`,
-`FSDPState._fsdp_param_groups`, `FSDPParam._module_info`).
+Checked against torch 2.13's `torch.distributed.fsdp._fully_shard` (`FSDPModule._get_fsdp_state`,
+`FSDPState._fsdp_param_groups`, `FSDPParam._module_info`); releases from before per-parameter meshes kept one
+group as `FSDPState._fsdp_param_group`, which is read when the list is absent.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ def _param_groups(state) -> list:
     groups = getattr(state, "_fsdp_param_groups", None)
     if groups is not None:
         return list(groups)
-    # Older releases held at most one group per module, as `_fsdp_param_group` (None when it owns no parameters).
+    # The one-group layout (torch 2.13 still offers it as a backward-compatible property); None: no parameters.
     if hasattr(state, "_fsdp_param_group"):
         group = state._fsdp_param_group
         return [] if group is None else [group]
