@@ -11,9 +11,8 @@ from torch import nn
 
 _BROKEN = (
     "FSDP2's private layout changed in this torch version ({what} is missing), so hf_switchback cannot point "
-    "fully_shard's records at the swapped layers. Apply SwitchBack before fully_shard (accelerate's FSDP2 "
-    "plugin does this when the model is converted before accelerator.prepare), or use a torch version in the "
-    "range pyproject.toml names."
+    "fully_shard's records at the swapped layers. Apply SwitchBack before fully_shard (with accelerate: "
+    "before accelerator.prepare), or use a torch version in the range pyproject.toml names."
 )
 
 
