@@ -4,7 +4,6 @@ fails loudly (or takes its documented fallback) when the private attribute it re
 from __future__ import annotations
 
 import types
-import warnings
 from datetime import timedelta
 
 import pytest
@@ -169,9 +168,3 @@ def test_bnb_optimizer_hooks_are_checked(monkeypatch):
     monkeypatch.delattr(bnb.optim.optimizer.Optimizer8bit, "get_config")
     with pytest.raises(RuntimeError, match="get_config is missing"):
         optim._bnb_classes.__wrapped__()  # uncached: what the first 8-bit optimizer of a run would do
-
-
-def test_adapters_import_no_optional_library():
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        import hf_switchback.adapters.bitsandbytes  # noqa: F401  (bitsandbytes is imported on first use only)
