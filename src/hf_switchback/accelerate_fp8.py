@@ -3,12 +3,14 @@
 accelerate's `mixed_precision="fp8"` swaps every `nn.Linear` (subclasses included, so SwitchBackLinear too)
 for Transformer Engine's `te.Linear` or torchao's `Float8Linear` inside `Accelerator.prepare`, silently
 dropping SwitchBack. SwitchBackLinear.from_linear and the transformers quantizer call check_accelerate_fp8;
-interop.py holds the model-wide checks. A leaf module: it imports nothing from the package.
+interop.py holds the model-wide checks. A leaf module: it imports only adapters/.
 """
 
 from __future__ import annotations
 
 import os
+
+from .adapters.accelerate import accelerator_mixed_precision
 
 FP8_CONFLICT = (
     "SwitchBack layers cannot run under accelerate's mixed_precision='fp8': Accelerator.prepare would replace "
@@ -23,13 +25,7 @@ def accelerate_fp8_enabled() -> bool:
     already created Accelerator(mixed_precision="fp8") in this process (its shared state)."""
     if os.environ.get("ACCELERATE_MIXED_PRECISION", "").lower() == "fp8":
         return True
-    try:
-        from accelerate.state import AcceleratorState
-    except ImportError:  # accelerate is a dependency, but the check must not be what breaks an import
-        return False
-    # Read the singleton's shared dict rather than constructing AcceleratorState(), which would initialize
-    # the distributed environment as a side effect.
-    return AcceleratorState._shared_state.get("_mixed_precision") == "fp8"
+    return accelerator_mixed_precision() == "fp8"
 
 
 def check_accelerate_fp8() -> None:

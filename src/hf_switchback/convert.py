@@ -13,6 +13,7 @@ from collections.abc import Callable
 
 from torch import nn
 
+from .adapters.fsdp2 import retarget_fsdp_modules
 from .blocks.attention import sync_fused_attention
 from .blocks.multihead_attention import (
     find_multihead_attention,
@@ -40,25 +41,6 @@ def name_matches(name: str, spec: str | tuple[str, ...] | None) -> bool:
     return any(name == t or name.endswith("." + t) for t in spec)
 
 
-def _retarget_fsdp2(model: nn.Module, replaced: dict[int, nn.Module]) -> None:
-    """Point FSDP2's records of each replaced module (id(old) -> new) at its replacement.
-
-    fully_shard stores, per parameter, the module it setattr()s the gathered / re-sharded tensor on
-    (FSDPParam._module_info). The swap reuses the Parameters, but without this FSDP would keep writing them
-    into the detached module and the new one would compute with the sharded DTensors ("got mixed
-    torch.Tensor and DTensor"). Private torch API (2.13); a no-op for models without fully_shard.
-    """
-    for module in model.modules():
-        get_state = getattr(module, "_get_fsdp_state", None)
-        if get_state is None:
-            continue
-        for group in getattr(get_state(), "_fsdp_param_groups", None) or ():
-            for fsdp_param in group.fsdp_params:
-                info = fsdp_param._module_info
-                info.module = replaced.get(id(info.module), info.module)
-                info.shared_modules = [replaced.get(id(m), m) for m in info.shared_modules]
-
-
 def _replace_submodules(model: nn.Module, replacements: dict[str, nn.Module]) -> None:
     """setattr each dotted name to its new module, then fix FSDP2's records once for all of them."""
     replaced = {}
@@ -68,7 +50,7 @@ def _replace_submodules(model: nn.Module, replacements: dict[str, nn.Module]) ->
         replaced[id(getattr(parent, child))] = module
         setattr(parent, child, module)
     if replaced:
-        _retarget_fsdp2(model, replaced)
+        retarget_fsdp_modules(model, replaced)
 
 
 def find_targets(model: nn.Module, config: SwitchBackConfig, filter_fn: FilterFn | None = None) -> list[str]:

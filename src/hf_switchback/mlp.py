@@ -124,6 +124,8 @@ def sync_fused_mlps(model: nn.Module) -> int:
         kind = _qualifies(module)
         if kind is not None:
             if not is_fused_mlp(module):
+                # A subclass of the module's own class that only adds a forward: the instance (Parameters, hooks,
+                # fully_shard's state) is untouched, and no other library's private state is read or written.
                 module.__class__ = _fused_class(type(module))
             setattr(module, _ACTIVATION_ATTR, (kind, type(module.activation_fn)))
             fused += 1

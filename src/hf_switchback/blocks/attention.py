@@ -148,6 +148,8 @@ def sync_fused_attention(model: nn.Module) -> int:
         base = _base_class(module)
         if _stock_class(base) is not None and _fusable(module) is not None:
             if not is_fused_attention(module):
+                # A subclass of the module's own class that only adds a forward: the instance (Parameters, hooks,
+                # fully_shard's state) is untouched, and no other library's private state is read or written.
                 module.__class__ = _fused_class(base)
             fused += 1
         elif is_fused_attention(module) and type(module) is _fused_class(base):

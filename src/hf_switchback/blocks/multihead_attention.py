@@ -159,6 +159,8 @@ def convert_multihead_attention(
     reason = static_unsupported_reason(module)
     if reason:
         raise ValueError(f"convert_multihead_attention: {reason} is not supported")
+    # Our own subclass of nn.MultiheadAttention: the instance (Parameters, hooks, fully_shard's state) is
+    # untouched, and no other library's private state is read or written.
     module.__class__ = SwitchBackMultiheadAttention
     module.switchback_config = _checked(config)
     return module

@@ -38,6 +38,8 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from ..adapters.bitsandbytes import check_optimizer_hooks, second_moment
+
 __all__ = [
     "OPTIMIZER_CHOICES",
     "cosine_with_warmup",
@@ -116,9 +118,10 @@ def _bnb_classes() -> dict[str, type]:
     backends, and it is an optional dependency (extra ``bnb``)."""
     try:
         import bitsandbytes as bnb
-        import bitsandbytes.functional as bnb_F
     except ImportError as e:  # pragma: no cover - depends on the environment
         raise ImportError("8-bit optimizers need bitsandbytes: pip install 'hf_switchback[bnb]'") from e
+    for base in (bnb.optim.AdamW8bit, bnb.optim.PagedAdamW8bit):
+        check_optimizer_hooks(base)
 
     class _Keep32Bit:
         """Per-instance fp32-state overrides. bitsandbytes' GlobalOptimManager does the same through a
@@ -157,12 +160,7 @@ def _bnb_classes() -> dict[str, type]:
             state = self.state[p]
             beta2 = group["betas"][1]
             step = state["step"] + 1  # bitsandbytes increments it inside update_step
-            if state["state2"].dtype == torch.uint8:
-                v_prev = bnb_F.dequantize_blockwise(
-                    state["state2"], absmax=state["absmax2"], code=state["qmap2"], blocksize=256
-                )
-            else:
-                v_prev = state["state2"]
+            v_prev = second_moment(state)
             grad = p.grad.float()
             v_hat = (v_prev * beta2).addcmul_(grad, grad, value=1 - beta2).div_(1 - beta2**step)
             rms = grad.square().div_(v_hat.clamp_min_(group["eps"] ** 2)).mean().sqrt().item()

@@ -10,6 +10,7 @@ from datetime import timedelta
 import torch
 from accelerate.utils import InitProcessGroupKwargs, TorchDynamoPlugin
 
+from ..adapters.accelerate import init_process_group_kwargs
 from ..compile_cache import allow_compile_cache
 from ..kernels.options import KernelOptions
 
@@ -62,12 +63,7 @@ def process_group_kwargs(timeout_minutes: float) -> InitProcessGroupKwargs:
     (the main process writing the final model and a checkpoint, evaluating, pushing to the Hub) must fit, or a
     healthy run dies; a stuck rank costs at most that long.
     """
-    handler = InitProcessGroupKwargs(timeout=timedelta(minutes=timeout_minutes))
-    # accelerate passes on only the fields that differ from its defaults (10 min for NCCL), so 10 min would be
-    # dropped and gloo would keep torch's 30; the timeout always goes through (accelerate looks handlers up by
-    # exact class, so a subclass cannot do this).
-    handler.to_kwargs = lambda: {"timeout": handler.timeout}
-    return handler
+    return init_process_group_kwargs(timedelta(minutes=timeout_minutes))
 
 
 def tma_gemm_available() -> bool:

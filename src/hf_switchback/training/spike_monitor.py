@@ -33,6 +33,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from ..adapters.bitsandbytes import second_moment
+
 __all__ = ["SpikeMonitor", "default_group_name"]
 
 logger = logging.getLogger(__name__)
@@ -73,14 +75,7 @@ def _second_moment(optimizer: torch.optim.Optimizer, group: dict, state: dict) -
         beta2 = group["betas"][1]
         return v / (1 - beta2**step)
     if "state2" in state:  # bitsandbytes
-        s2 = state["state2"]
-        if s2.dtype == torch.uint8:
-            import bitsandbytes.functional as bnb_F
-
-            v = bnb_F.dequantize_blockwise(s2, absmax=state["absmax2"], code=state["qmap2"], blocksize=256)
-        else:
-            v = s2.float()
-        return v / (1 - group["betas"][1] ** float(state["step"]))
+        return second_moment(state) / (1 - group["betas"][1] ** float(state["step"]))
     return None
 
 
