@@ -149,11 +149,7 @@ def _check_combinations(parser, args) -> None:
         parser.error("--compile_mode needs --torch_compile")
     if args.compile_scope is not None and not args.torch_compile:
         parser.error("--compile_scope needs --torch_compile")
-    if (
-        args.compile_scope == "blocks"
-        and args.compile_mode == "reduce-overhead"
-        and args.gradient_checkpointing
-    ):
+    if args.compile_scope == "blocks" and args.compile_mode == "reduce-overhead" and args.grad_checkpointing:
         # a recomputed layer replays its CUDA graph while the first replay's outputs are still needed
         parser.error(
             "--compile_scope blocks with --compile_mode reduce-overhead cannot recompute layers "
