@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from .config import SwitchBackConfig
 from .kernels import crossover
 from .kernels.backends import KernelSet, get_kernels
+from .kernels.cublas import has_fp8_tensor_cores
 from .kernels.options import KernelOptions
 from .kernels.reference import ACTIVATIONS, apply_activation
 from .kernels.wgrad import check_device, weight_grad
@@ -31,13 +32,6 @@ _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 # cannot amortize the quantize passes and launches (measured on H100, BENCHMARKS.md, MLP block). An explicit
 # config.min_tokens replaces it on any backend.
 AUTO_MIN_TOKENS_CUDA = crossover.FALLBACK_MIN_TOKENS
-
-
-def has_fp8_tensor_cores(device_index: int) -> bool:
-    """True when CUDA device `device_index` multiplies fp8 natively (compute capability 8.9 or newer)."""
-    # get_device_properties, not get_device_capability: torch.compile constant-folds the former.
-    props = torch.cuda.get_device_properties(device_index)
-    return (props.major, props.minor) >= (8, 9)
 
 
 def grad_precision(config: SwitchBackConfig, device: torch.device | None = None) -> str:

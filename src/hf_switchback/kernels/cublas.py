@@ -35,6 +35,13 @@ MIXED_FP8_PAIRS = {pair for pair in _PAIRS if pair[0] != pair[1]}
 ALIGN = 16  # cuBLAS fp8: leading dimensions multiples of 16 elements (16 bytes)
 
 
+def has_fp8_tensor_cores(device_index: int) -> bool:
+    """True when CUDA device `device_index` multiplies fp8 natively (compute capability 8.9 or newer)."""
+    # get_device_properties, not get_device_capability: torch.compile constant-folds the former.
+    props = torch.cuda.get_device_properties(device_index)
+    return (props.major, props.minor) >= (8, 9)
+
+
 def _capability(device: torch.device) -> tuple[int, int]:
     # get_device_properties, not get_device_capability: torch.compile constant-folds the former.
     props = torch.cuda.get_device_properties(device.index if device.index is not None else 0)

@@ -73,9 +73,9 @@ def check_device(precision: str, device: torch.device) -> None:
     """Refuse wgrad_precision="fp8" on a CUDA GPU without fp8 tensor cores (compute capability < 8.9)."""
     if precision != "fp8" or device.type != "cuda":
         return
-    # get_device_properties, not get_device_capability: torch.compile constant-folds the former.
-    props = torch.cuda.get_device_properties(device.index if device.index is not None else 0)
-    if (props.major, props.minor) < (8, 9):
+    index = device.index if device.index is not None else 0
+    if not cublas.has_fp8_tensor_cores(index):
+        props = torch.cuda.get_device_properties(index)
         raise RuntimeError(
             f"SwitchBackConfig.wgrad_precision='fp8' needs a GPU with fp8 tensor cores (compute capability 8.9+: "
             f"Ada, Hopper, Blackwell); {props.name} is {props.major}.{props.minor}. Use wgrad_precision='16bit'."
