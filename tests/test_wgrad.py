@@ -113,8 +113,14 @@ def test_gpu_weight_grad_runs_cublas_and_matches_reference(monkeypatch):
     monkeypatch.setattr(torch, "_scaled_mm", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     got = wgrad.weight_grad(grad_out, x, torch.float32, "fp8")
     assert calls, "fp8 wgrad on an sm89+ GPU must run cuBLAS's scaled GEMM"
-    # same fp8 operands; float32 sums in another order, and cuBLAS writes bfloat16 (2^-9 relative)
-    torch.testing.assert_close(got, want, rtol=2**-7, atol=1e-5 * want.abs().max().item())
+    # Same fp8 operands. cuBLAS writes bfloat16 (2^-9 relative), and Hopper's fp8 tensor cores do not keep a full
+    # float32 sum: measured up to 2^-11.2 of the sum of |products| (kernels/wgrad.py); allowed 2^-10 of it.
+    g_q, g_scale = wgrad._quantize_over_tokens(grad_out, wgrad.G_DTYPE)
+    x_q, x_scale = wgrad._quantize_over_tokens(x, wgrad.X_DTYPE)
+    products = (g_q.double().abs() @ x_q.double().abs().t()) * g_scale[:, None] * x_scale[None, :]
+    err = (got.double() - want.double()).abs()
+    excess = err - (2**-9 * want.double().abs() + 2**-10 * products)
+    assert excess.max() <= 0, f"worst error {err.max():.3g}, {excess.gt(0).sum()} entries over the bound"
 
 
 @pytest.mark.gpu

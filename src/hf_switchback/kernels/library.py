@@ -201,16 +201,30 @@ def _run_twin(op: KernelOp) -> Callable:
     return twin
 
 
+def _all_arguments(op: KernelOp, args: tuple, kwargs: Mapping) -> tuple:
+    """Every operator argument of a call, positionally. A traced graph leaves out arguments equal to their schema
+    defaults, and torch 2.11 calls an implementation with the graph's arguments as they are (Inductor's code
+    calling a triton_op body; a custom_op's CUDA kernel reached through its autograd layer, which drops them)."""
+    bound = op.signature.bind(*args, **kwargs)
+    bound.apply_defaults()
+    return tuple(bound.arguments.values())
+
+
+def _with_defaults(op: KernelOp, cuda: Callable) -> Callable:
+    """A custom_op's CUDA kernel that fills in the arguments a traced call left out."""
+
+    def kernel(*args, **kwargs):
+        return cuda(*_all_arguments(op, args, kwargs))
+
+    return kernel
+
+
 def _device_dispatch(op: KernelOp, cuda: Callable) -> Callable:
     """A triton_op's body: the CUDA implementation for CUDA tensors, launching through wrap_triton (which
     Inductor records under torch.compile and which launches directly in eager), the torch twin elsewhere."""
 
     def body(*args, **kwargs):
-        # A traced graph leaves out arguments equal to their schema defaults, and Inductor calls this body with
-        # the graph's arguments as they are: fill the defaults in (torch 2.11 failed without this).
-        bound = op.signature.bind(*args, **kwargs)
-        bound.apply_defaults()
-        args = tuple(bound.arguments.values())
+        args = _all_arguments(op, args, kwargs)
         if args[0].device.type == "cuda":
             return cuda(*args, wrap=torch.library.wrap_triton)
         return op.reference(*args[: op.arity])
@@ -238,7 +252,7 @@ def declare(cuda: Mapping[str, Callable] | None = None) -> None:
             opdef.register_fake(op.fake)
             _declared[op.name] = opdef
         if impl is not None and op.name not in _with_cuda:
-            _declared[op.name].register_kernel("cuda", impl)
+            _declared[op.name].register_kernel("cuda", _with_defaults(op, impl))
             _with_cuda.add(op.name)
 
 
