@@ -13,13 +13,13 @@ from hf_switchback.training.data import (
     DEFAULT_MAX_IMAGE_PIXELS,
     CaptionStream,
     SkipLog,
+    TrainTransform,
     decode_image,
     field_value,
     load_eval_samples,
     load_source,
 )
 from hf_switchback.training.shards import DEFAULT_MAX_MEMBER_BYTES, read_shard, split_member_name
-from hf_switchback.training.transforms import TrainTransform
 
 TRANSFORM = TrainTransform(32, mean=(0.5, 0.5, 0.5), std=(0.5, 0.5, 0.5))
 
