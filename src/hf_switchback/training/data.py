@@ -27,6 +27,7 @@ order and drops the consumed batches, which is exact because order and augmentat
 
 from __future__ import annotations
 
+import codecs
 import glob
 import io
 import json
@@ -145,10 +146,14 @@ def load_source(
         if builder is None:
             raise ValueError(f"train file must be .csv, .tsv, .json or .jsonl, got {train_file!r}")
         kwargs = {"delimiter": "\t"} if ext == "tsv" else {}
-        if builder == "csv":
-            # pandas would refuse the whole file for one non-UTF-8 caption; read as U+FFFD instead, the row is
-            # skipped and counted like an unreadable image (pick_caption)
-            kwargs["encoding_errors"] = "replace"
+        # datasets would refuse the whole file for one non-UTF-8 caption; read such bytes as U+FFFD instead, and
+        # the row is skipped and counted like an unreadable image (pick_caption)
+        kwargs["encoding_errors"] = "replace"
+        if builder == "json":
+            check_json_array_encoding(train_file)
+            # The JSON builder applies encoding_errors only when it re-decodes, which it does for any encoding
+            # but "utf-8": "utf-8-sig" is UTF-8 that also drops a leading byte-order mark.
+            kwargs["encoding"] = "utf-8-sig"
         ds = datasets.load_dataset(
             builder, data_files=train_file, split="train", streaming=streaming, **kwargs
         )
@@ -175,6 +180,30 @@ def load_source(
     return from_hf_dataset(
         ds, image_column=image_column, caption_column=caption_column, label_column=label_column
     )
+
+
+def check_json_array_encoding(path: str) -> None:
+    """Raise ValueError naming the first non-UTF-8 byte of a JSON file that holds one array (`[{...}, ...]`).
+
+    datasets parses such a file whole, before any decoding, so one bad byte would end the load with a message
+    naming neither the file nor the place; JSON Lines rows are decoded line by line (bad ones are skipped).
+    """
+    with open(path, "rb") as f:
+        if not f.read(4096).lstrip(codecs.BOM_UTF8).lstrip().startswith(b"["):
+            return
+        f.seek(0)
+        data = f.read()
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        line = data.count(b"\n", 0, err.start) + 1
+        column = err.start - data.rfind(b"\n", 0, err.start)
+        raise ValueError(
+            f"{path}: byte 0x{data[err.start]:02x} at line {line}, column {column} (offset {err.start}) is not "
+            "UTF-8, and a JSON file holding one array is read whole: re-encode it to UTF-8 (from Latin-1: "
+            f"`iconv -f latin1 -t utf-8 {path} > fixed.json`), or write JSON Lines (.jsonl, one object a line), "
+            "where a row with such bytes is skipped and counted"
+        ) from None
 
 
 def expand_shards(shards: str | list[str]) -> list[str]:
