@@ -146,8 +146,8 @@ def load_source(
         if builder is None:
             raise ValueError(f"train file must be .csv, .tsv, .json or .jsonl, got {train_file!r}")
         kwargs = {"delimiter": "\t"} if ext == "tsv" else {}
-        # datasets would refuse the whole file for one non-UTF-8 caption; read such bytes as U+FFFD instead, and
-        # the row is skipped and counted like an unreadable image (pick_caption)
+        # datasets would refuse the whole file for one non-UTF-8 caption; read such bytes as U+FFFD instead,
+        # and the row is skipped and counted like an unreadable image (pick_caption)
         kwargs["encoding_errors"] = "replace"
         if builder == "json":
             check_json_array_encoding(train_file)
@@ -189,7 +189,7 @@ def check_json_array_encoding(path: str) -> None:
     naming neither the file nor the place; JSON Lines rows are decoded line by line (bad ones are skipped).
     """
     with open(path, "rb") as f:
-        if not f.read(4096).lstrip(codecs.BOM_UTF8).lstrip().startswith(b"["):
+        if not f.read(4096).removeprefix(codecs.BOM_UTF8).lstrip().startswith(b"["):
             return
         f.seek(0)
         data = f.read()
@@ -199,10 +199,10 @@ def check_json_array_encoding(path: str) -> None:
         line = data.count(b"\n", 0, err.start) + 1
         column = err.start - data.rfind(b"\n", 0, err.start)
         raise ValueError(
-            f"{path}: byte 0x{data[err.start]:02x} at line {line}, column {column} (offset {err.start}) is not "
-            "UTF-8, and a JSON file holding one array is read whole: re-encode it to UTF-8 (from Latin-1: "
-            f"`iconv -f latin1 -t utf-8 {path} > fixed.json`), or write JSON Lines (.jsonl, one object a line), "
-            "where a row with such bytes is skipped and counted"
+            f"{path}: byte 0x{data[err.start]:02x} at line {line}, column {column} (offset {err.start}) is "
+            "not UTF-8, and a JSON file holding one array is read whole: re-encode it to UTF-8 (from Latin-1: "
+            f"`iconv -f latin1 -t utf-8 {path} > fixed.json`), or write JSON Lines (.jsonl, one object a "
+            "line), where a row with such bytes is skipped and counted"
         ) from None
 
 
@@ -271,9 +271,14 @@ def pick_caption(value, rng: random.Random) -> str:
             value = value.decode("utf-8")
     if not isinstance(value, str) or not value.strip():
         raise ValueError("empty or missing caption")
-    if REPLACEMENT_CHAR in value:  # what undecodable bytes became (a CSV is read with errors="replace")
+    if (
+        REPLACEMENT_CHAR in value
+    ):  # what undecodable bytes became (CSV and JSON files are read with errors="replace")
         raise ValueError(f"caption holds bytes that are not UTF-8 (read as U+FFFD): {value[:60]!r}")
     return value.strip()
+
+
+# Training augmentation, drawn from each sample's own generator (sample_rng; the module docstring says why).
 
 
 class RandomResizedCrop:
