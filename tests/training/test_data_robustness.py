@@ -232,8 +232,8 @@ def test_a_jsonl_caption_that_is_not_utf8_is_skipped_and_counted_with_its_row(tm
 
 
 def test_a_json_array_that_is_not_utf8_names_the_file_the_place_and_the_fix(tmp_path):
-    """A JSON file holding one array is parsed whole by datasets, so a bad byte cannot be skipped with its row:
-    the error says where it is and how to re-encode, instead of datasets' message without a file name."""
+    """A JSON file holding one array is parsed whole by datasets, so a bad byte cannot be skipped with its
+    row: the error says where it is and how to re-encode, instead of datasets' message without a file name."""
     rows = [b'  {"path": "%d.png", "text": "a red square %d"}' % (i, i) for i in range(3)]
     rows[2] = b'  {"path": "2.png", "text": "caf\xe9"}'
     path = tmp_path / "train.json"

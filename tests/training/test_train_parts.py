@@ -106,8 +106,9 @@ def test_retrieval_and_zero_shot_metrics():
 
 
 def test_end_training_frees_the_prepared_model_and_says_when_something_still_holds_it(monkeypatch, caplog):
-    """training/lifecycle.py: under DDP a model that outlives the process group can hang the exit; end_training
-    frees what the accelerator holds and warns (on multi-process runs) when the caller still holds the model."""
+    """training/lifecycle.py: under DDP a model that outlives the process group can hang the exit;
+    end_training frees what the accelerator holds and warns (on multi-process runs) when the caller still
+    holds the model."""
     monkeypatch.setattr(Accelerator, "num_processes", property(lambda self: 2))  # the warning's condition
     monkeypatch.setattr(lifecycle, "WORKER_DRAIN_S", 0.0)
     AcceleratorState._reset_state(True)
