@@ -76,7 +76,6 @@ from hf_switchback.training.checkpoints import (
     write_results,
 )
 from hf_switchback.training.cli import build_parser, check_args, parse_args
-from hf_switchback.training.console import console, format_config, progress_bar, setup_logging, summary_line
 from hf_switchback.training.evaluation import evaluate
 from hf_switchback.training.guard import (
     NonFiniteError,
@@ -86,24 +85,38 @@ from hf_switchback.training.guard import (
     guarded_step,
 )
 from hf_switchback.training.layer_scale import add_layer_scale, fold_layer_scale, fold_layer_scale_state_dict
-from hf_switchback.training.losses import ClipLoss
-from hf_switchback.training.metrics import (
+from hf_switchback.training.lifecycle import (
+    OutputDirBusy,
+    OutputDirLock,
+    console,
+    end_training,
+    format_config,
     logit_bias_value,
     logit_scale_value,
     mean_over_ranks,
     peak_memory,
+    progress_bar,
+    push_model,
+    save_final_config,
+    setup_logging,
     sum_over_ranks,
+    summary_line,
+    switchback_results,
+    tracker_config,
 )
-from hf_switchback.training.model_setup import load_model_and_processor, lock_towers, switchback_config
+from hf_switchback.training.losses import ClipLoss
+from hf_switchback.training.model_setup import (
+    add_patch_dropout,
+    load_model_and_processor,
+    lock_towers,
+    switchback_config,
+)
 from hf_switchback.training.optim import (
     cosine_with_warmup,
     create_optimizer,
     param_groups,
     unstable_parameters,
 )
-from hf_switchback.training.patch_dropout import add_patch_dropout
-from hf_switchback.training.reporting import push_model, save_final_config, switchback_results, tracker_config
-from hf_switchback.training.run_lock import OutputDirBusy, OutputDirLock
 from hf_switchback.training.runtime import check_deepspeed, dynamo_plugin, process_group_kwargs
 from hf_switchback.training.siglip_loss import SigLipLoss
 from hf_switchback.training.sources import load_eval_set, load_train_source, micro_batch_stream
@@ -115,14 +128,12 @@ from hf_switchback.training.step import (
     export_state_dict,
     logit_scale_to_1d,
 )
-from hf_switchback.training.teardown import end_training
-from hf_switchback.training.transforms import train_transform_for
 
 logger = logging.getLogger("train_clip")
 
 
 def training_function(args):
-    """Train as `args` say; the main process holds the output directory's lock throughout (run_lock.py)."""
+    """Train as `args` say; the main process holds the output directory's lock throughout (lifecycle.py)."""
     if int(os.environ.get("RANK", "0")) != 0:
         return _train(args)
     with OutputDirLock(args.output_dir):
@@ -187,7 +198,7 @@ def _train(args):
     train_source = load_train_source(args)
     stream = data_lib.CaptionStream(
         train_source,
-        train_transform_for(image_processor, image_size, scale=(args.crop_scale_min, 1.0)),
+        data_lib.train_transform_for(image_processor, image_size, scale=(args.crop_scale_min, 1.0)),
         seed=args.seed,
         rank=accelerator.process_index,
         world_size=accelerator.num_processes,
@@ -448,7 +459,7 @@ def _train(args):
             ):  # (FSDP-sharded: not pushed as is)
                 clip.logit_scale = torch.nn.Parameter(clip.logit_scale.detach().reshape(()))
             push_model(clip, processor, args, sb_config, results)
-    # the prepared model goes before the process group (training/teardown.py: else exit can hang under DDP)
+    # the prepared model goes before the process group (training/lifecycle.py: else exit can hang under DDP)
     model_ref, model, monitor = weakref.ref(model), None, None
     end_training(accelerator, model_ref)
     return results

@@ -8,9 +8,9 @@ import torch
 from accelerate import Accelerator
 from train_helpers import fixed_batch, tiny_model
 
+from hf_switchback.training.lifecycle import end_training
 from hf_switchback.training.losses import ClipLoss
 from hf_switchback.training.step import CLIPForContrastive, contrastive_backward
-from hf_switchback.training.teardown import end_training
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--out", required=True)

@@ -432,7 +432,7 @@ def test_ddp_timeout_always_reaches_the_process_group():
 def test_the_output_dir_lock_refuses_a_second_writer_naming_it_and_is_free_once_released(tmp_path):
     import socket
 
-    from hf_switchback.training.run_lock import OutputDirBusy, OutputDirLock
+    from hf_switchback.training.lifecycle import OutputDirBusy, OutputDirLock
 
     with OutputDirLock(str(tmp_path / "run")):
         with pytest.raises(OutputDirBusy, match=rf"another training process \(pid {os.getpid()} on host "):

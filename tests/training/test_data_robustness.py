@@ -1,8 +1,10 @@
 """Poisoned or odd data: every bad sample is skipped and counted, never the end of the run."""
 
+import codecs
 import gzip
 import io
 import logging
+import re
 import tarfile
 
 import pytest
@@ -13,13 +15,13 @@ from hf_switchback.training.data import (
     DEFAULT_MAX_IMAGE_PIXELS,
     CaptionStream,
     SkipLog,
+    TrainTransform,
     decode_image,
     field_value,
     load_eval_samples,
     load_source,
 )
 from hf_switchback.training.shards import DEFAULT_MAX_MEMBER_BYTES, read_shard, split_member_name
-from hf_switchback.training.transforms import TrainTransform
 
 TRANSFORM = TrainTransform(32, mean=(0.5, 0.5, 0.5), std=(0.5, 0.5, 0.5))
 
@@ -196,3 +198,53 @@ def test_a_csv_caption_that_is_not_utf8_is_skipped_and_counted_with_its_row(tmp_
     assert "skipping sample 1: ValueError: caption holds bytes that are not UTF-8" in caplog.text
     _images, eval_captions, _ = load_eval_samples(source, 10)
     assert eval_captions == ["a red square 0", "a red square 2", "a red square 3"]
+
+
+@pytest.mark.parametrize("streaming", [False, True])
+def test_a_jsonl_caption_that_is_not_utf8_is_skipped_and_counted_with_its_row(tmp_path, caplog, streaming):
+    """As with a CSV: one latin-1 caption must not abort loading the whole JSON Lines file (datasets raised
+    UnicodeDecodeError for it); valid UTF-8 beyond ASCII and a leading byte-order mark read as written."""
+    lines = []
+    for i in range(4):
+        (tmp_path / f"{i}.png").write_bytes(png())
+        lines.append(b'{"path": "%d.png", "text": "a red square %d"}' % (i, i))
+    lines[1] = b'{"path": "1.png", "text": "caf\xe9 cr\xe8me"}'  # latin-1
+    lines[3] = b'{"path": "3.png", "text": "caf\xc3\xa9 cr\xc3\xa8me"}'  # the same words in UTF-8
+    (tmp_path / "train.jsonl").write_bytes(codecs.BOM_UTF8 + b"\n".join(lines) + b"\n")
+    source = load_source(
+        train_file=str(tmp_path / "train.jsonl"),
+        image_column="path",
+        caption_column="text",
+        streaming=streaming,
+    )
+    with caplog.at_level(logging.WARNING):
+        stream = CaptionStream(source, TRANSFORM, seed=0)
+        samples = list(torch.utils.data.DataLoader(stream, batch_size=None, num_workers=0))
+    captions = sorted(s["caption"] for s in samples)
+    assert captions == ["a red square 0", "a red square 2", "café crème"]
+    assert sum(int(s["skipped"]) for s in samples) == 1
+    assert (
+        "ValueError: caption holds bytes that are not UTF-8 (read as U+FFFD): 'caf\ufffd cr\ufffdme'"
+        in caplog.text
+    )
+    _images, eval_captions, _ = load_eval_samples(source, 10)
+    assert eval_captions == ["a red square 0", "a red square 2", "café crème"]
+
+
+def test_a_json_array_that_is_not_utf8_names_the_file_the_place_and_the_fix(tmp_path):
+    """A JSON file holding one array is parsed whole by datasets, so a bad byte cannot be skipped with its
+    row: the error says where it is and how to re-encode, instead of datasets' message without a file name."""
+    rows = [b'  {"path": "%d.png", "text": "a red square %d"}' % (i, i) for i in range(3)]
+    rows[2] = b'  {"path": "2.png", "text": "caf\xe9"}'
+    path = tmp_path / "train.json"
+    path.write_bytes(b"[\n" + b",\n".join(rows) + b"\n]\n")
+    offset = path.read_bytes().index(b"\xe9")
+    column = offset - path.read_bytes().rindex(b"\n", 0, offset)
+    where = f"byte 0xe9 at line 4, column {column} (offset {offset}) is not UTF-8"
+    with pytest.raises(ValueError, match=re.escape(f"{path}: {where}")) as err:
+        load_source(train_file=str(path), image_column="path", caption_column="text")
+    assert f"iconv -f latin1 -t utf-8 {path}" in str(err.value) and ".jsonl" in str(err.value)
+    # the same array in UTF-8 loads (the check reads the file only; it changes nothing)
+    path.write_bytes(path.read_bytes().replace(b"\xe9", b"\xc3\xa9"))
+    source = load_source(train_file=str(path), image_column="path", caption_column="text")
+    assert [row["text"] for row in source.dataset] == ["a red square 0", "a red square 1", "café"]

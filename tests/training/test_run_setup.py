@@ -11,7 +11,7 @@ import torch
 from train_helpers import tiny_model
 
 from hf_switchback import SwitchBackConfig
-from hf_switchback.training import checkpoints, metrics, model_setup, reporting, runtime, sources
+from hf_switchback.training import checkpoints, lifecycle, model_setup, runtime, sources
 from hf_switchback.training.cli import build_parser
 
 
@@ -123,13 +123,13 @@ def test_default_clip_matches_the_tokenizer_and_image_size():
 
 def test_logit_scale_value_and_no_peak_memory_on_cpu():
     model = tiny_model()
-    assert metrics.logit_scale_value(model) == pytest.approx(math.exp(model.logit_scale.item()))
-    assert metrics.peak_memory(FakeAccelerator()) == {}
+    assert lifecycle.logit_scale_value(model) == pytest.approx(math.exp(model.logit_scale.item()))
+    assert lifecycle.peak_memory(FakeAccelerator()) == {}
 
 
 def test_tracker_config_is_scalars_without_the_token():
     args = build_parser().parse_args(["--hub_token", "hf_secret", "--target_modules", "fc1", "fc2"])
-    config = reporting.tracker_config(args)
+    config = lifecycle.tracker_config(args)
     assert "hub_token" not in config
     assert config["target_modules"] == "['fc1', 'fc2']" and config["batch_size"] == 128
     assert all(isinstance(v, (int, float, str, bool)) for v in config.values())
@@ -153,7 +153,7 @@ def test_push_model_leaves_the_token_out_of_the_card_and_the_config_out_of_the_m
     monkeypatch.setattr(hub, "push_to_hub", lambda model, processor, repo_id, **kw: sent.update(kw) or "url")
     args = build_parser().parse_args(["--push_to_hub", "--hub_model_id", "u/m", "--hub_token", "hf_secret"])
     config = SwitchBackConfig()
-    reporting.push_model(None, None, args, config, {"zero_shot_top1": 0.5, "switchback": config.to_dict()})
+    lifecycle.push_model(None, None, args, config, {"zero_shot_top1": 0.5, "switchback": config.to_dict()})
     assert sent["metrics"] == {"zero_shot_top1": 0.5}
     assert "hub_token" not in sent["training_args"] and sent["token"] == "hf_secret"
     assert sent["switchback_config"] is config

@@ -13,7 +13,7 @@ from train_helpers import load_script, run_in_process, write_tiny_model_config
 
 from hf_switchback import KernelOptions, SwitchBackConfig
 from hf_switchback.kernels.options import FP8_GEMM_ENV
-from hf_switchback.training.console import TqdmLoggingHandler
+from hf_switchback.training.lifecycle import TqdmLoggingHandler
 
 
 @pytest.fixture(scope="module")

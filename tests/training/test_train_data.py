@@ -8,10 +8,16 @@ import pytest
 import torch
 from PIL import Image
 
-from hf_switchback.training.data import CaptionStream, Collate, epoch_loader, load_source
+from hf_switchback.training.data import (
+    CaptionStream,
+    Collate,
+    RandomResizedCrop,
+    TrainTransform,
+    epoch_loader,
+    load_source,
+)
 from hf_switchback.training.synthetic import SyntheticShapes, vocabulary, write_webdataset_shards
 from hf_switchback.training.tokenizer import build_word_tokenizer
-from hf_switchback.training.transforms import RandomResizedCrop, TrainTransform
 
 TRANSFORM = TrainTransform(32, mean=(0.5, 0.5, 0.5), std=(0.5, 0.5, 0.5))
 

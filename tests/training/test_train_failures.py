@@ -265,7 +265,7 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 
 LOCK_HOLDER = """
 import sys, time
-from hf_switchback.training.run_lock import OutputDirLock
+from hf_switchback.training.lifecycle import OutputDirLock
 lock = OutputDirLock(sys.argv[1])  # held while referenced: the open file is the lock
 lock.acquire()
 print("held", flush=True)

@@ -21,9 +21,9 @@ from train_helpers import (
     write_tiny_model_config,
 )
 
+from hf_switchback.training.lifecycle import STILL_REFERENCED
 from hf_switchback.training.losses import ClipLoss
 from hf_switchback.training.step import CLIPForContrastive, export_state_dict, logit_scale_to_1d
-from hf_switchback.training.teardown import STILL_REFERENCED
 
 
 def test_logit_scale_1d_same_loss_and_plain_checkpoint(tmp_path):
@@ -104,7 +104,7 @@ def test_two_rank_log_resume_and_plain_load(tmp_path):
         "256",
     ]
     proc = launch(args, num_processes=2)
-    # both ranks freed the DDP model before the process group (else exit can hang: training/teardown.py)
+    # both ranks freed the DDP model before the process group (else exit can hang: training/lifecycle.py)
     assert STILL_REFERENCED not in proc.stderr, proc.stderr[-3000:]
     with open(out / "train_log.jsonl") as f:
         first = [json.loads(line) for line in f]

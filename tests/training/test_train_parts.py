@@ -11,10 +11,10 @@ from accelerate import Accelerator
 from accelerate.state import AcceleratorState
 from train_helpers import tiny_model
 
-from hf_switchback.training import teardown
+from hf_switchback.training import lifecycle
 from hf_switchback.training.evaluation import retrieval_metrics, zero_shot_accuracy
+from hf_switchback.training.model_setup import PatchDropout, add_patch_dropout
 from hf_switchback.training.optim import cosine_with_warmup, param_groups
-from hf_switchback.training.patch_dropout import PatchDropout, add_patch_dropout
 from hf_switchback.training.synthetic import vocabulary
 from hf_switchback.training.tokenizer import build_word_tokenizer
 
@@ -106,24 +106,25 @@ def test_retrieval_and_zero_shot_metrics():
 
 
 def test_end_training_frees_the_prepared_model_and_says_when_something_still_holds_it(monkeypatch, caplog):
-    """training/teardown.py: under DDP a model that outlives the process group can hang the exit; end_training
-    frees what the accelerator holds and warns (on multi-process runs) when the caller still holds the model."""
+    """training/lifecycle.py: under DDP a model that outlives the process group can hang the exit;
+    end_training frees what the accelerator holds and warns (on multi-process runs) when the caller still
+    holds the model."""
     monkeypatch.setattr(Accelerator, "num_processes", property(lambda self: 2))  # the warning's condition
-    monkeypatch.setattr(teardown, "WORKER_DRAIN_S", 0.0)
+    monkeypatch.setattr(lifecycle, "WORKER_DRAIN_S", 0.0)
     AcceleratorState._reset_state(True)
     try:
         accelerator = Accelerator(cpu=True)
         model = accelerator.prepare(torch.nn.Linear(4, 4))
-        with caplog.at_level(logging.WARNING, logger=teardown.__name__):
-            teardown.end_training(accelerator, weakref.ref(model))  # the local `model` still holds it
-        assert teardown.STILL_REFERENCED in caplog.text and accelerator._models == []
+        with caplog.at_level(logging.WARNING, logger=lifecycle.__name__):
+            lifecycle.end_training(accelerator, weakref.ref(model))  # the local `model` still holds it
+        assert lifecycle.STILL_REFERENCED in caplog.text and accelerator._models == []
         caplog.clear()
 
         accelerator = Accelerator(cpu=True)
         model = accelerator.prepare(torch.nn.Linear(4, 4))
         model_ref, model = weakref.ref(model), None
-        with caplog.at_level(logging.WARNING, logger=teardown.__name__):
-            teardown.end_training(accelerator, model_ref)  # only the accelerator held it: freed
-        assert model_ref() is None and teardown.STILL_REFERENCED not in caplog.text
+        with caplog.at_level(logging.WARNING, logger=lifecycle.__name__):
+            lifecycle.end_training(accelerator, model_ref)  # only the accelerator held it: freed
+        assert model_ref() is None and lifecycle.STILL_REFERENCED not in caplog.text
     finally:
         AcceleratorState._reset_state(True)

@@ -22,7 +22,6 @@ from train_helpers import (
 
 from hf_switchback.training import model_setup
 from hf_switchback.training.layer_scale import add_layer_scale, fold_layer_scale
-from hf_switchback.training.patch_dropout import add_patch_dropout
 
 SIGLIP_TINY = os.path.join(REPO, "examples", "configs", "siglip-tiny.json")
 
@@ -125,7 +124,7 @@ def test_patch_dropout_and_layer_scale_on_siglip():
     embeddings = model.vision_model.embeddings
     pixels = torch.randn(8, 3, 32, 32)
     full = embeddings(pixels)  # (8, 16 patches, D): no class token
-    handle = add_patch_dropout(model, 0.5)
+    handle = model_setup.add_patch_dropout(model, 0.5)
     dropped = embeddings(pixels)
     assert dropped.shape == (8, 8, full.shape[-1])
     for b in range(8):  # 8 distinct patches of the sample's own

@@ -1,10 +1,15 @@
-"""What examples/train_clip.py is made of (importable, tested).
+"""What examples/train_clip.py is made of (importable, tested), by what a reader looks for:
 
-The algorithms: losses, step (the contrastive step, accum_freq), optim / optimizers, layer_scale, spike_monitor,
-patch_dropout, evaluation, data / synthetic / transforms / tokenizer. The script's plumbing, one job each:
-arguments (the flags, as HfArgumentParser dataclasses), cli (parsing and the one validation pass), model_setup,
-sources (its data), checkpoints, metrics (rank reductions), runtime (torch.compile, DeepSpeed), reporting
-(tracker, Hub), console (output above the progress bar), teardown.
+- flags: arguments (HfArgumentParser dataclasses), cli (parsing and the one validation pass);
+- data: data (loading, decoding, augmentation, batches), shards (the webdataset tar reader), sources (a run's
+  data from its flags), synthetic (the embedded default set), tokenizer (the word-level tokenizer it needs);
+- model: model_setup (model, processor, SwitchBack config, tower locks, patch dropout), layer_scale, runtime
+  (torch.compile, DeepSpeed, collective timeout);
+- step and loss: step (the contrastive step, accum_freq), losses (CLIP), siglip_loss (SigLIP), optim
+  (parameter groups, optimizers, schedule), guard (non-finite steps), spike_monitor;
+- checkpoints and resume: checkpoints; evaluation: evaluation (zero-shot, retrieval);
+- run lifecycle and logging: lifecycle (output directory lock, console, rank reductions, tracker and Hub,
+  teardown).
 
 Submodules are imported on use (`from hf_switchback.training.data import CaptionStream`); only the names
 users reach for first are re-exported here, and they import nothing heavier than torch.

@@ -15,6 +15,11 @@ skipped, counted and logged (rate-limited) instead of ending the run, as OpenCLI
 the count rides along in each batch ("num_skipped"). Batches always have the full batch size: ranks must
 all-gather equal-sized features in the contrastive loss.
 
+Augmentation is in PIL + torch (torchvision is not a dependency): for training a random resized crop
+(OpenCLIP's scale range), no flip (captions say "left" and "right"), then the processor's mean/std; eval uses
+the model's own image processor. The crop is drawn from a generator seeded by (seed, epoch, sample key), not
+from the global RNG: augmentation is then identical whichever worker or rank decodes the sample.
+
 Position in the data is (epoch, batches consumed in that epoch), per rank; resuming replays the epoch's
 order and drops the consumed batches, which is exact because order and augmentation depend only on
 (seed, epoch, sample key).
@@ -22,10 +27,12 @@ order and drops the consumed batches, which is exact because order and augmentat
 
 from __future__ import annotations
 
+import codecs
 import glob
 import io
 import json
 import logging
+import math
 import os
 import random
 from collections import Counter
@@ -36,7 +43,6 @@ import torch
 from PIL import Image
 
 from .shards import DEFAULT_MAX_MEMBER_BYTES, ERROR_FIELD, shard_samples
-from .transforms import sample_rng
 
 logger = logging.getLogger(__name__)
 
@@ -140,10 +146,14 @@ def load_source(
         if builder is None:
             raise ValueError(f"train file must be .csv, .tsv, .json or .jsonl, got {train_file!r}")
         kwargs = {"delimiter": "\t"} if ext == "tsv" else {}
-        if builder == "csv":
-            # pandas would refuse the whole file for one non-UTF-8 caption; read as U+FFFD instead, the row is
-            # skipped and counted like an unreadable image (pick_caption)
-            kwargs["encoding_errors"] = "replace"
+        # datasets would refuse the whole file for one non-UTF-8 caption; read such bytes as U+FFFD instead,
+        # and the row is skipped and counted like an unreadable image (pick_caption)
+        kwargs["encoding_errors"] = "replace"
+        if builder == "json":
+            check_json_array_encoding(train_file)
+            # The JSON builder applies encoding_errors only when it re-decodes, which it does for any encoding
+            # but "utf-8": "utf-8-sig" is UTF-8 that also drops a leading byte-order mark.
+            kwargs["encoding"] = "utf-8-sig"
         ds = datasets.load_dataset(
             builder, data_files=train_file, split="train", streaming=streaming, **kwargs
         )
@@ -170,6 +180,30 @@ def load_source(
     return from_hf_dataset(
         ds, image_column=image_column, caption_column=caption_column, label_column=label_column
     )
+
+
+def check_json_array_encoding(path: str) -> None:
+    """Raise ValueError naming the first non-UTF-8 byte of a JSON file that holds one array (`[{...}, ...]`).
+
+    datasets parses such a file whole, before any decoding, so one bad byte would end the load with a message
+    naming neither the file nor the place; JSON Lines rows are decoded line by line (bad ones are skipped).
+    """
+    with open(path, "rb") as f:
+        if not f.read(4096).removeprefix(codecs.BOM_UTF8).lstrip().startswith(b"["):
+            return
+        f.seek(0)
+        data = f.read()
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        line = data.count(b"\n", 0, err.start) + 1
+        column = err.start - data.rfind(b"\n", 0, err.start)
+        raise ValueError(
+            f"{path}: byte 0x{data[err.start]:02x} at line {line}, column {column} (offset {err.start}) is "
+            "not UTF-8, and a JSON file holding one array is read whole: re-encode it to UTF-8 (from Latin-1: "
+            f"`iconv -f latin1 -t utf-8 {path} > fixed.json`), or write JSON Lines (.jsonl, one object a "
+            "line), where a row with such bytes is skipped and counted"
+        ) from None
 
 
 def expand_shards(shards: str | list[str]) -> list[str]:
@@ -237,9 +271,63 @@ def pick_caption(value, rng: random.Random) -> str:
             value = value.decode("utf-8")
     if not isinstance(value, str) or not value.strip():
         raise ValueError("empty or missing caption")
-    if REPLACEMENT_CHAR in value:  # what undecodable bytes became (a CSV is read with errors="replace")
+    if (
+        REPLACEMENT_CHAR in value
+    ):  # what undecodable bytes became (CSV and JSON files are read with errors="replace")
         raise ValueError(f"caption holds bytes that are not UTF-8 (read as U+FFFD): {value[:60]!r}")
     return value.strip()
+
+
+# Training augmentation, drawn from each sample's own generator (sample_rng; the module docstring says why).
+
+
+class RandomResizedCrop:
+    """Crop a random area fraction in `scale` with aspect ratio in `ratio`, resize to size x size (bicubic)."""
+
+    def __init__(self, size: int, scale=(0.9, 1.0), ratio=(3 / 4, 4 / 3)):
+        self.size, self.scale, self.ratio = size, scale, ratio
+
+    def __call__(self, image: Image.Image, rng: random.Random) -> Image.Image:
+        width, height = image.size
+        area = width * height
+        log_ratio = (math.log(self.ratio[0]), math.log(self.ratio[1]))
+        for _ in range(10):
+            target_area = area * rng.uniform(*self.scale)
+            aspect = math.exp(rng.uniform(*log_ratio))
+            w = round(math.sqrt(target_area * aspect))
+            h = round(math.sqrt(target_area / aspect))
+            if 0 < w <= width and 0 < h <= height:
+                left, top = rng.randint(0, width - w), rng.randint(0, height - h)
+                return image.resize((self.size, self.size), Image.BICUBIC, box=(left, top, left + w, top + h))
+        # Fallback as in the usual implementations: the largest center crop of valid aspect ratio.
+        side = min(width, height)
+        left, top = (width - side) // 2, (height - side) // 2
+        return image.resize((self.size, self.size), Image.BICUBIC, box=(left, top, left + side, top + side))
+
+
+class TrainTransform:
+    """PIL image (any mode) + per-sample generator -> float32 (3, size, size), normalized."""
+
+    def __init__(self, size: int, mean, std, scale=(0.9, 1.0)):
+        self.crop = RandomResizedCrop(size, scale=scale)
+        self.mean = torch.tensor(mean, dtype=torch.float32).view(3, 1, 1)
+        self.std = torch.tensor(std, dtype=torch.float32).view(3, 1, 1)
+
+    def __call__(self, image: Image.Image, rng: random.Random) -> torch.Tensor:
+        image = self.crop(image.convert("RGB"), rng)
+        pixels = torch.frombuffer(bytearray(image.tobytes()), dtype=torch.uint8)
+        pixels = pixels.view(image.size[1], image.size[0], 3).permute(2, 0, 1).float().div_(255)
+        return (pixels - self.mean) / self.std
+
+
+def train_transform_for(image_processor, image_size: int, scale=(0.9, 1.0)) -> TrainTransform:
+    """A TrainTransform with the normalization constants of a CLIP image processor."""
+    return TrainTransform(image_size, image_processor.image_mean, image_processor.image_std, scale=scale)
+
+
+def sample_rng(seed: int, epoch: int, key: str) -> random.Random:
+    """The augmentation generator of one sample in one epoch (stable across processes)."""
+    return random.Random(f"{seed}-{epoch}-{key}")
 
 
 class CaptionStream(torch.utils.data.IterableDataset):

@@ -1,5 +1,5 @@
 """The model of a train_clip.py run, from its flags: CLIPModel or SiglipModel + processor, the SwitchBack
-config, tower locks.
+config, tower locks, patch dropout.
 
 Three routes: --model_name_or_path (pretrained weights and processor), --model_config (random init from a
 CLIPConfig or SiglipConfig json), or the embedded default (a CLIP small enough to learn the synthetic set on a
@@ -12,6 +12,9 @@ from __future__ import annotations
 import json
 import logging
 import math
+
+import torch
+from torch import nn
 
 from ..config import SwitchBackConfig
 from . import synthetic
@@ -95,8 +98,6 @@ def model_type(args) -> str:
 
 def init_siglip_logits(model) -> None:
     """SigLIP's from-scratch temperature and bias (log 10, -10), in place."""
-    import torch
-
     with torch.no_grad():
         model.logit_scale.fill_(SIGLIP_INIT_LOGIT_SCALE)
         model.logit_bias.fill_(SIGLIP_INIT_LOGIT_BIAS)
@@ -170,3 +171,40 @@ def lock_towers(model, lock_image: bool, lock_text: bool) -> None:
         for name in names:
             if hasattr(model, name):
                 getattr(model, name).requires_grad_(False)
+
+
+# Patch dropout (Li et al., FLIP; OpenCLIP's `--force-patch-dropout`): during training, keep the class token
+# (CLIP; SigLIP has none) and a random subset of (1 - p) of the patch tokens of each image, after position
+# embeddings are added, so the encoder runs on fewer tokens (faster, and a regularizer). Eval is untouched.
+# HF's CLIPVisionModel has no such option, so this is a forward hook on `vision_model.embeddings` that
+# replaces its output; it draws from the global torch RNG (on the embeddings' device), which
+# save_state/load_state restore.
+
+
+class PatchDropout:
+    """The forward hook: embeddings (B, prefix + patches, D) -> (B, prefix + kept patches, D) in training."""
+
+    def __init__(self, prob: float, prefix_tokens: int = 1):
+        if not 0.0 <= prob < 1.0:
+            raise ValueError(f"patch dropout probability must be in [0, 1), got {prob}")
+        self.prob, self.prefix_tokens = prob, prefix_tokens  # tokens always kept: CLIP's class token
+
+    def __call__(self, module: nn.Module, args, output: torch.Tensor) -> torch.Tensor:
+        if not module.training or self.prob == 0.0:
+            return output
+        batch, tokens, dim = output.shape
+        prefix = self.prefix_tokens
+        patches = tokens - prefix
+        keep = max(1, int(patches * (1 - self.prob)))
+        # argsort of uniform noise = an independent random subset per sample
+        order = torch.rand(batch, patches, device=output.device).argsort(dim=1)[:, :keep] + prefix
+        index = torch.cat([torch.arange(prefix, device=order.device).expand(batch, prefix), order], dim=1)
+        return output.gather(1, index[..., None].expand(-1, -1, dim))
+
+
+def add_patch_dropout(model: nn.Module, prob: float):
+    """Hook patch dropout into a CLIPModel / CLIPVisionModel / SiglipModel; returns the hook handle (call
+    .remove() to undo)."""
+    vision = model.vision_model if hasattr(model, "vision_model") else model
+    prefix = 1 if hasattr(vision.embeddings, "class_embedding") else 0  # SigLIP: every token is a patch
+    return vision.embeddings.register_forward_hook(PatchDropout(prob, prefix_tokens=prefix))
