@@ -338,3 +338,10 @@ def test_former_flags_are_all_accepted_and_hyphenated_twins_are_not():
     options = {o for a in build_parser()._actions for o in a.option_strings}
     assert len(FORMER_FLAGS) == 100 and set(FORMER_FLAGS) <= options
     assert "--model-name-or-path" not in options and "--no-remove-unused-columns" not in options
+
+
+def test_a_json_array_train_file_that_is_not_utf8_is_refused_before_anything_loads(tmp_path, capsys):
+    path = tmp_path / "train.json"
+    path.write_bytes(b'[\n  {"image": "0.png", "caption": "caf\xe9"}\n]\n')
+    line = fails(["--train_file", str(path)], tmp_path, capsys)
+    assert "--train_file" in line and "line 2" in line and "iconv" in line

@@ -19,7 +19,7 @@ import warnings
 from . import synthetic
 from .arguments import NO_OP_FLAGS, ArgumentParser, build_parser
 from .checkpoints import check_checkpoint, check_output_dir
-from .data import CAPTION_COLUMNS, IMAGE_COLUMNS, expand_shards
+from .data import CAPTION_COLUMNS, IMAGE_COLUMNS, check_json_array_encoding, expand_shards
 from .model_setup import SWITCHBACK_FLAGS, model_type, switchback_config
 from .sources import has_real_data
 
@@ -264,6 +264,10 @@ def _check_columns(parser, args, flag: str) -> int | None:
     if ext not in ("csv", "tsv", "json", "jsonl"):
         parser.error(f"--{flag} {path!r} must be .csv, .tsv, .json or .jsonl")
     if ext == "json":
+        try:  # a bad byte fails datasets' whole-file parse later, after the model has loaded
+            check_json_array_encoding(path)
+        except ValueError as err:
+            parser.error(f"--{flag}: {err}")
         return None  # one JSON document: its keys are known only after reading all of it
     delimiter = "\t" if ext == "tsv" else ","
     # utf-8-sig: a spreadsheet's byte-order mark is not part of the first column's name
