@@ -327,8 +327,9 @@ def _gradients(model, device) -> dict[str, torch.Tensor]:
 
 
 def _train_losses(model, steps: int, device) -> list[float]:
-    """The training loss on one fixed batch before each of `steps` SGD steps, and after the last."""
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    """The training loss on one fixed batch before each of `steps` AdamW steps, and after the last. (SGD from
+    the random init diverges at any rate that moves the loss in a few steps: logit scale 1 / 0.07.)"""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     batch = _openclip_batch(device, seed=0)
     model.train()
     losses = []
@@ -372,8 +373,7 @@ def test_openclip_vit_b32_trains_with_dropin_and_with_apply_switchback(open_clip
         assert grads.keys() == ref_grads.keys(), name
         worst = min((snr_db(ref_grads[p], grads[p]), p) for p in ref_grads)
         assert worst[0] > 8, (name, worst)
-        # It learns: a few SGD steps on one batch lower the loss as they do for the stock model. (The logits after
-        # several large steps are not compared: from a random init the steps amplify any difference.)
+        # It learns: a few steps on one batch lower the loss, by at least half as much as for the stock model.
         losses = _train_losses(model, 3, device)
         assert losses[-1] < losses[0] - 0.5 * (ref_losses[0] - ref_losses[-1]), (name, losses, ref_losses)
         assert model.state_dict().keys() == keys, name
