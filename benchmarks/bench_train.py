@@ -36,6 +36,8 @@ Variants:
   int8-attn              only the attention projections (q/k/v/out_proj) 8-bit: with int8-mlp, shows which
                          linears pay for their quantize passes.
   torchao-float8-<recipe> torchao's float8 training on the same linears (encoder layers; projections stay bf16).
+  bf16-lora / int8-lora / fp8-lora   PEFT LoRA (rank 16) on every encoder linear of a bf16 or SwitchBack base, the
+                         rest frozen (needs peft): the frozen 8-bit base runs forward and grad-input only.
   +compile, +ckpt, +budgetF, @B   the row grammar of benchmarks/common.py. +compile compiles the whole model
                          (--compile model, the default: what a user runs); --compile layers compiles each encoder
                          layer instead (one graph per tower, reused by all its layers: compiles much faster).
@@ -125,8 +127,14 @@ SWITCHBACK_VARIANTS = {
         precision="fp8", memory_efficient=True, kernel_changes=dict(triton_act_quantize=False)
     ),
 }
+# -lora: PEFT LoRA adapters (rank 16) on every encoder linear, the rest of the model frozen, on a bf16 or
+# SwitchBack base. The frozen base linears need no weight gradient, so a SwitchBack base runs all of its GEMMs
+# in 8 bits.
+LORA_BASES = ("bf16", "int8", "fp8")
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2")
 BASES = ("bf16", *SWITCHBACK_VARIANTS, "torchao-float8-tensorwise")
 BASES += ("torchao-float8-rowwise", "torchao-float8-rowwise_with_gw_hp")
+BASES += tuple(f"{base}-lora" for base in LORA_BASES)
 
 
 def parse_variant(spec: str) -> common.Variant:
@@ -197,6 +205,8 @@ def build_model(
     if grad_ckpt:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     base = variant.removesuffix("+compile")
+    lora = base.endswith("-lora")
+    base = base.removesuffix("-lora")
     if base in SWITCHBACK_VARIANTS:
         config = switchback_config(base, kernel_options)
         if torch.device(device).type == "cuda" and config.min_tokens is None and base != "int8-default":
@@ -215,6 +225,10 @@ def build_model(
         )
     elif base != "bf16":
         raise ValueError(f"unknown variant {variant!r}; choose from {BASES} (+compile)")
+    if lora:
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, target_modules=list(LORA_TARGETS)))
     if not variant.endswith("+compile"):
         return model
     allow_compile_cache()  # as train_clip.py --torch_compile: a warm start loads the traced layers

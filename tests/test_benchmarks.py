@@ -58,12 +58,13 @@ def test_multi_gpu_summary_reads_a_work_folder(tmp_path):
 @pytest.mark.slow
 def test_bench_train_cpu_smoke(tmp_path):
     out = tmp_path / "rows.json"
-    flags = ["--device", "cpu", "--tiny", "--models", "vit-b-16", "--variants", "bf16", "int8"]
+    variants = ["bf16", "int8", "int8-lora"]
+    flags = ["--device", "cpu", "--tiny", "--models", "vit-b-16", "--variants", *variants]
     stdout = run_script(
         ["benchmarks/bench_train.py", *flags, "--steps", "1", "--warmup", "0", "--json", str(out)]
     )
     rows = json.loads(out.read_text())["rows"]
-    assert [r["variant"] for r in rows] == ["bf16", "int8"]
+    assert [r["variant"] for r in rows] == variants
     for row in rows:
         assert "error" not in row, row
         assert row["ms_per_step"] > 0 and math.isfinite(row["loss"]) and row["batch"] == 8
