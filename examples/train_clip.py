@@ -394,7 +394,6 @@ def _train(args):
 
     # Final eval, model, results
     metrics = run_eval(state["step"])
-    write_compile_artifacts(accelerator, compile_artifacts)  # now with the graphs evaluation compiled
     steps_run = state["step"] - start_step
     if "zero_shot_top1" not in metrics:
         logger.warning("no zero-shot classes (see --zeroshot_label_column): zero_shot_top1 is null")

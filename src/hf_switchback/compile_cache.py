@@ -63,10 +63,12 @@ def save_compile_artifacts(path: str) -> dict[str, int] | None:
     """Write the cache artifacts of every torch.compile so far in this process to `path`, replacing it at once
     (a temporary file renamed over it: a reader never sees half a file, and concurrent writers do not mix).
 
-    Call it after the compiled steps have run once (forward and backward both compile on first use). Returns the
-    number of artifacts per cache ({"inductor": 4, "aot_autograd": 2, ...}), logging one line of it; None when
-    there was nothing to write, torch has no such API, or writing failed (a warning says why; the run goes on:
-    it is only a cache).
+    Call it once per process, after the compiled steps have run once (forward and backward both compile on first
+    use): the bytes of a second call hold everything, but torch's loader reads back only what that call added
+    (torch 2.13), so a later save would replace a complete file by a partial one. Returns the number of
+    artifacts per cache ({"inductor": 4, "aot_autograd": 2, ...}), logging one line of it; None when there was
+    nothing to write, torch has no such API, or writing failed (a warning says why; the run goes on: it is only
+    a cache).
     """
     save = getattr(torch.compiler, "save_cache_artifacts", None)
     if save is None:

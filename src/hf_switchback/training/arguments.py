@@ -271,8 +271,8 @@ class SpeedArguments:
     compile_cache_dir: str | None = arg(
         None,
         "With --torch_compile: where the compiled graphs and kernels are kept for the next run (one file per torch "
-        "version, written by the main process after the first step and at the end, loaded by every rank before "
-        "compiling; put it on shared storage for other nodes). 'none': only torch's per-machine cache.",
+        "version, written by the main process after the first step, loaded by every rank before compiling; on "
+        "shared storage it warms up other nodes too). 'none': only torch's per-machine cache.",
         unset="<output_dir>/compile_cache",
     )
     lock_image: bool = arg(False, "Freeze the vision tower and its projection.")

@@ -56,8 +56,9 @@ def compile_artifacts_path(args) -> str | None:
 
 
 def write_compile_artifacts(accelerator, path: str | None) -> None:
-    """Main process: write the compile artifacts so far to `path` (called after the first step, and again at the
-    end for the graphs that evaluation compiled)."""
+    """Main process, once, after the first training step (everything the step compiles has compiled by then):
+    write the compile artifacts to `path`. Graphs that compile later (evaluation) are not in it: a second save of
+    one process reads back as only what it added (torch.compiler's format, torch 2.13)."""
     if path is not None and accelerator.is_main_process:
         save_compile_artifacts(path)
 
