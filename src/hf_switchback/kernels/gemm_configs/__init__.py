@@ -14,14 +14,15 @@ whose batch or sequence length varies still launches one kernel specialization p
 timings are of K-major operands (a (M, K) and b (N, K) contiguous), the layout SwitchBack passes; other strides
 are not looked up.
 
-This module is a leaf: it imports nothing from the package, and never triton.
+This module is a leaf: it imports nothing from the package but kernels/shipped_tables.py, and never triton.
 """
 
 from __future__ import annotations
 
 import functools
-import json
 from pathlib import Path
+
+from ..shipped_tables import read_table
 
 TABLE_DIR = Path(__file__).resolve().parent
 FORMAT = 1
@@ -57,24 +58,11 @@ def load_table(path: Path) -> dict[tuple[str, str, int, int, int], Tile] | None:
 
     A file that exists but is not a table is an error: a shipped table must never be silently ignored.
     """
-    try:
-        data = json.loads(path.read_text())
-    except FileNotFoundError:
+    data = read_table(
+        path, "GEMM config table", FORMAT, "entries", list, "benchmarks/bench_gemm_configs.py --write_table"
+    )
+    if data is None:
         return None
-    except (OSError, ValueError) as err:
-        raise ValueError(
-            f"GEMM config table {path} is unreadable ({err}); regenerate it with "
-            "benchmarks/bench_gemm_configs.py --write_table"
-        ) from err
-    if (
-        not isinstance(data, dict)
-        or data.get("format") != FORMAT
-        or not isinstance(data.get("entries"), list)
-    ):
-        raise ValueError(
-            f"GEMM config table {path}: expected a JSON object with format={FORMAT} and an 'entries' list; "
-            "regenerate it with benchmarks/bench_gemm_configs.py --write_table"
-        )
     table = {}
     for i, entry in enumerate(data["entries"]):
         where = f"GEMM config table {path}, entry {i}"
