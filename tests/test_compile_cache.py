@@ -8,6 +8,7 @@ autocast here: torch 2.13's AOT autograd cache refuses any graph with an autocas
 (torch 2.11 on the H100 took the compiled layers of a bf16-autocast training step from it, BENCHMARKS.md).
 """
 
+import dataclasses
 import json
 import logging
 import os
@@ -193,3 +194,14 @@ def test_saving_replaces_the_file_at_once_and_a_failed_write_only_warns(tmp_path
     assert "could not write the compile artifacts" in caplog.text
     monkeypatch.setattr(torch.compiler, "save_cache_artifacts", lambda: None)  # nothing compiled yet
     assert save_compile_artifacts(str(path)) is None and path.read_bytes() == b"new"
+
+
+def test_the_artifact_counts_of_torch_2_7_are_read_too(tmp_path, monkeypatch):
+    @dataclasses.dataclass
+    class CacheInfo27:  # torch 2.7's shape: one list per cache
+        inductor_artifacts: list = dataclasses.field(default_factory=lambda: ["a", "b", "c"])
+        autotune_artifacts: list = dataclasses.field(default_factory=list)
+        aot_autograd_artifacts: list = dataclasses.field(default_factory=lambda: ["d"])
+
+    monkeypatch.setattr(torch.compiler, "save_cache_artifacts", lambda: (b"bytes", CacheInfo27()))
+    assert save_compile_artifacts(str(tmp_path / "a.bin")) == {"inductor": 3, "aot_autograd": 1}

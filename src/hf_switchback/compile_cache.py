@@ -30,6 +30,7 @@ carries the version (`artifacts_file`). `examples/train_clip.py --torch_compile`
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 
@@ -133,7 +134,13 @@ def load_compile_artifacts(path: str) -> dict[str, int] | None:
 
 
 def _counts(info) -> dict[str, int]:
-    return {kind: len(keys) for kind, keys in info.artifacts.items() if keys}
+    # torch >= 2.8: info.artifacts, {cache: keys}; torch 2.7: one field per cache (inductor_artifacts, ...)
+    by_cache = getattr(info, "artifacts", None)
+    if by_cache is None:
+        by_cache = {
+            f.name.removesuffix("_artifacts"): getattr(info, f.name) for f in dataclasses.fields(info)
+        }
+    return {cache: len(keys) for cache, keys in by_cache.items() if keys}
 
 
 def _describe(counts: dict[str, int]) -> str:
