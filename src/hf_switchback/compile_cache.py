@@ -1,4 +1,4 @@
-"""Let torch.compile reuse a SwitchBack model's traced graphs from its on-disk cache in a later process.
+"""Let torch.compile reuse a SwitchBack model's traced graphs in a later process, on this machine or another.
 
 torch.compile keeps two on-disk caches: Inductor's FX graph cache (the generated kernels and code) and, in front of
 it, AOT autograd's cache, which also skips tracing forward and backward again. AOT autograd refuses every graph
@@ -75,7 +75,15 @@ def save_compile_artifacts(path: str) -> dict[str, int] | None:
     if save is None:
         logger.warning("torch %s cannot save compile artifacts (needs torch >= 2.7)", torch.__version__)
         return None
-    saved = save()
+    try:
+        saved = save()
+    except Exception as err:  # a cache must never stop a run (torch catches most of its own failures here)
+        logger.warning(
+            "could not serialize the compile artifacts (%s: %s): the next run compiles cold",
+            type(err).__name__,
+            err,
+        )
+        return None
     if saved is None:
         return None
     data, info = saved
