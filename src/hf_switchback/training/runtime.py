@@ -1,6 +1,6 @@
 """What a train_clip.py run asks of Accelerate besides the defaults: the torch.compile plugin (and the kernel
-options it calls for under CUDA graphs), the collective timeout, and the checks a DeepSpeed launch needs before
-anything is loaded."""
+options it calls for under CUDA graphs, the file that carries its caches to the next run), the collective
+timeout, and the checks a DeepSpeed launch needs before anything is loaded."""
 
 from __future__ import annotations
 
