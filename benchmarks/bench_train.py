@@ -65,7 +65,7 @@ from pathlib import Path
 
 import torch
 
-from hf_switchback.compile_cache import allow_compile_cache
+from hf_switchback.compile_cache import allow_compile_cache, load_compile_artifacts, save_compile_artifacts
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common
@@ -311,11 +311,15 @@ def _time_training(name, variant, spec, grad_ckpt, steps, warmup, args) -> dict:
     def step() -> torch.Tensor:
         return finish(forward())
 
+    if args.compile_artifacts:  # before the first step, where the model compiles
+        load_compile_artifacts(args.compile_artifacts)
     compile_before, caches_before = phase_totals(), cache_counts()
     t0 = time.perf_counter()
     loss = step()
     synchronize(device)
     first_step_s = time.perf_counter() - t0
+    if args.compile_artifacts:
+        save_compile_artifacts(args.compile_artifacts)
     split = first_step_split(compile_before, phase_totals(), first_step_s)
     caches = first_step_caches(caches_before, cache_counts())
     for _ in range(warmup):
@@ -507,9 +511,19 @@ def main() -> None:
         "('+' written '_')",
     )
     parser.add_argument("--profile_steps", type=int, default=2, help="steps profiled per row with --profile")
+    parser.add_argument(
+        "--compile_artifacts",
+        default=None,
+        metavar="FILE",
+        help="load torch.compile's cache artifacts from FILE (when it exists) before the first step and write "
+        "them there after it (hf_switchback.compile_cache); one row per process (compile_warmup.py --moved)",
+    )
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="cpu: smoke test only")
     parser.add_argument("--tiny", action="store_true", help="shrink the models to CPU-test size (smoke test)")
     args = parser.parse_args()
+    if args.compile_artifacts and (len(args.models) * len(args.variants) > 1 or args.grad_ckpt == "both"):
+        # a second save of one process reads back as only what it added (compile_cache.save_compile_artifacts)
+        parser.error("--compile_artifacts measures one row per process: pass one model and one variant")
     for spec in args.variants:
         try:
             parse_variant(spec)

@@ -7,6 +7,8 @@ Triton's caches (bench_train.py's "1st step s" of a later row is flattered by an
 
     cold   empty caches: a first run on a machine
     warm   the same caches again: a resumed or repeated run
+    moved  (--moved) new empty caches plus the compile artifacts the cold process saved
+           (hf_switchback.compile_cache): a run on another machine, as train_clip.py --compile_cache_dir does
 
 Per row: the first step's wall time, its ratio to the --baseline variant of the same model and pass, and where it
 went (benchmarks/common.py): compiling the forward and backward graphs (of which waiting for Inductor's
@@ -20,6 +22,8 @@ one process vary by seconds).
         --json $OUT/warmup.json
     # any flag it does not know goes to bench_train.py, e.g. the GEMM as an opaque op under compile:
     PYTHONPATH=src python benchmarks/compile_warmup.py --variants int8+compile --opaque_gemm_under_compile
+    # and a third process per row on another machine's caches: empty, plus the artifacts the cold one saved
+    PYTHONPATH=src python benchmarks/compile_warmup.py --variants bf16+compile int8+compile --compile layers --moved
     PYTHONPATH=src python benchmarks/compile_warmup.py --device cpu --tiny --variants bf16 int8  # smoke test
 """
 
@@ -81,9 +85,17 @@ def measure(args: argparse.Namespace, extra: list[str]) -> list[dict]:
             for variant in args.variants:
                 cache = root / f"{model}_{variant.replace('+', '_')}" / f"repeat{repeat}"
                 cache.mkdir(parents=True, exist_ok=True)
-                for cache_pass in PASSES:
-                    row = dict(run_row(model, variant, cache, args, extra), model=model, variant=variant)
-                    row.update({"pass": cache_pass, "repeat": repeat, "cache": str(cache)})
+                artifacts = ["--compile_artifacts", str(cache / "compile_artifacts.bin")]
+                for cache_pass in PASSES + (("moved",) if args.moved else ()):
+                    # cold writes the artifacts (with --moved), moved reads them on caches of its own; warm
+                    # leaves them out (its caches hold every entry already)
+                    folder = cache / "moved" if cache_pass == "moved" else cache
+                    folder.mkdir(exist_ok=True)
+                    more = artifacts if args.moved and cache_pass != "warm" else []
+                    row = dict(
+                        run_row(model, variant, folder, args, extra + more), model=model, variant=variant
+                    )
+                    row.update({"pass": cache_pass, "repeat": repeat, "cache": str(folder)})
                     rows.append(row)
                     print(json.dumps(row), flush=True)
                     if args.json:
@@ -156,6 +168,11 @@ def main() -> None:
         "--no_prime",
         action="store_true",
         help="skip the untimed eager process that first reads the libraries from disk",
+    )
+    parser.add_argument(
+        "--moved",
+        action="store_true",
+        help="a third process per row: new empty caches plus the cold process's compile artifacts",
     )
     parser.add_argument("--timeout_s", type=float, default=900, help="per process")
     parser.add_argument("--json", default=None, help="also write the rows here (after every row)")

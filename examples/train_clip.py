@@ -62,6 +62,7 @@ from accelerate.utils import DistributedType, set_seed
 
 from hf_switchback import apply_switchback, precision_summary
 from hf_switchback import metrics as metric_modules
+from hf_switchback.compile_cache import load_compile_artifacts
 from hf_switchback.training import data as data_lib
 from hf_switchback.training.checkpoints import (
     append_log,
@@ -117,7 +118,13 @@ from hf_switchback.training.optim import (
     param_groups,
     unstable_parameters,
 )
-from hf_switchback.training.runtime import check_deepspeed, dynamo_plugin, process_group_kwargs
+from hf_switchback.training.runtime import (
+    check_deepspeed,
+    compile_artifacts_path,
+    dynamo_plugin,
+    process_group_kwargs,
+    write_compile_artifacts,
+)
 from hf_switchback.training.siglip_loss import SigLipLoss
 from hf_switchback.training.sources import load_eval_set, load_train_source, micro_batch_stream
 from hf_switchback.training.spike_monitor import SpikeMonitor, default_group_name
@@ -170,6 +177,11 @@ def _train(args):
     if args.overwrite_output_dir and not checkpoint and accelerator.is_main_process:
         clear_previous_run(args.output_dir)  # its checkpoints must not become this run's `latest`
     accelerator.wait_for_everyone()
+    # The previous run's compiled graphs and kernels, into this machine's torch.compile caches before anything
+    # compiles (every rank: other nodes have caches of their own)
+    compile_artifacts = compile_artifacts_path(args)
+    if compile_artifacts:
+        load_compile_artifacts(compile_artifacts)
 
     # Model + SwitchBack
     clip, processor = load_model_and_processor(args)
@@ -348,6 +360,8 @@ def _train(args):
             steady_time += step_time
         window["steps"] += 1
         window["time"] += step_time
+        if state["step"] == start_step + 1:  # everything the training step compiles is compiled by now
+            write_compile_artifacts(accelerator, compile_artifacts)
         samples_per_s = global_batch * (state["step"] - start_step) / max(train_time, 1e-9)
         progress.update(1)
         progress.set_postfix(loss=f"{loss_value:.3f}", samples_per_s=f"{samples_per_s:.0f}")

@@ -48,6 +48,24 @@ torch.testing.assert_close(
     rtol=1e-6,
     atol=1e-3,
 )
+# A large-M GEMM that the GPU's measured table names: the portable kernel launched with that tile, no
+# autotuner (the lookup reads the GPU's capability, so a table hit is stood in; BLOCK_K 128 over K = 200: a tail).
+table_tile = matmul._table_tile
+matmul._table_tile = lambda a_q, b_q, c: (64, 128, 128, 4, 4)
+a = torch.randint(-127, 128, (1030, 200), dtype=torch.int8)
+b = torch.randint(-127, 128, (70, 200), dtype=torch.int8)
+sa, bias = torch.rand(1030), torch.randn(70)
+assert torch.equal(
+    ops.scaled_matmul(a, b, torch.ones(1030), torch.ones(70), None, torch.float32),
+    ref.scaled_matmul(a, b, torch.ones(1030), torch.ones(70), None, torch.float32),
+)
+torch.testing.assert_close(
+    ops.scaled_matmul(a, b, sa, torch.tensor(0.3), bias, torch.float32),
+    ref.scaled_matmul(a, b, sa, torch.tensor(0.3), bias, torch.float32),
+    rtol=1e-6,
+    atol=1e-3,
+)
+matmul._table_tile = table_tile
 # The persistent TMA GEMM (sm90 only on a GPU; the interpreter runs it anywhere): 3 programs walking the
 # tiles, tails on M, N and K, both epilogue layouts, both weight-scale kinds, with and without bias.
 for m, n, k, sub, per_row, has_bias in ((37, 40, 48, True, True, True), (70, 24, 80, False, False, False)):

@@ -668,6 +668,27 @@ def test_compile_warmup_repeats_each_row_on_new_caches(tmp_path):
     assert not (cache_root / "prime").exists()
 
 
+@pytest.mark.slow
+def test_compile_warmup_moved_pass_loads_the_cold_processs_artifacts_on_empty_caches(tmp_path):
+    out = tmp_path / "warmup.json"
+    flags = ["--tiny", "--variants", "bf16+compile", "--compile", "layers", "--steps", "1", "--warmup", "0"]
+    cache_root = tmp_path / "caches"
+    run_script(
+        ["benchmarks/compile_warmup.py", *flags, "--no_prime", "--moved", "--cache_root", str(cache_root),
+         "--json", str(out)],
+        timeout=600,
+    )  # fmt: skip
+    cold, warm, moved = json.loads(out.read_text())["rows"]
+    assert [r["pass"] for r in (cold, warm, moved)] == ["cold", "warm", "moved"]
+    assert cold["cache"] == warm["cache"] and moved["cache"] == str(Path(cold["cache"]) / "moved")
+    assert (Path(cold["cache"]) / "compile_artifacts.bin").is_file()  # what the cold process saved
+    assert cold["first_step_caches"]["fx_graph_hit"] == 0 and cold["first_step_caches"]["fx_graph_miss"] > 0
+    # the moved process starts on empty caches, yet finds every graph: the artifacts were loaded
+    assert moved["first_step_caches"]["fx_graph_miss"] == 0
+    assert moved["first_step_caches"]["fx_graph_hit"] == cold["first_step_caches"]["fx_graph_miss"]
+    assert moved["first_step_split"]["compile_backward_s"] < cold["first_step_split"]["compile_backward_s"]
+
+
 def test_compile_warmup_refuses_full_size_models_on_the_cpu(monkeypatch, capsys):
     warmup = load_script("compile_warmup")
     monkeypatch.setattr(sys, "argv", ["compile_warmup.py", "--device", "cpu"])

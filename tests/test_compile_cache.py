@@ -1,4 +1,6 @@
 """allow_compile_cache: a SwitchBack layer's compiled graph comes back from AOT autograd's disk cache.
+save_compile_artifacts / load_compile_artifacts: a second process with empty caches (another node, a fresh
+container) gets every graph of the first one from the saved file; a bad file only warns.
 
 A real Inductor compile on the CPU (torch backend), twice on one cache folder with Dynamo's in-memory state reset
 between: the second compile must load the graph (hit) with the setting and re-trace it (bypass) without. No
@@ -6,14 +8,23 @@ autocast here: torch 2.13's AOT autograd cache refuses any graph with an autocas
 (torch 2.11 on the H100 took the compiled layers of a bf16-autocast training step from it, BENCHMARKS.md).
 """
 
+import dataclasses
+import json
+import logging
+import os
 import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 import torch._functorch.config as functorch_config
 
 from hf_switchback import SwitchBackConfig, SwitchBackLinear
-from hf_switchback.compile_cache import allow_compile_cache
+from hf_switchback.compile_cache import allow_compile_cache, load_compile_artifacts, save_compile_artifacts
+
+SRC = str(Path(__file__).resolve().parents[1] / "src")
 
 needs_cxx = pytest.mark.skipif(
     not (shutil.which("c++") or shutil.which("g++")),
@@ -81,3 +92,116 @@ def test_train_clip_compile_allows_the_cache_and_plain_runs_leave_torch_alone(mo
     assert functorch_config.autograd_cache_allow_custom_autograd_functions is False
     assert dynamo_plugin(Namespace(torch_compile=True, compile_mode=None)) is not None
     assert functorch_config.autograd_cache_allow_custom_autograd_functions is True
+
+
+# One process of a run: load the previous run's artifacts (if any), compile a two-layer SwitchBack model, one
+# training step, save the artifacts; prints the cache counters and the step's results as JSON.
+_RUN = """
+import json, sys, torch
+from torch._dynamo.utils import counters
+from hf_switchback import SwitchBackConfig, SwitchBackLinear
+from hf_switchback.compile_cache import allow_compile_cache, load_compile_artifacts, save_compile_artifacts
+
+path = sys.argv[1]
+allow_compile_cache()
+loaded = load_compile_artifacts(path)
+torch.manual_seed(0)
+config = SwitchBackConfig(backend="torch", min_tokens=0)
+model = torch.nn.Sequential(
+    SwitchBackLinear(32, 16, config=config), torch.nn.GELU(), SwitchBackLinear(16, 8, config=config)
+)
+out = torch.compile(model, fullgraph=True)(torch.randn(64, 32))
+out.square().sum().backward()
+print(json.dumps({
+    "loaded": loaded,
+    "saved": save_compile_artifacts(path),
+    "aot": {k: counters["aot_autograd"][k] for k in ("autograd_cache_hit", "autograd_cache_miss")},
+    "fx": {k: counters["inductor"][k] for k in ("fxgraph_cache_hit", "fxgraph_cache_miss")},
+    "results": [out.tolist(), model[0].weight.grad.tolist(), model[2].weight.grad.tolist()],
+}))
+"""
+
+
+def _run_on_a_fresh_machine(path, caches) -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_AUTOGRAD_CACHE_ALLOW_CUSTOM_AUTOGRAD"}
+    env.update(
+        TORCHINDUCTOR_CACHE_DIR=str(caches),  # empty: nothing of the other process on this "machine"
+        PYTHONPATH=os.pathsep.join([SRC, env.get("PYTHONPATH", "")]),
+        OMP_NUM_THREADS="1",
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", _RUN, str(path)], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@needs_cxx
+def test_saved_artifacts_warm_start_a_process_with_empty_caches(tmp_path):
+    path = tmp_path / "shared" / "artifacts.bin"
+    cold = _run_on_a_fresh_machine(path, tmp_path / "machine_a")
+    assert cold["loaded"] is None  # no file yet: a first run
+    assert cold["aot"] == {"autograd_cache_hit": 0, "autograd_cache_miss": 1}
+    assert cold["fx"]["fxgraph_cache_hit"] == 0 and cold["fx"]["fxgraph_cache_miss"] >= 2  # forward, backward
+    assert (
+        cold["saved"]["aot_autograd"] == 1 and cold["saved"]["inductor"] == cold["fx"]["fxgraph_cache_miss"]
+    )
+    assert sorted(os.listdir(path.parent)) == ["artifacts.bin"]  # renamed into place, no temporary left
+
+    warm = _run_on_a_fresh_machine(path, tmp_path / "machine_b")
+    assert warm["loaded"] == cold["saved"]
+    assert warm["aot"] == {"autograd_cache_hit": 1, "autograd_cache_miss": 0}  # nothing traced again
+    assert warm["fx"] == {"fxgraph_cache_hit": cold["fx"]["fxgraph_cache_miss"], "fxgraph_cache_miss": 0}
+    assert warm["saved"] == cold["saved"]  # what it loaded and used is saved again: the chain goes on
+    assert warm["results"] == cold["results"]  # the loaded graphs compute exactly what the compiled ones did
+
+
+@pytest.mark.parametrize(
+    "content", [b"", b"not torch's format", b"\x00" * 64], ids=["empty", "text", "zeros"]
+)
+def test_a_corrupt_artifacts_file_only_warns(tmp_path, caplog, content):
+    path = tmp_path / "artifacts.bin"
+    path.write_bytes(content)
+    with caplog.at_level(logging.INFO):
+        assert load_compile_artifacts(str(path)) is None
+    assert [(r.name, r.levelno) for r in caplog.records] == [("hf_switchback.compile_cache", logging.WARNING)]
+    assert "not loaded" in caplog.text and str(path) in caplog.text
+    assert logging.getLogger("torch.compiler._cache").level == logging.NOTSET  # torch's logger as it was
+
+
+def test_a_missing_file_is_a_first_run(tmp_path, caplog):
+    with caplog.at_level(logging.INFO):
+        assert load_compile_artifacts(str(tmp_path / "none_yet.bin")) is None
+    assert caplog.records == []
+
+
+def test_saving_replaces_the_file_at_once_and_a_failed_write_only_warns(tmp_path, caplog, monkeypatch):
+    from torch.compiler._cache import CacheInfo
+
+    info = CacheInfo()
+    info.artifacts["inductor"] += ["a", "b"]
+    monkeypatch.setattr(torch.compiler, "save_cache_artifacts", lambda: (b"new", info))
+    path = tmp_path / "dir" / "artifacts.bin"
+    path.parent.mkdir()
+    path.write_bytes(b"old")
+    assert save_compile_artifacts(str(path)) == {"inductor": 2}
+    assert path.read_bytes() == b"new" and sorted(os.listdir(path.parent)) == ["artifacts.bin"]
+
+    blocked = tmp_path / "a_file"
+    blocked.write_bytes(b"")
+    with caplog.at_level(logging.WARNING):
+        assert save_compile_artifacts(str(blocked / "artifacts.bin")) is None  # its folder is a file
+    assert "could not write the compile artifacts" in caplog.text
+    monkeypatch.setattr(torch.compiler, "save_cache_artifacts", lambda: None)  # nothing compiled yet
+    assert save_compile_artifacts(str(path)) is None and path.read_bytes() == b"new"
+
+
+def test_the_artifact_counts_of_torch_2_7_are_read_too(tmp_path, monkeypatch):
+    @dataclasses.dataclass
+    class CacheInfo27:  # torch 2.7's shape: one list per cache
+        inductor_artifacts: list = dataclasses.field(default_factory=lambda: ["a", "b", "c"])
+        autotune_artifacts: list = dataclasses.field(default_factory=list)
+        aot_autograd_artifacts: list = dataclasses.field(default_factory=lambda: ["d"])
+
+    monkeypatch.setattr(torch.compiler, "save_cache_artifacts", lambda: (b"bytes", CacheInfo27()))
+    assert save_compile_artifacts(str(tmp_path / "a.bin")) == {"inductor": 3, "aot_autograd": 1}

@@ -363,6 +363,37 @@ def test_scaled_matmul_tma_and_portable_kernels(
 
 
 @pytest.mark.gpu
+def test_a_measured_shape_launches_its_table_config_without_autotuning(monkeypatch):
+    """On sm90 a GEMM whose (N, K, M bucket) is in kernels/gemm_configs/sm90.json runs that config directly:
+    the autotuner is never asked, eager or compiled, and the result is the reference's."""
+    from hf_switchback.kernels import matmul
+
+    if torch.cuda.get_device_capability(0) != (9, 0):
+        pytest.skip("the shipped table is for sm90 (H100/H200)")
+    m, n, k = 4928, 1024, 1024  # ViT-B/16 text tower at batch 64, q/k/v/out_proj; bucket 8192
+    tile = matmul._tile_for(0, torch.int8, torch.bfloat16, m, n, k)
+    assert tile is not None and tile in matmul._TILE_SHAPES
+
+    def no_autotuning(*args, **kwargs):
+        raise AssertionError("the autotuner ran for a shape the table names")
+
+    monkeypatch.setattr(matmul.portable_tuner(0), "run", no_autotuning)
+    a, b = _random_q((m, k), torch.int8), _random_q((n, k), torch.int8)
+    a_scale, b_scale, bias = torch.rand(m) * 0.01, torch.tensor(0.003), torch.randn(n, dtype=torch.bfloat16)
+    args = (a.cuda(), b.cuda(), a_scale.cuda(), b_scale.cuda(), bias.cuda())
+    out = matmul.scaled_matmul(*args, torch.bfloat16)
+    # int32 accumulation is exact: the only rounding is the epilogue's, then the bf16 cast
+    expect = ref.scaled_matmul(a, b, a_scale, b_scale, bias, torch.bfloat16)
+    torch.testing.assert_close(out.cpu(), expect, rtol=2**-7, atol=1e-6)
+    _ops()  # registers the operators
+    torch._dynamo.reset()
+    compiled = torch.compile(
+        lambda *t: torch.ops.hf_switchback.scaled_matmul(*t, torch.bfloat16, False, "triton"), fullgraph=True
+    )
+    assert torch.equal(compiled(*args), out)  # the same config in Inductor's launch: bitwise the same
+
+
+@pytest.mark.gpu
 def test_scaled_matmul_empty_and_bad_dtypes():
     ops = _ops()
     a, b = torch.zeros(0, 64, dtype=torch.int8).cuda(), torch.ones(32, 64, dtype=torch.int8).cuda()

@@ -92,6 +92,29 @@ def test_default_arguments_pass(tmp_path):
     check(["--checkpoints_total_limit", "0", "--warmup_steps", "0", "--min_tokens", "0"], tmp_path)
 
 
+def test_compile_cache_dir_defaults_to_the_output_dir_and_none_turns_it_off(tmp_path, capsys):
+    from hf_switchback.training.runtime import compile_artifacts_path
+
+    version = torch.__version__.replace("+", "_")
+    plain = check([], tmp_path)
+    assert compile_artifacts_path(plain) is None  # no --torch_compile: nothing compiled, nothing kept
+    default = check(["--torch_compile"], tmp_path)
+    expected = os.path.join(
+        str(tmp_path / "run"), "compile_cache", f"torch_compile_artifacts_torch{version}.bin"
+    )
+    assert compile_artifacts_path(default) == expected
+    shared = check(["--torch_compile", "--compile_cache_dir", str(tmp_path / "shared")], tmp_path)
+    assert compile_artifacts_path(shared).startswith(str(tmp_path / "shared") + os.sep)
+    assert compile_artifacts_path(check(["--torch_compile", "--compile_cache_dir", "none"], tmp_path)) is None
+    assert "--compile_cache_dir needs --torch_compile" in fails(
+        ["--compile_cache_dir", "x"], tmp_path, capsys
+    )
+    a_file = tmp_path / "cache.bin"
+    a_file.write_bytes(b"")
+    argv = ["--torch_compile", "--compile_cache_dir", str(a_file)]
+    assert f"--compile_cache_dir {str(a_file)!r} is a file" in fails(argv, tmp_path, capsys)
+
+
 def test_files_columns_and_sizes_are_checked_from_the_header(tmp_path, capsys):
     tok = ["--allow_synthetic_tokenizer"]
     err = fails(["--train_file", str(tmp_path / "missing.csv"), *tok], tmp_path, capsys)

@@ -11,8 +11,9 @@ Coverage:
   upcast to fp16 in registers (exact: every e4m3/e5m2 value is an fp16 value) and multiplied in fp16.
 - Any M, N, K: rows and columns past the edge are read modulo M / N (valid addresses, results masked at the
   store), the K tail is masked with zeros. Any strides. M = 0, N = 0 or K = 0 never reach the kernel.
-- Large M (>= _AUTOTUNE_MIN_M) is autotuned per (M bucket, N, K); small M uses one fixed small-tile config
-  (fast to compile, and autotuning every odd test shape would cost more than it saves).
+- Large M (>= _AUTOTUNE_MIN_M) launches the config measured for its (M bucket, N, K) on this GPU where
+  kernels/gemm_configs has one (no autotuning), else is autotuned per (M bucket, N, K); small M uses one fixed
+  small-tile config (fast to compile, and autotuning every odd test shape would cost more than it saves).
 """
 
 from __future__ import annotations
@@ -25,9 +26,12 @@ import torch
 import triton
 import triton.language as tl
 
+from .gemm_configs import measured_tile
 from .quantize import launch_directly
 
 _AUTOTUNE_MIN_M = 1024
+# (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) below _AUTOTUNE_MIN_M
+_SMALL_M_TILE = (64, 64, 128, 4, 3)
 logger = logging.getLogger(__name__)
 
 
@@ -332,6 +336,40 @@ def portable_tuner(device_index: int):
     return _sm90_autotuned_kernel if _capability(device_index) == (9, 0) else _autotuned_kernel
 
 
+def _table_tile(a_q: torch.Tensor, b_q: torch.Tensor, c: torch.Tensor):
+    """The tile measured for this GEMM on this GPU (kernels/gemm_configs), or None (then it is autotuned).
+    Only concrete sizes and the measured layout (K-major a and b) are looked up."""
+    m, k = a_q.shape
+    n = b_q.shape[0]
+    if not all(isinstance(size, int) for size in (m, n, k)) or a_q.stride(1) != 1 or b_q.stride(1) != 1:
+        return None
+    return _tile_for(a_q.device.index or 0, a_q.dtype, c.dtype, m, n, k)
+
+
+@functools.lru_cache(maxsize=4096)
+def _tile_for(device_index: int, a_dtype: torch.dtype, out_dtype: torch.dtype, m: int, n: int, k: int):
+    # cached: eager launches pay one dict lookup, not the string and bucket work
+    name = lambda dtype: str(dtype).removeprefix("torch.")  # noqa: E731
+    return measured_tile(_capability(device_index), name(a_dtype), name(out_dtype), m, n, k)
+
+
+def _launch_tile(wrap, tile, args: tuple, flags: dict, m: int, n: int, k: int) -> None:
+    """The portable kernel with one given config (no autotuner)."""
+    bm, bn, bk, warps, stages = tile
+    grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
+    wrap(_scaled_mm_kernel)[grid](
+        *args,
+        **flags,
+        EVEN_K=k % bk == 0,
+        BLOCK_M=bm,
+        BLOCK_N=bn,
+        BLOCK_K=bk,
+        GROUP_M=8,
+        num_warps=warps,
+        num_stages=stages,
+    )
+
+
 def _needs_fp8_upcast(device_index: int) -> bool:
     # fp8 tensor cores exist from sm89 (Ada) on.
     return _capability(device_index) < (8, 9)
@@ -475,25 +513,17 @@ def scaled_matmul(
     if tma and _run_tma(a_q, b_q, c, a_scale, b_scale, bias, flags):
         return c
     wrap = wrap or launch_directly
-    if m >= _AUTOTUNE_MIN_M:
-        # One EVEN_K for every config: K a multiple of 128 is a multiple of each config's BLOCK_K (64 or 128).
-        flags["EVEN_K"] = k % 128 == 0
-        grid = lambda meta: (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)  # noqa: E731
-        wrap(portable_tuner(a_q.device.index or 0))[grid](*args, **flags)
-    else:
-        bm, bn, bk = 64, 64, 128
-        grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
-        wrap(_scaled_mm_kernel)[grid](
-            *args,
-            **flags,
-            EVEN_K=k % bk == 0,
-            BLOCK_M=bm,
-            BLOCK_N=bn,
-            BLOCK_K=bk,
-            GROUP_M=8,
-            num_warps=4,
-            num_stages=3,
-        )
+    if m < _AUTOTUNE_MIN_M:
+        _launch_tile(wrap, _SMALL_M_TILE, args, flags, m, n, k)
+        return c
+    tile = _table_tile(a_q, b_q, c)
+    if tile is not None:
+        _launch_tile(wrap, tile, args, flags, m, n, k)
+        return c
+    # One EVEN_K for every config: K a multiple of 128 is a multiple of each config's BLOCK_K (64 or 128).
+    flags["EVEN_K"] = k % 128 == 0
+    grid = lambda meta: (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)  # noqa: E731
+    wrap(portable_tuner(a_q.device.index or 0))[grid](*args, **flags)
     return c
 
 

@@ -268,6 +268,14 @@ class SpeedArguments:
         "'Whole training step'). model: the whole model as one graph per tower pass.",
         unset="blocks; model with --compile_mode reduce-overhead",
     )
+    compile_cache_dir: str | None = arg(
+        None,
+        "With --torch_compile: where the compiled graphs and kernels are kept for the next run (one file per torch "
+        "version, written by the main process after the first step, loaded by every rank before compiling; on "
+        "shared storage it warms up other nodes too; one dir per model and setup, as each run replaces the file). "
+        "'none': only torch's per-machine cache.",
+        unset="<output_dir>/compile_cache",
+    )
     lock_image: bool = arg(False, "Freeze the vision tower and its projection.")
     lock_text: bool = arg(False, "Freeze the text tower and its projection.")
 

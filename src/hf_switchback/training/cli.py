@@ -149,6 +149,10 @@ def _check_combinations(parser, args) -> None:
         parser.error("--compile_mode needs --torch_compile")
     if args.compile_scope is not None and not args.torch_compile:
         parser.error("--compile_scope needs --torch_compile")
+    if args.compile_cache_dir is not None and not args.torch_compile:
+        parser.error("--compile_cache_dir needs --torch_compile")
+    if args.compile_cache_dir and os.path.isfile(args.compile_cache_dir):
+        parser.error(f"--compile_cache_dir {args.compile_cache_dir!r} is a file: pass a directory (or none)")
     if args.compile_scope == "blocks" and args.compile_mode == "reduce-overhead" and args.grad_checkpointing:
         # a recomputed layer replays its CUDA graph while the first replay's outputs are still needed
         parser.error(

@@ -1,17 +1,18 @@
 """What a train_clip.py run asks of Accelerate besides the defaults: the torch.compile plugin (and the kernel
-options it calls for under CUDA graphs), the collective timeout, and the checks a DeepSpeed launch needs before
-anything is loaded."""
+options it calls for under CUDA graphs, the file that carries its caches to the next run), the collective
+timeout, and the checks a DeepSpeed launch needs before anything is loaded."""
 
 from __future__ import annotations
 
 import logging
+import os
 from datetime import timedelta
 
 import torch
 from accelerate.utils import InitProcessGroupKwargs, TorchDynamoPlugin
 
 from ..adapters.accelerate import init_process_group_kwargs
-from ..compile_cache import allow_compile_cache
+from ..compile_cache import allow_compile_cache, artifacts_file, save_compile_artifacts
 from ..kernels.options import KernelOptions
 
 logger = logging.getLogger(__name__)
@@ -42,6 +43,24 @@ def compile_scope(args) -> str:
     if getattr(args, "compile_scope", None):
         return args.compile_scope
     return "model" if args.compile_mode == "reduce-overhead" else "blocks"
+
+
+def compile_artifacts_path(args) -> str | None:
+    """The file that carries torch.compile's caches from one run to the next (--compile_cache_dir, by default
+    <output_dir>/compile_cache; None without --torch_compile or with `none`). Every rank loads it before compiling
+    (compile_cache.load_compile_artifacts); the main process writes it (write_compile_artifacts)."""
+    if not args.torch_compile:
+        return None
+    directory = getattr(args, "compile_cache_dir", None) or os.path.join(args.output_dir, "compile_cache")
+    return None if directory.lower() == "none" else artifacts_file(directory)
+
+
+def write_compile_artifacts(accelerator, path: str | None) -> None:
+    """Main process, once, after the first training step (everything the step compiles has compiled by then):
+    write the compile artifacts to `path`. Graphs that compile later (evaluation) are not in it: a second save of
+    one process reads back as only what it added (torch.compiler's format, torch 2.13)."""
+    if path is not None and accelerator.is_main_process:
+        save_compile_artifacts(path)
 
 
 def kernel_options(args) -> KernelOptions:

@@ -23,18 +23,19 @@ A layer's threshold, `min_tokens_for(capability, k, n, precision)`:
    (from the MLP block at d=1280 on the H100, BENCHMARKS.md, MLP block).
 Table lookups are cached, and both entry points are torch.compile constants (evaluated once while tracing).
 
-This module is a leaf: it imports nothing from the package, and never triton.
+This module is a leaf: it imports nothing from the package but kernels/shipped_tables.py, and never triton.
 """
 
 from __future__ import annotations
 
 import functools
-import json
 import math
 import sys
 from pathlib import Path
 
 import torch
+
+from ..shipped_tables import read_table
 
 TABLE_DIR = Path(__file__).resolve().parent
 FORMAT = 1
@@ -73,23 +74,11 @@ def load_table(path: Path) -> dict[tuple[str, int, int], int] | None:
 
     A file that exists but is not a table is an error: a shipped table must never be silently ignored.
     """
-    try:
-        data = json.loads(path.read_text())
-    except FileNotFoundError:
+    data = read_table(
+        path, "crossover table", FORMAT, "precisions", dict, "benchmarks/bench_crossover.py --write_table"
+    )
+    if data is None:
         return None
-    except (OSError, ValueError) as err:
-        raise ValueError(
-            f"crossover table {path} is unreadable ({err}); regenerate it with benchmarks/bench_crossover.py"
-        ) from err
-    if (
-        not isinstance(data, dict)
-        or data.get("format") != FORMAT
-        or not isinstance(data.get("precisions"), dict)
-    ):
-        raise ValueError(
-            f"crossover table {path}: expected a JSON object with format={FORMAT} and a 'precisions' object; "
-            "regenerate it with benchmarks/bench_crossover.py --write_table"
-        )
     table: dict[tuple[str, int, int], int] = {}
     for precision, shapes in data["precisions"].items():
         for name, entry in shapes.items():
