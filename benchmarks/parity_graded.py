@@ -47,9 +47,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "benchmarks"))  # `accuracy`, `common`, `parity`, however this file is loaded
+sys.path.insert(0, str(ROOT / "benchmarks"))  # `accuracy` and `common`, however this file is loaded
 import common  # noqa: E402
-import parity  # noqa: E402
+from common import mean_se, t95  # noqa: E402
 
 BOUND_PP = 0.5
 METRICS = (("zero_shot_top1", "zero-shot top-1", 100.0), ("caption_r1", "image→caption R@1", 100.0))
@@ -65,6 +65,7 @@ ARCHS = {
 }
 PROTOCOL_TASK = {"pretrain": "pretrain", "finetune": "finetune", "scratch": "all"}
 DROP_FRACTIONS = (0.5, 0.8, 0.9)
+LAST_FRACTION = 0.2  # "final loss" = mean over the last 20% of logged steps
 MAX_TEXT = 12
 WAVE_RESERVE_S = 25
 SPEED_SAFETY = 0.8  # steps="auto": plan for 80% of the speed measured over the warm-up steps
@@ -449,9 +450,28 @@ def plan_auto_steps(wave: list[dict], steps_file: Path, deadline: float) -> list
 # ------------------------------------------------------------------------------------------------------------
 # Summary
 # ------------------------------------------------------------------------------------------------------------
+def tail_window(train: list[dict]) -> list[dict]:
+    """The last LAST_FRACTION of logged training steps (at least one): the window of "final loss"."""
+    return train[-max(1, math.ceil(len(train) * LAST_FRACTION)) :]
+
+
 def final_loss(run: dict) -> float | None:
-    window = parity.tail_window(run["train"]) if run["train"] else []
-    return parity.mean_se([x["loss"] for x in window])[0]
+    return mean_se([x["loss"] for x in tail_window(run["train"])])[0] if run["train"] else None
+
+
+def ema_of(values: list[float], decay: float = 0.8) -> list[float]:
+    """The loss curve smoothed as plotted (exponential moving average)."""
+    out, ema = [], values[0]
+    for v in values:
+        ema = decay * ema + (1 - decay) * v
+        out.append(ema)
+    return out
+
+
+def drop_step(train: list[dict], level: float) -> int | None:
+    """First logged step whose smoothed loss is at or below `level`; None if never."""
+    smoothed = ema_of([x["loss"] for x in train]) if train else []
+    return next((x["step"] for x, s in zip(train, smoothed, strict=True) if s <= level), None)
 
 
 def pair_key(run: dict) -> tuple:
@@ -464,10 +484,10 @@ def pair_key(run: dict) -> tuple:
 
 def interval(diffs: list[float]) -> dict:
     """Mean, SE and two-sided 95% Student t interval of paired differences (None where undefined)."""
-    mean, se = parity.mean_se(diffs)
+    mean, se = mean_se(diffs)
     out = dict(n=len(diffs), mean=mean, se=se, low=None, high=None)
     if se is not None:
-        half = parity.t95(len(diffs) - 1) * se
+        half = t95(len(diffs) - 1) * se
         out.update(low=mean - half, high=mean + half)
     return out
 
@@ -490,7 +510,7 @@ def drop_steps(run: dict, start: float, end: float) -> dict:
     """Per fraction f of DROP_FRACTIONS: first logged step whose smoothed loss is below start - f (start - end)."""
     out = {}
     for f in DROP_FRACTIONS:
-        out[f] = parity.drop_step(run["train"], start - f * (start - end)) if run["train"] else None
+        out[f] = drop_step(run["train"], start - f * (start - end))
     return out
 
 
@@ -519,9 +539,9 @@ def summarize(runs: list[dict]) -> dict:
             for key, _, scale in METRICS:
                 row[f"d_{key}"] = scale * (r["results"][key] - base["results"][key])
             base_loss = {x["step"]: x["loss"] for x in base["train"]}
-            window = parity.tail_window(r["train"])
+            window = tail_window(r["train"])
             diffs = [x["loss"] - base_loss[x["step"]] for x in window if x["step"] in base_loss]
-            row["d_final_loss"] = parity.mean_se(diffs)[0]
+            row["d_final_loss"] = mean_se(diffs)[0]
         rows.append(row)
     pools = []
     for protocol in dict.fromkeys(r["protocol"] for r in rows):
@@ -555,7 +575,7 @@ def summarize(runs: list[dict]) -> dict:
                 values = [s[f] for s in steps if s[f] is not None]
                 never = len(steps) - len(values)
                 if values:
-                    mean, se = parity.mean_se(values)
+                    mean, se = mean_se(values)
                     sd = None if se is None else se * math.sqrt(len(values))
                     spreads.append(
                         dict(protocol=protocol, variant=variant, fraction=f, level=start - f * (start - end),
@@ -642,7 +662,7 @@ def plot(runs: list[dict], path: Path) -> bool:
                 continue
             v = r["spec"]["variant"]
             xs = [x["step"] for x in r["train"]]
-            ys = parity.ema_of([x["loss"] for x in r["train"]])
+            ys = ema_of([x["loss"] for x in r["train"]])
             ax.plot(
                 xs, ys, color=colors.get(v, "gray"), alpha=0.6, linewidth=0.9, label=None if v in seen else v
             )

@@ -220,6 +220,13 @@ def test_verdict_resolves_either_way_and_needs_five_pairs():
     assert pg.verdict(pg.interval([0.0, 0.1, 0.0, 0.1])).startswith("not resolved (4 pairs")
 
 
+def test_drop_step_is_read_on_the_smoothed_curve():
+    train = [dict(step=5 * (i + 1), loss=v) for i, v in enumerate([3.0, 3.0, 3.0, 1.0, 1.0, 1.0])]
+    # EMA 0.8 from 3.0: 3.0, 3.0, 3.0, 2.6, 2.28 -> first at or below 2.5 on the 5th entry (step 25)
+    assert pg.drop_step(train, 2.5) == 25
+    assert pg.drop_step(train, 0.5) is None and pg.drop_step([], 2.5) is None
+
+
 def test_drop_spread_dates_a_late_escape():
     early = [5.0] * 2 + [1.0] * 38
     late = [5.0] * 30 + [1.0] * 10
@@ -294,3 +301,35 @@ def test_a_killed_run_keeps_its_partial_curve_and_is_marked_timeout(tmp_path, mo
     assert record["status"] == "timeout" and record["output_tail"] == ["timeout"]
     assert record["spec"]["name"] == spec["name"] and record["spec"]["progress_to"] == str(partial_path)
     assert [x["step"] for x in record["train"]] == [5, 10] and record["evals"] == []
+
+
+@pytest.mark.slow
+def test_cli_smoke_pretrains_finetunes_and_merges(tmp_path):
+    """The command line end to end on the CPU: pretrain, two variants fine-tuned in one process, the table and
+    JSON, then --merge re-summarizes the JSON to the same summary."""
+    import json
+    import subprocess
+
+    env = {"PYTHONPATH": str(ROOT / "src"), "HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"}
+    script = str(ROOT / "benchmarks" / "parity_graded.py")
+    flags = ["--smoke", "--seeds", "0", "--variants", "bf16", "int8", "--runs_per_process", "2"]
+    out, merged = tmp_path / "out", tmp_path / "merged"
+    for args in (
+        [*flags, "--out_dir", str(out), "--runs_dir", str(tmp_path / "runs")],
+        ["--merge", str(out / "parity.json"), "--out_dir", str(merged)],
+    ):
+        proc = subprocess.run(
+            [sys.executable, script, *args], env=env, capture_output=True, text=True, timeout=300
+        )
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    data = json.loads((out / "parity.json").read_text())
+    assert [r["spec"]["name"] for r in data["runs"]] == [
+        "pretrain",
+        "finetune_bf16_seed0",
+        "finetune_int8_seed0",
+    ]
+    assert all(r["status"] == "ok" for r in data["runs"])
+    (row,) = [r for r in data["summary"]["rows"] if r["variant"] == "int8"]
+    assert "d_zero_shot_top1" in row and math.isfinite(row["final_loss"])
+    assert "| finetune | int8 | 0 | ok |" in (out / "parity.md").read_text()
+    assert json.loads((merged / "parity.json").read_text())["summary"] == data["summary"]
