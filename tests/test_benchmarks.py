@@ -527,35 +527,17 @@ def test_compile_warmup_refuses_full_size_models_on_the_cpu(monkeypatch, capsys)
     assert "--tiny" in capsys.readouterr().err
 
 
-def test_gemm_config_shapes_are_every_forward_and_grad_input_call():
-    configs = load_script("bench_gemm_configs")
-    one = {"tiny": (64, 32, 10, (2,))}  # vision d=64 at 20 tokens, text d=32 at 2*77
-    shapes = configs.gemm_shapes(one)
-    vision = {(20, 64, 64), (20, 256, 64), (20, 64, 256)}
-    text = {(154, 32, 32), (154, 128, 32), (154, 32, 128)}
-    # each (N, K) family once with bias (forward) and once without (grad-input: N and K swap roles)
-    assert set(shapes) == {(*s, bias) for s in vision | text for bias in (True, False)}
-    assert len(configs.gemm_shapes()) == 60  # ViT-B/16, L/14 (2 batches), H/14 (2 batches)
-
-
-def test_gemm_config_subsets_cover_every_shape_within_their_worst_ratio():
-    configs = load_script("bench_gemm_configs")
-    rows = [  # config 0 wins the first shape, 2 the second, 1 is close on both; None: did not fit
-        {"ms": [1.0, 1.1, 2.0, None]},
-        {"ms": [2.0, 1.2, 1.0, None]},
-    ]
-    assert configs.worst_ratio(rows, (0,)) == 2.0
-    assert configs.worst_ratio(rows, (3,)) == float("inf")
-    subsets = configs.covering_subsets(rows, max_size=3)
-    assert subsets[0] == {"size": 1, "configs": [1], "worst_ratio": 1.2}
-    assert subsets[1] == {"size": 2, "configs": [0, 2], "worst_ratio": 1.0}
-    assert subsets[2]["worst_ratio"] == 1.0 and len(subsets) == 3
-
-
-def test_gemm_config_benchmark_needs_a_gpu(monkeypatch, capsys):
-    configs = load_script("bench_gemm_configs")
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    monkeypatch.setattr(sys, "argv", ["bench_gemm_configs.py"])
-    with pytest.raises(SystemExit):
-        configs.main()
-    assert "CUDA" in capsys.readouterr().err
+def test_bench_inference_cpu_smoke():
+    """Tiny towers on the CPU: a row per mode, bf16 its own baseline, 8-bit embeddings close to bf16's."""
+    flags = ["--device", "cpu", "--tiny", "--batch-size", "4", "--iters", "1", "--warmup", "0"]
+    stdout = run_script(["benchmarks/bench_inference.py", *flags])
+    rows = {
+        line.split(" | ")[0].strip("| "): line.split(" | ")
+        for line in stdout.splitlines()
+        if line[:3] in ("| b", "| i", "| f")
+    }
+    assert set(rows) == {"bf16", "int8", "fp8"} and rows["bf16"][2] == "1.00x"
+    for mode in ("int8", "fp8"):
+        assert (
+            float(rows[mode][5]) > 0.99 and float(rows[mode][6].strip(" |")) > 0.99
+        )  # min cosine, image / text
