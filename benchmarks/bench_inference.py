@@ -26,7 +26,7 @@ from transformers import CLIPModel
 from hf_switchback import SwitchBackConfig, apply_switchback, prepare_for_inference
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import bench_train  # noqa: E402
+import bench_train
 
 MODES = ("bf16", "int8", "fp8")
 

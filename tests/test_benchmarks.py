@@ -541,3 +541,22 @@ def test_bench_inference_cpu_smoke():
         assert (
             float(rows[mode][5]) > 0.99 and float(rows[mode][6].strip(" |")) > 0.99
         )  # min cosine, image / text
+
+
+def test_bench_linear_cpu_smoke():
+    """--device cpu --tiny: every case times bf16 and the default SwitchBack rows on the torch reference path."""
+    stdout = run_script(["benchmarks/bench_linear.py", "--device", "cpu", "--tiny"])
+    rows = [
+        line.split(" | ")
+        for line in stdout.splitlines()
+        if line.startswith("| fc") or line.startswith("| block")
+    ]
+    timed = {(r[0].strip("| "), r[1]) for r in rows if r[2] and float(r[2]) > 0}
+    for case in ("fc1", "fc2", "block"):
+        label = f"{case} d=16 tokens=32"
+        assert {
+            (label, "bf16 nn.Linear"),
+            (label, "switchback int8/tensor"),
+            (label, "switchback fp8/row"),
+        } <= timed
+    assert any(r[3] == "1.00" for r in rows)  # bf16 is its own baseline
