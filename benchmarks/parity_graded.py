@@ -69,7 +69,6 @@ LAST_FRACTION = 0.2  # "final loss" = mean over the last 20% of logged steps
 MAX_TEXT = 12
 WAVE_RESERVE_S = 25
 SPEED_SAFETY = 0.8  # steps="auto": plan for 80% of the speed measured over the warm-up steps
-BARRIER_S = 60.0  # the longest a run waits for its wave's step count
 EVAL_RESERVE_S = 20.0  # steps="auto": time kept for the final eval (and saving) after training
 
 
@@ -181,26 +180,15 @@ def evaluate(model, tokenizer, task, spec: dict, device, autocast) -> dict:
 
 
 def decide_steps(spec: dict, done: int, elapsed_s: float, device) -> int:
-    """The step count of a spec with steps="auto": what fits before spec["deadline"] (epoch seconds).
-
-    Alone (no spec["steps_file"]) from this run's own speed. In a wave, every run posts its speed to
-    <steps_file>.<name>.rate and waits for the orchestrator's one count for all (paired runs must share it).
-    """
+    """The step count of a spec with steps="auto" (pretraining): what fits before spec["deadline"] (epoch
+    seconds) at this run's speed so far."""
     if device.type == "cuda":
         import torch
 
         torch.cuda.synchronize()
     rate = done / max(elapsed_s, 1e-6)
-    if not spec.get("steps_file"):
-        left = spec["deadline"] - time.time()
-        return max(done + 1, min(spec["max_steps"], int(done + SPEED_SAFETY * rate * left)))
-    write_atomic(Path(f"{spec['steps_file']}.{spec['name']}.rate"), rate)
-    waited = time.time()
-    while time.time() - waited < BARRIER_S:
-        if Path(spec["steps_file"]).exists():
-            return int(json.loads(Path(spec["steps_file"]).read_text()))
-        time.sleep(0.1)
-    raise RuntimeError(f"no step count in {spec['steps_file']} after {BARRIER_S} s")
+    left = spec["deadline"] - time.time()
+    return max(done + 1, min(spec["max_steps"], int(done + SPEED_SAFETY * rate * left)))
 
 
 def write_atomic(path: Path, value) -> None:
@@ -208,24 +196,6 @@ def write_atomic(path: Path, value) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(value))
     tmp.rename(path)
-
-
-def wave_steps(wave: list[dict], poll_s: float = 0.1) -> None:
-    """Orchestrator side of decide_steps: once every run of the wave posted its speed (or BARRIER_S passed),
-    write the step count that the slowest one finishes before the deadline."""
-    spec = wave[0]
-    rate_files = [Path(f"{s['steps_file']}.{s['name']}.rate") for s in wave]
-    t0 = time.time()
-    while time.time() - t0 < BARRIER_S and not all(f.exists() for f in rate_files):
-        time.sleep(poll_s)
-    rates = [json.loads(f.read_text()) for f in rate_files if f.exists()]
-    if not rates:
-        return
-    left = spec["deadline"] - time.time()
-    steps = max(
-        spec["warmup"] + 1, min(spec["max_steps"], int(spec["warmup"] + SPEED_SAFETY * min(rates) * left))
-    )
-    write_atomic(Path(spec["steps_file"]), steps)
 
 
 def layer_kind(name: str) -> str:
@@ -412,18 +382,11 @@ def run_specs(
         # the wave may use all but WAVE_RESERVE_S per later wave: a slow first wave still finishes (whole
         # pairs), later ones are cut instead
         share = left - WAVE_RESERVE_S * (math.ceil((len(groups) - first) / parallel) - 1)
-        if per_process == 1:
-            flat = plan_auto_steps(
-                [g[0] for g in wave], runs_dir / f"wave{first}.steps", time.time() + share - EVAL_RESERVE_S
-            )
-            wave = [[s] for s in flat]
-        auto = [g[0] for g in wave if g[0].get("steps_file")]
-        with ThreadPoolExecutor(max_workers=len(wave) + 1) as pool:
+        deadline = time.time() + share - EVAL_RESERVE_S
+        wave = [[dict(s, deadline=deadline) if s["steps"] == "auto" else s for s in g] for g in wave]
+        with ThreadPoolExecutor(max_workers=len(wave)) as pool:
             futures = [pool.submit(launch, g, runs_dir / f"{g[0]['name']}.json", share) for g in wave]
-            barrier = pool.submit(wave_steps, auto) if auto else None
             done = [r for f in futures for r in f.result()]
-            if barrier is not None:
-                barrier.result()  # raise what went wrong there
         for r in done:
             brief = {k: r.get(k) for k in ("status", "results", "wall_s", "train_s")}
             print(json.dumps(dict(name=r["spec"]["name"], **brief)), flush=True)
@@ -431,20 +394,6 @@ def run_specs(
         if on_wave:
             on_wave(runs)
     return runs
-
-
-def plan_auto_steps(wave: list[dict], steps_file: Path, deadline: float) -> list[dict]:
-    """Give the wave's steps="auto" runs their deadline, and when there are several, one shared steps file."""
-    auto = [s for s in wave if s["steps"] == "auto"]
-    shared = len(auto) > 1
-    if shared:
-        steps_file.unlink(missing_ok=True)
-    return [
-        dict(s, deadline=deadline, steps_file=str(steps_file) if shared else None)
-        if s["steps"] == "auto"
-        else s
-        for s in wave
-    ]
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -738,16 +687,21 @@ def main() -> None:
     parser.add_argument("--arch", choices=list(ARCHS), default="small")
     parser.add_argument(
         "--steps",
-        type=steps_arg,
+        type=int,
         default=300,
-        help="optimizer steps per run, or 'auto': as many as fit in the time budget (decided after --warmup "
-        "steps from the measured speed, the same for every run of a wave, so pairs stay paired)",
+        help="optimizer steps per run (one count for all: pairs must train alike)",
     )
-    parser.add_argument("--max_steps", type=int, default=3000, help="upper bound for --steps auto")
     parser.add_argument("--batch_size", type=int, default=256)
     parser.add_argument("--lr", type=float, default=3e-4)
     parser.add_argument("--warmup", type=int, default=30)
-    parser.add_argument("--pretrain_steps", type=steps_arg, default=1500)
+    parser.add_argument(
+        "--pretrain_steps",
+        type=steps_arg,
+        default=1500,
+        help="or 'auto': as many as fit in --pretrain_share of the budget, decided from the speed of the first "
+        "2 x --warmup steps",
+    )
+    parser.add_argument("--max_steps", type=int, default=3000, help="upper bound for --pretrain_steps auto")
     parser.add_argument("--pretrain_lr", type=float, default=1e-3)
     parser.add_argument("--eval_samples", type=int, default=10_000)
     parser.add_argument("--eval_every", type=int, default=0, help="extra evals every N steps (0: final only)")
@@ -764,7 +718,7 @@ def main() -> None:
         type=int,
         default=1,
         help="consecutive runs (a seed's variants, in --variants order) one after another in one process: one "
-        "CUDA context, one Triton compile and autotune, instead of one per run (fixed --steps only)",
+        "CUDA context, one Triton compile and autotune, instead of one per run",
     )
     parser.add_argument("--time_budget_s", type=float, default=500)
     parser.add_argument("--warm", action="store_true", help="fill Triton's kernel cache first (a GPU run)")
@@ -782,10 +736,6 @@ def main() -> None:
     out_dir = Path(args.out_dir)
     if args.runs_per_process < 1 or args.parallel < 1:
         parser.error("--parallel and --runs_per_process must be >= 1")
-    if args.runs_per_process > 1 and args.steps == "auto":
-        parser.error(
-            "--steps auto needs --runs_per_process 1 (runs of a wave agree on a count at the same time)"
-        )
 
     if args.one_run:  # child process: its runs one after another, each record to the spec's progress_to
         for spec in json.loads(Path(args.one_run).read_text()):
