@@ -18,7 +18,9 @@ ROOT = Path(__file__).resolve().parent.parent
 
 # the scripts a user runs (common.py and step_profile.py are their helpers)
 SCRIPTS = sorted(
-    p.name for p in (ROOT / "benchmarks").glob("*.py") if p.name not in ("common.py", "step_profile.py")
+    p.name
+    for p in [*(ROOT / "benchmarks").glob("*.py"), *(ROOT / "benchmarks").glob("*.sh")]
+    if p.name not in ("common.py", "step_profile.py")
 )
 
 
@@ -26,11 +28,13 @@ def load_script(name: str):
     return helpers.load_script(f"benchmarks/{name}.py")
 
 
-def run_script(args: list[str], timeout: int = 120) -> str:
+def run_script(args: list[str], timeout: int = 120, **env_vars: str) -> str:
+    """Run benchmarks/X.py with this Python (X.sh with bash, $PYTHON set to this Python) from the repository."""
     env = {"PYTHONPATH": str(ROOT / "src"), "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    env["PATH"] = "/usr/bin:/bin"
+    env.update(PATH="/usr/bin:/bin", PYTHON=sys.executable, **env_vars)
+    runner = ["bash"] if args[0].endswith(".sh") else [sys.executable]
     proc = subprocess.run(
-        [sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout
+        [*runner, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout
     )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     return proc.stdout
@@ -39,6 +43,20 @@ def run_script(args: list[str], timeout: int = 120) -> str:
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_every_benchmark_script_answers_help(script):
     assert "usage:" in run_script([f"benchmarks/{script}", "--help"], timeout=60)
+
+
+@pytest.mark.slow
+def test_multi_gpu_sh_cpu_smoke_same_loss_phase(tmp_path):
+    """SMOKE=1 (tiny, gloo) of the same-loss phase: 1 process x 2B and 2 processes x B launched through
+    accelerate, summarized by multi_gpu_summary.py; the same samples per step give the same losses."""
+    out, work = tmp_path / "out", tmp_path / "work"
+    run_script(
+        ["benchmarks/multi_gpu.sh"], timeout=300, SMOKE="1", PHASES="same", OUT=str(out), WORK=str(work)
+    )
+    same = json.loads((out / "summary.json").read_text())["same_loss"]
+    assert same["steps_compared"] == 4 and same["max_abs_diff_step1"] < 1e-5
+    assert same["max_abs_diff_all"] < 1e-2  # later steps: float32 reductions in another order, then updates
+    assert "START same_loss_2gpu" in (out / "multi_gpu.log").read_text()
 
 
 def test_multi_gpu_summary_reads_a_work_folder(tmp_path):
