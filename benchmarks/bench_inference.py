@@ -115,7 +115,7 @@ def main() -> None:
 
     device = torch.cuda.get_device_name() if args.device.startswith("cuda") else args.device
     print(
-        f"\nCLIP ViT-B/16 eval, batch {args.batch_size}, {device}, torch {torch.__version__}, "
+        f"\nCLIP {'tiny' if args.tiny else 'ViT-B/16'} eval, batch {args.batch_size}, {device}, torch {torch.__version__}, "
         f"weight_scaling={args.weight_scaling}, compile={args.compile}, {datetime.date.today()}\n"
     )
     print("| mode | images/s | vs bf16 | texts/s | vs bf16 | min cos image | min cos text |")

@@ -1,4 +1,4 @@
-"""What the benchmark scripts share: the row grammar, compile-time accounting, ratios, statistics, versions.
+"""What the benchmark scripts share: row grammar, compile-time accounting, ratios, statistics, timing, versions.
 
 Row grammar (bench_train.py, bench_memory.py, compile_warmup.py): BASE[+ckpt][+budgetF][+compile][@B]
 
