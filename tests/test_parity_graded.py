@@ -1,4 +1,5 @@
-"""The graded-shapes parity protocol: task, simulated gradient quantizers, pretrain -> save -> fine-tune, summary."""
+"""The accuracy harness (benchmarks/parity.py): graded-shapes task, simulated gradient quantizers, pretrain ->
+save -> fine-tune, the train_clip protocol, the paired summary."""
 
 import importlib.util
 import math
@@ -24,7 +25,7 @@ def load_script(name: str):
     return module
 
 
-pg = load_script("parity_graded")
+pg = load_script("parity")
 
 
 # --- task ---------------------------------------------------------------------------------------------------
@@ -269,21 +270,42 @@ def test_runs_of_one_process_each_leave_their_record(tmp_path):
 
 def test_a_killed_run_keeps_its_partial_curve_and_is_marked_timeout(tmp_path, monkeypatch):
     """A run killed by the time budget leaves a partial record (spec, status "partial", curve so far): the
-    launcher must mark it "timeout" and keep its curve, not crash on the duplicate keys."""
+    launcher kills the child's whole process group, marks the run "timeout" and keeps its curve, without
+    crashing on the duplicate keys. A killed train_clip run keeps the curve of its own train_log.jsonl."""
     spec = dict(name="scratch_fp8_seed0", protocol="scratch", variant="fp8", seed=0)
+    clip = dict(
+        name="train_clip_int8_seed0", protocol="train_clip", variant="int8", seed=0, runs_dir=str(tmp_path)
+    )
     partial_path = tmp_path / "scratch_fp8_seed0.out.json"
+    (tmp_path / clip["name"]).mkdir()
+    (tmp_path / clip["name"] / "train_log.jsonl").write_text(
+        '{"step": 5, "loss": 4.0}\n{"step": 100, "x": 1}\n'
+    )
+    killed = []
 
-    def killed(cmd, **kwargs):
-        partial = dict(spec=dict(spec, progress_to=str(partial_path)), status="partial", steps=1000)
-        partial["train"] = [dict(step=5, loss=6.0), dict(step=10, loss=5.5)]
-        partial_path.write_text(pg.json.dumps(partial))
-        raise pg.subprocess.TimeoutExpired(cmd, kwargs.get("timeout"))
+    class Child:  # the child process: writes its partial record, then runs past the time budget
+        pid = 12345
 
-    monkeypatch.setattr(pg.subprocess, "run", killed)
-    (record,) = pg.launch([spec], tmp_path / "group.json", timeout_s=5)
+        def __init__(self, cmd, **kwargs):
+            assert kwargs["start_new_session"]  # its own process group, so that killpg reaches its workers
+            partial = dict(spec=dict(spec, progress_to=str(partial_path)), status="partial", steps=1000)
+            partial["train"] = [dict(step=5, loss=6.0), dict(step=10, loss=5.5)]
+            partial_path.write_text(pg.json.dumps(partial))
+
+        def communicate(self, timeout=None):
+            if timeout is not None:
+                raise pg.subprocess.TimeoutExpired("child", timeout)
+            return "", None
+
+    monkeypatch.setattr(pg.subprocess, "Popen", Child)
+    monkeypatch.setattr(pg.os, "killpg", lambda pid, sig: killed.append((pid, sig)))
+    record, clip_record = pg.launch([spec, clip], tmp_path / "group.json", timeout_s=5)
+    assert killed == [(12345, pg.signal.SIGKILL)]
     assert record["status"] == "timeout" and record["output_tail"] == ["timeout"]
     assert record["spec"]["name"] == spec["name"] and record["spec"]["progress_to"] == str(partial_path)
     assert [x["step"] for x in record["train"]] == [5, 10] and record["evals"] == []
+    assert clip_record["status"] == "timeout" and clip_record["train"] == [dict(step=5, loss=4.0)]
+    assert clip_record["evals"] == [dict(step=100, x=1)]
 
 
 @pytest.mark.slow
@@ -294,7 +316,7 @@ def test_cli_smoke_pretrains_finetunes_and_merges(tmp_path):
     import subprocess
 
     env = {"PYTHONPATH": str(ROOT / "src"), "HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"}
-    script = str(ROOT / "benchmarks" / "parity_graded.py")
+    script = str(ROOT / "benchmarks" / "parity.py")
     flags = ["--smoke", "--seeds", "0", "--variants", "bf16", "int8", "--runs_per_process", "2"]
     out, merged = tmp_path / "out", tmp_path / "merged"
     for args in (
@@ -316,3 +338,83 @@ def test_cli_smoke_pretrains_finetunes_and_merges(tmp_path):
     assert "d_zero_shot_top1" in row and math.isfinite(row["final_loss"])
     assert "| finetune | int8 | 0 | ok |" in (out / "parity.md").read_text()
     assert json.loads((merged / "parity.json").read_text())["summary"] == data["summary"]
+
+
+# --- the train_clip protocol ---------------------------------------------------------------------------------
+def _clip_spec(variant, **kw):
+    spec = _spec(
+        protocol="train_clip", task="default", variant=variant, model_config="cfg.json", arch="cfg.json"
+    )
+    spec.update(num_workers=2, eval_every=0, runs_dir="/runs", data_order="worker-blocks", **kw)
+    return spec
+
+
+def test_train_clip_command_sets_the_variant_and_one_epoch(tmp_path):
+    def flags(variant):
+        words = pg.train_clip_command(_clip_spec(variant, steps=40, batch_size=8), tmp_path)
+        return {w: words[i + 1] if i + 1 < len(words) else None for i, w in enumerate(words)}
+
+    bf16, int8, memeff, grad = flags("bf16"), flags("int8"), flags("int8-memeff"), flags("int8-int8grad")
+    assert bf16["--switchback"] == "off" and "--min_tokens" not in bf16
+    assert int8["--switchback"] == "on" and int8["--min_tokens"] == "0" and "--precision" not in int8
+    assert "--memory_efficient" in memeff and grad["--grad_precision"] == "int8"
+    assert flags("fp8-wgrad8")["--wgrad_precision"] == "fp8"
+    assert int8["--synthetic_train_samples"] == "320" and int8["--max_train_steps"] == "40"  # one epoch
+    assert int8["--output_dir"] == str(tmp_path) and int8["--num_workers"] == "2"
+
+
+def test_runs_of_the_former_train_clip_harness_merge_with_their_data_order():
+    """Records without a spec (the former ViT-B/16-only harness) pair on seed, schedule and data order: before
+    the data layout was recorded, batches depended on --num_workers, so the worker count must match."""
+
+    def old(variant, zs, workers, layout=None, extra=""):
+        command = f"train_clip.py --model_config x/clip.json --seed 0 --batch_size 8 --num_workers {workers} --lr 5e-4{extra}"
+        run = dict(variant=variant, seed=0, status="ok", command=command, wall_s=1.0)
+        run.update(train=[dict(step=s, loss=2.0) for s in (5, 10)], evals=[])
+        run["results"] = {"zero_shot_top1": zs, "image_to_text_R@1": 0.1, "text_to_image_R@1": 0.2}
+        return pg.from_train_clip_harness(run if layout is None else dict(run, data_layout=layout), {})
+
+    def deltas(*runs):
+        return [r.get("d_zero_shot_top1") for r in pg.summarize(list(runs))["rows"][1:]]
+
+    assert deltas(old("bf16", 0.9, 5), old("int8", 0.8, 5), old("int8", 0.8, 4)) == [
+        pytest.approx(-10.0),
+        None,
+    ]
+    blocks = [old("bf16", 0.9, 5, "worker-blocks"), old("int8", 0.85, 4, "worker-blocks")]
+    assert deltas(*blocks) == [pytest.approx(-5.0)]
+    assert deltas(blocks[0], old("int8", 0.8, 5, "worker-blocks", " --lr 1e-3")) == [
+        None
+    ]  # the last flag wins
+    assert blocks[1]["results"]["caption_r1"] == 0.1 and blocks[1]["spec"]["arch"] == "clip.json"
+
+
+@pytest.mark.slow
+def test_train_clip_protocol_cpu_smoke(tmp_path):
+    """Two tiny train_clip.py runs (bf16, int8) in one child process, read into the paired table."""
+    import json
+    import subprocess
+
+    env = {"PYTHONPATH": str(ROOT / "src"), "HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"}
+    args = ["--protocol", "train_clip", "--smoke", "--seeds", "0", "--variants", "bf16", "int8"]
+    args += [
+        "--runs_per_process",
+        "2",
+        "--out_dir",
+        str(tmp_path / "out"),
+        "--runs_dir",
+        str(tmp_path / "runs"),
+    ]
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "parity.py"), *args],
+        env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = json.loads((tmp_path / "out" / "parity.json").read_text())
+    bf16, int8 = data["runs"]
+    assert bf16["status"] == int8["status"] == "ok"
+    assert [x["step"] for x in bf16["train"]] == [1, 2, 3, 4, 5, 6] and "--switchback on" in int8["command"]
+    assert int8["results"]["train_clip"]["switchback"]["min_tokens"] == 0
+    (row,) = [r for r in data["summary"]["rows"] if r["variant"] == "int8"]
+    assert row["steps"] == 6 and "d_zero_shot_top1" in row and math.isfinite(row["d_final_loss"])
+    assert (tmp_path / "runs" / "train_clip_int8_seed0" / "all_results.json").exists()
