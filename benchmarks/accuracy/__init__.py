@@ -1,4 +1,4 @@
-"""Research tools of the accuracy harness (`benchmarks/parity_graded.py`), kept out of the installed package.
+"""Research tools of the accuracy harness (`benchmarks/parity.py`), kept out of the installed package.
 
     graded_shapes   a synthetic captioned-shapes task with graded difficulty, batches a pure function of (seed, step)
     grad_quant_sim  simulated (fake-quantized) output-gradient quantizers
