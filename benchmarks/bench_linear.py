@@ -134,6 +134,13 @@ def saved_activation_mib(model: nn.Module, x: torch.Tensor) -> float:
     return sum(seen.values()) / 2**20
 
 
+def weight_quantizers(cfg: SwitchBackConfig):
+    """The weight's quantize and quantize-transposed ops of the config's weight scaling."""
+    if cfg.weight_scaling == "tensor":
+        return ops.quantize_tensorwise, ops.quantize_tensorwise_transposed
+    return ops.quantize_rowwise, ops.quantize_rowwise_transposed
+
+
 def quant_ms(case: str, d: int, tokens: int, cfg: SwitchBackConfig, fused_act: str | None = None) -> float:
     """The quantize kernels of one fwd+bwd of the case, each timed alone, summed.
 
@@ -148,10 +155,7 @@ def quant_ms(case: str, d: int, tokens: int, cfg: SwitchBackConfig, fused_act: s
         x = torch.randn(tokens, k, device="cuda", dtype=torch.bfloat16)
         g = torch.randn(tokens, n, device="cuda", dtype=torch.bfloat16)
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
-        if cfg.weight_scaling == "tensor":
-            wq, wtq = ops.quantize_tensorwise, ops.quantize_tensorwise_transposed
-        else:
-            wq, wtq = ops.quantize_rowwise, ops.quantize_rowwise_transposed
+        wq, wtq = weight_quantizers(cfg)
         total += do_bench(lambda x=x: ops.quantize_rowwise(x, qf), rep=20)
         total += do_bench(lambda g=g: ops.quantize_rowwise(g, qg), rep=20)
         total += do_bench(lambda w=w, wq=wq: wq(w, qf), rep=20)
@@ -168,10 +172,7 @@ def fused_quant_ms(d: int, tokens: int, cfg: SwitchBackConfig, act: str) -> floa
     x, h = torch.randn(tokens, d, **bf), torch.randn(tokens, 4 * d, **bf)
     g, gh = torch.randn(tokens, d, **bf), torch.randn(tokens, 4 * d, **bf)
     w = torch.randn(4 * d, d, **bf)
-    if cfg.weight_scaling == "tensor":
-        wq, wtq = ops.quantize_tensorwise, ops.quantize_tensorwise_transposed
-    else:
-        wq, wtq = ops.quantize_rowwise, ops.quantize_rowwise_transposed
+    wq, wtq = weight_quantizers(cfg)
     total = do_bench(lambda: ops.quantize_rowwise(x, qf), rep=20)
     total += do_bench(lambda: ops.act_quantize_rowwise(h, qf, act), rep=20)
     total += do_bench(lambda: ops.quantize_rowwise_colsum(g, qg), rep=20)
