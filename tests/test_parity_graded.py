@@ -14,7 +14,10 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))  # the accuracy harness's research package lives there
 from accuracy import grad_quant_sim as gq  # noqa: E402
+from accuracy import graded_run as gr  # noqa: E402
 from accuracy import graded_shapes as gs  # noqa: E402
+from accuracy import summary as sm  # noqa: E402
+from accuracy import train_clip_run as tc  # noqa: E402
 from accuracy.sim_switchback import SimSwitchBackLinear, apply_sim_switchback  # noqa: E402
 
 
@@ -164,7 +167,7 @@ def test_pretrain_save_finetune_round_trip(tmp_path):
 
 
 def test_apply_sim_switchback_swaps_the_switchback_targets():
-    model = pg.build_model("tiny", 40)
+    model = gr.build_model("tiny", 40)
     sims = apply_sim_switchback(model, "row")
     names = {n for n, m in model.named_modules() if isinstance(m, SimSwitchBackLinear)}
     assert len(sims) == len(names) == 12  # q/k/v/out_proj/fc1/fc2 of one layer per tower
@@ -175,8 +178,8 @@ def test_memory_switch_variant_fuses_the_mlps_and_trains(tmp_path):
     from hf_switchback.mlp import is_fused_mlp
 
     assert pg.check_variant("int8-memeff") == "int8-memeff"
-    model = pg.build_model("tiny", 40)
-    pg.apply_variant(model, "int8-memeff")
+    model = gr.build_model("tiny", 40)
+    gr.apply_variant(model, "int8-memeff")
     assert sum(is_fused_mlp(m) for m in model.modules()) == 2  # one MLP per tower
     run = pg.train_one(_spec(variant="int8-memeff", seed=1))
     assert run["status"] == "ok" and all(math.isfinite(r["loss"]) for r in run["train"])
@@ -200,7 +203,7 @@ def test_summary_pairs_by_seed_and_reads_a_t_interval():
         runs.append(_run("int8", seed, b + d, b / 2 - 0.01, [2.1] * 10))
     runs.append(_run("int8", 9, 0.1, 0.1, [9.0] * 10))  # no bf16 partner: left out
     runs.append(_run("int8", 0, 0.1, 0.1, [9.0] * 10, status="failed"))
-    summary = pg.summarize(runs)
+    summary = sm.summarize(runs)
     (pool,) = summary["pooled"]
     d = [100 * x for x in deltas]
     assert pool["d_zero_shot_top1"]["n"] == 5
@@ -210,22 +213,22 @@ def test_summary_pairs_by_seed_and_reads_a_t_interval():
     assert pool["verdict_zero_shot"].startswith("**parity within ±0.5 pp**")
     assert pool["d_caption_r1"]["mean"] == pytest.approx(-1.0)
     assert pool["d_final_loss"]["mean"] == pytest.approx(0.1)
-    text = pg.markdown(summary, dict(arch="tiny", eval_samples=10000))
+    text = sm.markdown(summary, dict(arch="tiny", eval_samples=10000))
     assert "parity within" in text and "0.50 pp" in text
 
 
 def test_verdict_resolves_either_way_and_needs_five_pairs():
-    assert pg.verdict(pg.interval([-2.0, -2.1, -1.9, -2.0, -2.05])).startswith("**worse")
-    assert pg.verdict(pg.interval([1.0, 1.1, 0.9, 1.0, 1.05])).startswith("**better")
-    assert pg.verdict(pg.interval([1.0, -1.0, 0.5, -0.5, 0.0])).startswith("not resolved (95%")
-    assert pg.verdict(pg.interval([0.0, 0.1, 0.0, 0.1])).startswith("not resolved (4 pairs")
+    assert sm.verdict(sm.interval([-2.0, -2.1, -1.9, -2.0, -2.05])).startswith("**worse")
+    assert sm.verdict(sm.interval([1.0, 1.1, 0.9, 1.0, 1.05])).startswith("**better")
+    assert sm.verdict(sm.interval([1.0, -1.0, 0.5, -0.5, 0.0])).startswith("not resolved (95%")
+    assert sm.verdict(sm.interval([0.0, 0.1, 0.0, 0.1])).startswith("not resolved (4 pairs")
 
 
 def test_drop_step_is_read_on_the_smoothed_curve():
     train = [dict(step=5 * (i + 1), loss=v) for i, v in enumerate([3.0, 3.0, 3.0, 1.0, 1.0, 1.0])]
     # EMA 0.8 from 3.0: 3.0, 3.0, 3.0, 2.6, 2.28 -> first at or below 2.5 on the 5th entry (step 25)
-    assert pg.drop_step(train, 2.5) == 25
-    assert pg.drop_step(train, 0.5) is None and pg.drop_step([], 2.5) is None
+    assert sm.drop_step(train, 2.5) == 25
+    assert sm.drop_step(train, 0.5) is None and sm.drop_step([], 2.5) is None
 
 
 def test_drop_spread_dates_a_late_escape():
@@ -237,26 +240,26 @@ def test_drop_spread_dates_a_late_escape():
     ]
     for r in runs:
         r["spec"]["batch_size"] = 148  # ln(148) ~ 5.0
-    spread = [s for s in pg.summarize(runs)["drop_spread"] if s["fraction"] == 0.5]
+    spread = [s for s in sm.summarize(runs)["drop_spread"] if s["fraction"] == 0.5]
     assert spread[0]["min"] < 10 and spread[0]["max"] >= 30
 
 
 def test_auto_steps_are_what_fits_before_the_deadline_at_the_speed_so_far():
     spec = _spec(steps="auto", max_steps=10_000, deadline=time.time() + 30)
-    count = pg.decide_steps(spec, 10, 2.0, torch.device("cpu"))
+    count = gr.decide_steps(spec, 10, 2.0, torch.device("cpu"))
     # 10 steps in 2 s: 10 + 0.8 x 5 steps/s x ~30 s
     assert 10 + 0.8 * 5 * 29 <= count <= 10 + 0.8 * 5 * 30
-    assert pg.decide_steps(dict(spec, max_steps=50), 10, 0.1, torch.device("cpu")) == 50
-    assert pg.decide_steps(dict(spec, deadline=time.time() - 1), 10, 1.0, torch.device("cpu")) == 11
+    assert gr.decide_steps(dict(spec, max_steps=50), 10, 0.1, torch.device("cpu")) == 50
+    assert gr.decide_steps(dict(spec, deadline=time.time() - 1), 10, 1.0, torch.device("cpu")) == 11
 
 
 def test_pairs_use_the_step_count_the_runs_trained_with():
     a, b = _run("bf16", 0, 0.5, 0.5, [2.0] * 10), _run("int8", 0, 0.5, 0.5, [2.0] * 10)
     a["spec"]["steps"] = b["spec"]["steps"] = "auto"
     a["steps"], b["steps"] = 100, 120
-    assert "d_zero_shot_top1" not in pg.summarize([a, b])["rows"][1]
+    assert "d_zero_shot_top1" not in sm.summarize([a, b])["rows"][1]
     b["steps"] = 100
-    assert pg.summarize([a, b])["rows"][1]["d_zero_shot_top1"] == 0.0
+    assert sm.summarize([a, b])["rows"][1]["d_zero_shot_top1"] == 0.0
 
 
 def test_runs_of_one_process_each_leave_their_record(tmp_path):
@@ -351,7 +354,7 @@ def _clip_spec(variant, **kw):
 
 def test_train_clip_command_sets_the_variant_and_one_epoch(tmp_path):
     def flags(variant):
-        words = pg.train_clip_command(_clip_spec(variant, steps=40, batch_size=8), tmp_path)
+        words = tc.train_clip_command(_clip_spec(variant, steps=40, batch_size=8), tmp_path)
         return {w: words[i + 1] if i + 1 < len(words) else None for i, w in enumerate(words)}
 
     bf16, int8, memeff, grad = flags("bf16"), flags("int8"), flags("int8-memeff"), flags("int8-int8grad")
@@ -372,10 +375,10 @@ def test_runs_of_the_former_train_clip_harness_merge_with_their_data_order():
         run = dict(variant=variant, seed=0, status="ok", command=command, wall_s=1.0)
         run.update(train=[dict(step=s, loss=2.0) for s in (5, 10)], evals=[])
         run["results"] = {"zero_shot_top1": zs, "image_to_text_R@1": 0.1, "text_to_image_R@1": 0.2}
-        return pg.from_train_clip_harness(run if layout is None else dict(run, data_layout=layout), {})
+        return tc.from_train_clip_harness(run if layout is None else dict(run, data_layout=layout), {})
 
     def deltas(*runs):
-        return [r.get("d_zero_shot_top1") for r in pg.summarize(list(runs))["rows"][1:]]
+        return [r.get("d_zero_shot_top1") for r in sm.summarize(list(runs))["rows"][1:]]
 
     assert deltas(old("bf16", 0.9, 5), old("int8", 0.8, 5), old("int8", 0.8, 4)) == [
         pytest.approx(-10.0),
