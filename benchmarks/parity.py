@@ -74,6 +74,7 @@ from accuracy.train_clip_run import (  # noqa: E402
 PROTOCOL_TASK = {"pretrain": "pretrain", "finetune": "finetune", "scratch": "all", "train_clip": "default"}
 WAVE_RESERVE_S = 25
 EVAL_RESERVE_S = 20.0  # steps="auto": time kept for the final eval (and saving) after training
+TRAIN_CLIP_EVAL_SET = 576  # distinct eval images of the embedded synthetic set (train_clip refuses more)
 
 
 def check_variant(variant: str) -> str:
@@ -246,7 +247,11 @@ def main() -> None:
     )
     parser.add_argument("--max_steps", type=int, default=3000, help="upper bound for --pretrain_steps auto")
     parser.add_argument("--pretrain_lr", type=float, default=1e-3)
-    parser.add_argument("--eval_samples", type=int, default=10_000)
+    parser.add_argument(
+        "--eval_samples",
+        type=int,
+        help="held-out images (default: 10,000; train_clip: its set's 576, the most)",
+    )
     parser.add_argument("--eval_every", type=int, default=0, help="extra evals every N steps (0: final only)")
     parser.add_argument("--log_every", type=int, default=5)
     parser.add_argument(
@@ -282,6 +287,10 @@ def main() -> None:
 
     if args.protocol == "train_clip" and any(v.startswith("sim-") for v in args.variants):
         parser.error("sim-* variants simulate linears in the graded-shapes protocols only")
+    if args.eval_samples is None:
+        args.eval_samples = TRAIN_CLIP_EVAL_SET if args.protocol == "train_clip" else 10_000
+    if args.protocol == "train_clip" and args.eval_samples > TRAIN_CLIP_EVAL_SET:
+        parser.error(f"--eval_samples: train_clip's synthetic eval set has {TRAIN_CLIP_EVAL_SET} images")
     if args.one_run:  # child process: its runs one after another, each record to the spec's progress_to
         for spec in json.loads(Path(args.one_run).read_text()):
             write_atomic(Path(spec["progress_to"]), train_one(spec))
@@ -309,7 +318,12 @@ def main() -> None:
     # cache, so the parallel runs after them do not all compile (and autotune) the same kernels at once.
     warm = [
         dict(
-            spec, steps=3, eval_samples=1000, name=f"warm_{spec['variant']}", init_from=None, protocol="warm"
+            spec,
+            steps=3,
+            eval_samples=min(1000, args.eval_samples),
+            name=f"warm_{spec['variant']}",
+            init_from=None,
+            protocol="warm",
         )
         for spec in make_specs(args, args.protocol, None)[: len(args.variants)]
         if args.warm and spec["variant"] in ("int8", "fp8", "int8-int8grad")

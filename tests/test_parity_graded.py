@@ -421,3 +421,16 @@ def test_train_clip_protocol_cpu_smoke(tmp_path):
     (row,) = [r for r in data["summary"]["rows"] if r["variant"] == "int8"]
     assert row["steps"] == 6 and "d_zero_shot_top1" in row and math.isfinite(row["d_final_loss"])
     assert (tmp_path / "runs" / "train_clip_int8_seed0" / "all_results.json").exists()
+
+
+def test_train_clip_protocol_refuses_what_train_clip_would(tmp_path):
+    """Refused before any run starts: an eval set larger than train_clip's, a simulated variant."""
+    import subprocess
+
+    script = [sys.executable, str(ROOT / "benchmarks" / "parity.py"), "--protocol", "train_clip"]
+    for extra, message in (
+        (["--eval_samples", "1000"], "synthetic eval set has 576 images"),
+        (["--variants", "bf16", "sim-row"], "sim-* variants simulate linears in the graded-shapes protocols"),
+    ):
+        proc = subprocess.run([*script, *extra, "--out_dir", str(tmp_path)], capture_output=True, text=True)
+        assert proc.returncode == 2 and message in proc.stderr, proc.stderr
