@@ -2,48 +2,39 @@
 
     python benchmarks/bench_inference.py                                  # GPU: bf16, int8, fp8 at batch 256
     python benchmarks/bench_inference.py --modes bf16 int8 --batch-size 512 --compile
-    python benchmarks/bench_inference.py --device cpu --batch-size 4 --iters 1 --warmup 0   # smoke test
+    python benchmarks/bench_inference.py --device cpu --tiny --batch-size 4 --iters 1 --warmup 0   # smoke test
 
-The model is built from a CLIPConfig with ViT-B/16 sizes and random weights (no download), so throughput
-is representative and the cosine column only says that the 8-bit path computes the same function as bf16
-on these weights; accuracy on trained weights is what the zero-shot eval measures. One markdown table is
-printed: images/s (get_image_features, 224x224), texts/s (get_text_features, 77 tokens), speed-up vs
-bf16, and the worst per-sample cosine similarity of the embeddings vs the bf16 model.
+The model is built from examples/configs/clip-vit-b-16.json (bench_train.py's "vit-b-16") with random weights
+(no download), so throughput is representative and the cosine column only says that the 8-bit path computes
+the same function as bf16 on these weights; accuracy on trained weights is what the zero-shot eval measures.
+One markdown table is printed: images/s (get_image_features), texts/s (get_text_features, 77 tokens),
+speed-up vs bf16, and the worst per-sample cosine similarity of the embeddings vs the bf16 model.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from transformers import CLIPConfig, CLIPModel
+from transformers import CLIPModel
 
 from hf_switchback import SwitchBackConfig, apply_switchback, prepare_for_inference
 
-# openai/clip-vit-base-patch16 sizes.
-VIT_B16 = {
-    "text_config": dict(
-        hidden_size=512,
-        intermediate_size=2048,
-        num_hidden_layers=12,
-        num_attention_heads=8,
-        max_position_embeddings=77,
-    ),
-    "vision_config": dict(
-        hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12, patch_size=16
-    ),
-    "projection_dim": 512,
-}
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_train
+
 MODES = ("bf16", "int8", "fp8")
 
 
 def build_model(mode: str, args, state_dict=None) -> CLIPModel:
     """CLIP ViT-B/16 on args.device in bf16; for int8/fp8, SwitchBack layers prepared for inference."""
     torch.manual_seed(0)
-    model = CLIPModel(CLIPConfig(**VIT_B16))
+    model = CLIPModel(bench_train.clip_config("vit-b-16", tiny=args.tiny))
     if state_dict is not None:
         model.load_state_dict(state_dict)
     model = model.to(args.device, torch.bfloat16).eval()
@@ -88,15 +79,21 @@ def main() -> None:
         "--backend", choices=("auto", "triton", "torch"), default="auto", help="SwitchBack kernels"
     )
     parser.add_argument("--compile", action="store_true", help="torch.compile the two feature functions")
+    parser.add_argument("--tiny", action="store_true", help="CPU-test-size towers (smoke test)")
     args = parser.parse_args()
 
+    config = bench_train.clip_config("vit-b-16", tiny=args.tiny)
+    side, text = config.vision_config.image_size, config.text_config
     g = torch.Generator().manual_seed(1)
-    pixels = torch.randn(args.batch_size, 3, 224, 224, generator=g).to(args.device, torch.bfloat16)
-    ids = torch.randint(3, 49000, (args.batch_size, 77), generator=g)
-    ids[:, -1] = 2  # eos: the text tower pools there
+    pixels = torch.randn(args.batch_size, 3, side, side, generator=g).to(args.device, torch.bfloat16)
+    # words only (above the special ids), eos last: the text tower pools there
+    ids = torch.randint(
+        text.eos_token_id + 1, text.vocab_size, (args.batch_size, text.max_position_embeddings), generator=g
+    )
+    ids[:, -1] = text.eos_token_id
     ids = ids.to(args.device)
 
-    weights = CLIPModel(CLIPConfig(**VIT_B16)).state_dict()
+    weights = CLIPModel(config).state_dict()
     rows, baseline = [], {}
     for mode in ["bf16", *[m for m in args.modes if m != "bf16"]]:
         model = build_model(mode, args, weights)
@@ -118,7 +115,7 @@ def main() -> None:
 
     device = torch.cuda.get_device_name() if args.device.startswith("cuda") else args.device
     print(
-        f"\nCLIP ViT-B/16 eval, batch {args.batch_size}, {device}, torch {torch.__version__}, "
+        f"\nCLIP {'tiny' if args.tiny else 'ViT-B/16'} eval, batch {args.batch_size}, {device}, torch {torch.__version__}, "
         f"weight_scaling={args.weight_scaling}, compile={args.compile}, {datetime.date.today()}\n"
     )
     print("| mode | images/s | vs bf16 | texts/s | vs bf16 | min cos image | min cos text |")

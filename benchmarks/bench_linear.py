@@ -2,18 +2,19 @@
 
     PYTHONPATH=src python benchmarks/bench_linear.py                       # all cases (d 768/1024/1280)
     PYTHONPATH=src python benchmarks/bench_linear.py --dims 1280 --tokens 65536 --cases block
+    PYTHONPATH=src python benchmarks/bench_linear.py --device cpu --tiny   # smoke test (CI): torch reference
 
 Cases: a single linear d->4d ("fc1"), 4d->d ("fc2"), and the CLIP MLP block fc1 -> GELU -> fc2 ("block":
 transformers' CLIPMLP, hidden_act from --act; SwitchBack rows run three separate ops, the default; --mlp-ab adds
 "[fuse_mlp=True]" rows, marked "[fused mlp]" when the block really ran as one fused op; --tma-ab adds "[tma]"
 rows on the Hopper TMA GEMM; each A/B row is the same layers with one KernelOptions field changed), at
 `tokens` rows of bf16 input. Each variant runs forward + backward (input gradient included, as inside a
-network); the time is the median of triton's do_bench. Columns:
+network); the time is the median of triton's do_bench (on the CPU, of a few wall-clock calls). Columns:
 - ms, x bf16: time and speed-up over eager bf16 nn.Linear of the same case (> 1 is faster);
 - saved MiB: bytes autograd keeps alive for backward (unique storages reached through saved-tensor hooks,
   parameters and the caller's input excluded: what a network pays per layer for activations);
 - quant ms: time of the quantize kernels one fwd+bwd step of the case launches, timed on their own
-  (SwitchBack variants only).
+  (SwitchBack variants on the GPU only).
 torchao (float8 tensorwise / rowwise_with_gw_hp, int8 mixed-precision training) is optional: if it does not
 import, its rows say why. Compiled variants use torch.compile on the whole case module.
 """
@@ -26,16 +27,22 @@ import copy
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import nn
-from triton.testing import do_bench
 
 from hf_switchback import KernelOptions, SwitchBackConfig, apply_switchback
 from hf_switchback.functional import AUTO_MIN_TOKENS_CUDA, quantized_dtypes
 from hf_switchback.kernels import ops
 from hf_switchback.mlp import is_fused_mlp
 from hf_switchback.modules import SwitchBackLinear
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import do_bench, versions
+
+# --tiny: a CPU smoke run of the layer rows in seconds
+TINY_DIMS, TINY_TOKENS = [16], [32]
 
 
 @dataclass
@@ -127,6 +134,13 @@ def saved_activation_mib(model: nn.Module, x: torch.Tensor) -> float:
     return sum(seen.values()) / 2**20
 
 
+def weight_quantizers(cfg: SwitchBackConfig):
+    """The weight's quantize and quantize-transposed ops of the config's weight scaling."""
+    if cfg.weight_scaling == "tensor":
+        return ops.quantize_tensorwise, ops.quantize_tensorwise_transposed
+    return ops.quantize_rowwise, ops.quantize_rowwise_transposed
+
+
 def quant_ms(case: str, d: int, tokens: int, cfg: SwitchBackConfig, fused_act: str | None = None) -> float:
     """The quantize kernels of one fwd+bwd of the case, each timed alone, summed.
 
@@ -141,10 +155,7 @@ def quant_ms(case: str, d: int, tokens: int, cfg: SwitchBackConfig, fused_act: s
         x = torch.randn(tokens, k, device="cuda", dtype=torch.bfloat16)
         g = torch.randn(tokens, n, device="cuda", dtype=torch.bfloat16)
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
-        if cfg.weight_scaling == "tensor":
-            wq, wtq = ops.quantize_tensorwise, ops.quantize_tensorwise_transposed
-        else:
-            wq, wtq = ops.quantize_rowwise, ops.quantize_rowwise_transposed
+        wq, wtq = weight_quantizers(cfg)
         total += do_bench(lambda x=x: ops.quantize_rowwise(x, qf), rep=20)
         total += do_bench(lambda g=g: ops.quantize_rowwise(g, qg), rep=20)
         total += do_bench(lambda w=w, wq=wq: wq(w, qf), rep=20)
@@ -161,10 +172,7 @@ def fused_quant_ms(d: int, tokens: int, cfg: SwitchBackConfig, act: str) -> floa
     x, h = torch.randn(tokens, d, **bf), torch.randn(tokens, 4 * d, **bf)
     g, gh = torch.randn(tokens, d, **bf), torch.randn(tokens, 4 * d, **bf)
     w = torch.randn(4 * d, d, **bf)
-    if cfg.weight_scaling == "tensor":
-        wq, wtq = ops.quantize_tensorwise, ops.quantize_tensorwise_transposed
-    else:
-        wq, wtq = ops.quantize_rowwise, ops.quantize_rowwise_transposed
+    wq, wtq = weight_quantizers(cfg)
     total = do_bench(lambda: ops.quantize_rowwise(x, qf), rep=20)
     total += do_bench(lambda: ops.act_quantize_rowwise(h, qf, act), rep=20)
     total += do_bench(lambda: ops.quantize_rowwise_colsum(g, qg), rep=20)
@@ -278,13 +286,14 @@ def run_case(
     tma_ab: bool = False,
     bwd_ab: bool = False,
     exact: bool = False,
+    device: str = "cuda",
 ) -> list[Row]:
     torch.manual_seed(0)
-    ref = build_case(case, d, hidden_act).to("cuda", torch.bfloat16)
+    ref = build_case(case, d, hidden_act).to(device, torch.bfloat16)
     k_in = 4 * d if case == "fc2" else d
     n_out = d if case == "fc2" else 4 * d if case == "fc1" else d
-    x = torch.randn(tokens, k_in, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    grad = torch.randn(tokens, n_out, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(tokens, k_in, device=device, dtype=torch.bfloat16, requires_grad=True)
+    grad = torch.randn(tokens, n_out, device=device, dtype=torch.bfloat16)
     label = f"{case} d={d} tokens={tokens}"
     rows: list[Row] = []
     base_ms = None
@@ -302,7 +311,7 @@ def run_case(
             step = step_fn(run_model, x, grad)
             row.ms = do_bench(step, warmup=25, rep=100)
             row.saved_mib = saved_activation_mib(run_model, x)
-            if name.startswith("switchback") and not compiled:
+            if name.startswith("switchback") and not compiled and device == "cuda":
                 fused_act = _ACT_KIND[hidden_act] if is_fused_mlp(model) else None
                 row.quant_ms = quant_ms(case, d, tokens, first_config(model), fused_act)
                 if fused_act is not None:
@@ -316,7 +325,8 @@ def run_case(
         rows.append(row)
         print(format_row(row), flush=True)
         torch._dynamo.reset()
-        torch.cuda.empty_cache()
+        if device == "cuda":
+            torch.cuda.empty_cache()
     return rows
 
 
@@ -440,16 +450,30 @@ def main() -> None:
         action="store_true",
         help="add variants with the bias gradient as a separate pass (fused is the default)",
     )
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="cpu: only with --tiny")
+    parser.add_argument(
+        "--tiny",
+        action="store_true",
+        help="smoke mode: d=16, 32 tokens, no compile rows, no --gemm/--kernels",
+    )
     args = parser.parse_args()
-    if not torch.cuda.is_available():
-        sys.exit("bench_linear.py needs a CUDA GPU")
-    import triton
-
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda needs a GPU; use --device cpu --tiny for a smoke run")
+    if args.device == "cpu" and not args.tiny:
+        parser.error("--device cpu times the torch reference kernels, meaningless at real sizes: add --tiny")
+    if args.tiny:
+        args.dims, args.tokens, args.compile_cases, args.gemm, args.kernels = (
+            TINY_DIMS,
+            TINY_TOKENS,
+            [],
+            False,
+            False,
+        )
     with contextlib.suppress(Exception):
         import torchao
 
         print(f"torchao {torchao.__version__}")
-    print(f"device {torch.cuda.get_device_name()} | torch {torch.__version__} | triton {triton.__version__}")
+    print(" | ".join(f"{k} {v}" for k, v in versions(args.device, ("triton",)).items()))
     print("| case | variant | ms | x bf16 | saved MiB | quant ms | note |")
     print("|---|---|---:|---:|---:|---:|---|")
     for d in args.dims:
@@ -467,6 +491,7 @@ def main() -> None:
                     args.tma_ab,
                     args.bwd_ab,
                     args.exact,
+                    args.device,
                 )
             if args.kernels:
                 bench_row_kernels(d, tokens, _ACT_KIND[args.act])

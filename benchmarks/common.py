@@ -1,4 +1,4 @@
-"""What the benchmark scripts share: the row grammar, compile-time accounting, ratios, statistics, versions.
+"""What the benchmark scripts share: row grammar, compile-time accounting, ratios, statistics, timing, versions.
 
 Row grammar (bench_train.py, bench_memory.py, compile_warmup.py): BASE[+ckpt][+budgetF][+compile][@B]
 
@@ -30,6 +30,8 @@ import contextlib
 import json
 import math
 import platform
+import statistics
+import time
 from pathlib import Path
 from typing import NamedTuple
 
@@ -186,6 +188,24 @@ T95 = {
 def t95(df: int) -> float:
     """Two-sided 95% quantile of Student's t with `df` degrees of freedom (the table's next lower entry)."""
     return T95[max(k for k in T95 if k <= df)]
+
+
+def do_bench(fn, warmup: int = 25, rep: int = 100) -> float:
+    """Milliseconds per call of fn: triton's do_bench (warmup and rep in ms) where CUDA is, else the median of a
+    few wall-clock calls after one untimed call (CPU smoke runs: a timing that only has to be positive)."""
+    import torch
+
+    if torch.cuda.is_available():
+        from triton.testing import do_bench as triton_do_bench
+
+        return triton_do_bench(fn, warmup=warmup, rep=rep)
+    fn()
+    times = []
+    for _ in range(3):
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
 
 
 def versions(device: str, extra: tuple[str, ...] = ("triton", "transformers", "torchao")) -> dict:

@@ -11,6 +11,7 @@
 #      final model.safetensors loaded with plain transformers CLIPModel (hf_switchback not imported).
 #   d. Logit-matrix memory: tiny CLIP, 4 GPUs x 8192 pairs, --local_loss vs global loss (n x N vs N x N logits).
 #
+# usage: [OUT=DIR] [PHASES=...] [BUDGET=S] [SMOKE=1] bash benchmarks/multi_gpu.sh [--help]
 #   OUT=/path bash benchmarks/multi_gpu.sh            # the GPU run: summary.json, summary.md, multi_gpu.log
 #   SMOKE=1 OUT=/tmp/smoke bash benchmarks/multi_gpu.sh   # dry run of the same logic on the CPU (tiny, gloo)
 #   PHASES="zero3 logits" LOGIT_GPUS=0,1 OUT=/path bash benchmarks/multi_gpu.sh   # a subset, e.g. on 2 GPUs
@@ -23,6 +24,10 @@
 # CPUs with each other (not the GPUs). Every launch has a timeout, capped by a global deadline; a failure is
 # recorded and the script goes on. Run directories (checkpoints, models) go to $WORK, not $OUT.
 set -u
+if [ "${1:-}" = -h ] || [ "${1:-}" = --help ]; then
+    sed -n '2,/^set -u/p' "$0" | sed -e '$d' -e 's/^# \{0,1\}//'  # this header
+    exit 0
+fi
 START=$(date +%s)
 SMOKE=${SMOKE:-0}
 OUT=${OUT:-runs/multi_gpu}

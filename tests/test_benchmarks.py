@@ -4,7 +4,6 @@ import argparse
 import json
 import math
 import shutil
-import statistics
 import subprocess
 import sys
 import time
@@ -19,7 +18,9 @@ ROOT = Path(__file__).resolve().parent.parent
 
 # the scripts a user runs (common.py and step_profile.py are their helpers)
 SCRIPTS = sorted(
-    p.name for p in (ROOT / "benchmarks").glob("*.py") if p.name not in ("common.py", "step_profile.py")
+    p.name
+    for p in [*(ROOT / "benchmarks").glob("*.py"), *(ROOT / "benchmarks").glob("*.sh")]
+    if p.name not in ("common.py", "step_profile.py")
 )
 
 
@@ -27,11 +28,13 @@ def load_script(name: str):
     return helpers.load_script(f"benchmarks/{name}.py")
 
 
-def run_script(args: list[str], timeout: int = 120) -> str:
+def run_script(args: list[str], timeout: int = 120, **env_vars: str) -> str:
+    """Run benchmarks/X.py with this Python (X.sh with bash, $PYTHON set to this Python) from the repository."""
     env = {"PYTHONPATH": str(ROOT / "src"), "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    env["PATH"] = "/usr/bin:/bin"
+    env.update(PATH="/usr/bin:/bin", PYTHON=sys.executable, **env_vars)
+    runner = ["bash"] if args[0].endswith(".sh") else [sys.executable]
     proc = subprocess.run(
-        [sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout
+        [*runner, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout
     )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     return proc.stdout
@@ -40,6 +43,20 @@ def run_script(args: list[str], timeout: int = 120) -> str:
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_every_benchmark_script_answers_help(script):
     assert "usage:" in run_script([f"benchmarks/{script}", "--help"], timeout=60)
+
+
+@pytest.mark.slow
+def test_multi_gpu_sh_cpu_smoke_same_loss_phase(tmp_path):
+    """SMOKE=1 (tiny, gloo) of the same-loss phase: 1 process x 2B and 2 processes x B launched through
+    accelerate, summarized by multi_gpu_summary.py; the same samples per step give the same losses."""
+    out, work = tmp_path / "out", tmp_path / "work"
+    run_script(
+        ["benchmarks/multi_gpu.sh"], timeout=300, SMOKE="1", PHASES="same", OUT=str(out), WORK=str(work)
+    )
+    same = json.loads((out / "summary.json").read_text())["same_loss"]
+    assert same["steps_compared"] == 4 and same["max_abs_diff_step1"] < 1e-5
+    assert same["max_abs_diff_all"] < 1e-2  # later steps: float32 reductions in another order, then updates
+    assert "START same_loss_2gpu" in (out / "multi_gpu.log").read_text()
 
 
 def test_multi_gpu_summary_reads_a_work_folder(tmp_path):
@@ -138,153 +155,6 @@ def test_bench_train_siglip_row_builds_a_switchback_siglip_model():
     assert isinstance(model, SiglipModel) and len(switchback_modules(model)) == 2 * 2 * 6
     ids, pixels = torch.randint(4, 64, (2, 64)), torch.randn(2, 3, 32, 32)
     assert torch.isfinite(model(input_ids=ids, pixel_values=pixels, return_loss=True).loss)
-
-
-@pytest.mark.slow
-def test_parity_cpu_smoke(tmp_path):
-    """One tiny bf16 training run through train_clip.py, its log parsed into the table and JSON."""
-    dirs = ["--out_dir", str(tmp_path / "out"), "--runs_dir", str(tmp_path / "runs")]
-    stdout = run_script(["benchmarks/parity.py", "--smoke", *dirs, "--variants", "bf16"], timeout=180)
-    data = json.loads((tmp_path / "out" / "parity.json").read_text())
-    (run,) = data["runs"]
-    assert run["status"] == "ok", run["output_tail"]
-    assert [x["step"] for x in run["train"]] == [1, 2, 3, 4]
-    assert run["evals"] and "zero_shot_top1" in run["evals"][-1]
-    assert data["summary"][0]["final_loss"] is not None
-    assert "| bf16 | 0 | 0 | ok | 4 |" in stdout  # seed 0, 0 dataloader workers
-    assert (tmp_path / "out" / "parity_loss.png").stat().st_size > 0
-
-
-def write_fake_log(run_dir: Path, losses: list[float], zero_shot: float) -> None:
-    run_dir.mkdir(parents=True)
-    lines = [
-        dict(step=5 * (i + 1), epoch=0, loss=v, lr=1e-4, logit_scale=14.0, samples_per_s=1.0)
-        for i, v in enumerate(losses)
-    ]
-    lines.insert(2, {"step": 10, "zero_shot_top1": zero_shot - 0.1, "text_to_image_R@1": 0.2})
-    lines.append({"step": 5 * len(losses), "zero_shot_top1": zero_shot, "text_to_image_R@1": 0.4})
-    (run_dir / "train_log.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
-    results = {
-        "zero_shot_top1": zero_shot,
-        "text_to_image_R@1": 0.4,
-        "image_to_text_R@1": 0.5,
-        "eval_samples": 576,
-    }
-    (run_dir / "all_results.json").write_text(json.dumps(results))
-
-
-def test_parity_pools_seeds_and_reads_the_target_off_a_t_interval():
-    parity = load_script("parity")
-
-    def rows(deltas_pp):
-        out = []
-        for seed, d in enumerate(deltas_pp):
-            out.append(dict(variant="bf16", seed=seed))
-            out.append(dict(variant="int8", seed=seed, d_zero_shot_top1_pp=d, dloss_vs_bf16=d / -100))
-        return out
-
-    (wide,) = parity.pooled(rows([-2.0, 9.0, -29.0]))
-    assert wide["seeds"] == 3 and wide["d_zero_shot_pp"] == pytest.approx(-22.0 / 3)
-    assert wide["d_zero_shot_se"] == pytest.approx(statistics.stdev([-2.0, 9.0, -29.0]) / math.sqrt(3))
-    assert (wide["d_zero_shot_min"], wide["d_zero_shot_max"]) == (-29.0, 9.0)
-    assert wide["within_bound"] == 1  # only +9.0 is at or above -0.5 pp
-    assert parity.pooled(rows([-0.5, -0.6, 0.0]))[0]["within_bound"] == 2
-    assert wide["dloss_vs_bf16"] == pytest.approx(22.0 / 300)
-    # 95% t interval, 2 degrees of freedom: -7.33 +- 4.30 x 11.35
-    assert (
-        parity.parity_verdict(wide)
-        == "not resolved (95% interval -55.88 to +41.21 pp spans -0.5 pp: run more seeds)"
-    )
-    assert parity.parity_verdict(parity.pooled(rows([0.1, 0.3, 0.2]))[0]).startswith(
-        "met (95% interval -0.05 to"
-    )
-    assert parity.parity_verdict(parity.pooled(rows([-3.0, -3.2, -2.9]))[0]).startswith("missed")
-    # +-2 SE would call these two seeds "met" (interval -0.1..+0.3); the t interval (12.7 SE) does not, and
-    # two seeds are never enough for a verdict
-    assert parity.parity_verdict(parity.pooled(rows([0.0, 0.2]))[0]).startswith("not resolved (2 paired")
-    assert parity.parity_verdict(parity.pooled(rows([1.0]))[0]).startswith("not resolved (1 paired")
-    assert parity.pooled([dict(variant="bf16", seed=0)]) == []
-
-
-def test_parity_dates_the_loss_drop_on_the_smoothed_curve():
-    parity = load_script("parity")
-    train = [dict(step=5 * (i + 1), loss=v) for i, v in enumerate([3.0, 3.0, 3.0, 1.0, 1.0, 1.0])]
-    # EMA 0.8 from 3.0: 3.0, 3.0, 3.0, 2.6, 2.28 -> first at or below 2.5 on the 5th entry (step 25)
-    assert parity.drop_step(train, 2.5) == 25
-    assert parity.drop_step(train, 0.5) is None and parity.drop_step([], 2.5) is None
-
-
-def test_parity_summary_and_plot_from_fabricated_logs(tmp_path):
-    """Unit test of the log parser, the paired loss difference, the table and the plot (no training)."""
-    parity = load_script("parity")
-    base = [3.0 - 0.1 * i for i in range(10)]
-    write_fake_log(tmp_path / "bf16", base, 0.90)
-    write_fake_log(tmp_path / "int8", [v + 0.02 for v in base], 0.896)
-    runs = []
-    for variant in ("bf16", "int8"):
-        train, evals = parity.read_train_log(tmp_path / variant / "train_log.jsonl")
-        assert len(train) == 10 and len(evals) == 2
-        results = json.loads((tmp_path / variant / "all_results.json").read_text())
-        runs.append(
-            dict(variant=variant, seed=0, status="ok", wall_s=1.0, train=train, evals=evals, results=results,
-                 command="train_clip.py --seed 0 --num_workers 5")
-        )  # fmt: skip
-    runs.append(dict(variant="fp8", seed=0, status="skipped", wall_s=0.0, train=[], evals=[], results=None))
-    # not paired with bf16: another data order (4 workers before the 2026-11-23 fix), and a run killed mid-way
-    # whose last eval is a mid-run one
-    other_order = dict(runs[1], command="train_clip.py --seed 0 --num_workers 4")
-    killed = dict(runs[1], variant="int8-int8grad", status="timeout", results=None)
-    runs += [other_order, killed]
-    rows = parity.write_outputs(runs, {"torch": "x", "steps": 50}, tmp_path / "out")
-    bf16, int8, fp8, int8_4, int8grad = rows
-    assert int8_4["workers"] == 4 and int8_4.get("d_zero_shot_top1_pp") is None
-    assert int8grad["zero_shot_top1"] == pytest.approx(0.896) and int8grad.get("d_zero_shot_top1_pp") is None
-    assert [p["variant"] for p in parity.pooled(rows)] == ["int8"]
-    with pytest.raises(ValueError, match="two bf16 runs with the same seed, schedule and data order"):
-        parity.summarize([*runs, runs[0]])
-    # after the fix (runs marked with the data layout) the worker count no longer matters, the schedule does
-    blocks = [
-        dict(r, data_layout=parity.DATA_LAYOUT, command=r["command"] + " --max_train_steps 800")
-        for r in runs[:2]
-    ]
-    five, four = blocks[1], dict(blocks[1], command=blocks[1]["command"].replace("5", "4"))
-    # another schedule pairs with nothing: steps, lr, batch, warm-up, autocast (a later flag wins, as in argparse)
-    others = [
-        dict(blocks[1], command=blocks[1]["command"].replace("800", "1000")),
-        *(dict(blocks[1], command=blocks[1]["command"] + extra) for extra in (
-            " --lr 1e-3", " --batch_size=64", " --warmup_steps 10", " --mixed_precision no",
-            " --max_train_steps 900",
-        )),
-    ]  # fmt: skip
-    five_row, four_row, *other_rows = parity.summarize([blocks[0], five, four, *others])[1:]
-    assert five_row["d_zero_shot_top1_pp"] == pytest.approx(-0.4) == four_row["d_zero_shot_top1_pp"]
-    assert [row.get("d_zero_shot_top1_pp") for row in other_rows] == [None] * len(others)
-    # a killed bf16 run beside its finished re-run is no duplicate (it pairs with nothing)
-    killed_bf16 = dict(blocks[0], status="timeout")
-    assert parity.summarize([killed_bf16, blocks[0], five])[2]["d_zero_shot_top1_pp"] == pytest.approx(-0.4)
-    assert parity.summarize([killed_bf16, five])[1].get("d_zero_shot_top1_pp") is None
-    # an old run (no layout field) with the same flags is another data order
-    old = {k: v for k, v in five.items() if k != "data_layout"}
-    assert parity.summarize([blocks[0], old])[1].get("d_zero_shot_top1_pp") is None
-    assert bf16["final_loss"] == pytest.approx((2.1 + 2.2) / 2)  # last 20% of 10 logged steps
-    assert int8["dloss_vs_bf16"] == pytest.approx(0.02) and int8["d_zero_shot_top1_pp"] == pytest.approx(-0.4)
-    assert fp8["status"] == "skipped" and fp8["final_loss"] is None
-    table = (tmp_path / "out" / "parity.md").read_text()
-    assert "| int8 | 0 | 5 | ok | 50 |" in table and "+0.0200" in table and "met (-0.40 pp)" in table
-    assert "| int8 | 1 | -0.40 | -0.4 / -0.4 | 1 of 1 | +0.0200 |" in table
-    assert "pooled: not resolved (1 paired run(s); needs >= 3)" in table
-    assert (tmp_path / "out" / "parity_loss.png").stat().st_size > 0
-    merged = tmp_path / "merged"
-    monkey_argv = ["parity.py", "--merge", str(tmp_path / "out" / "parity.json"), "--out_dir", str(merged)]
-    sys_argv, sys.argv = sys.argv, monkey_argv
-    try:
-        parity.main()
-    finally:
-        sys.argv = sys_argv
-    assert (
-        json.loads((merged / "parity.json").read_text())["summary"]
-        == json.loads((tmp_path / "out" / "parity.json").read_text())["summary"]
-    )
 
 
 def test_bench_memory_cpu_smoke_and_variant_grammar(tmp_path, monkeypatch, capsys):
@@ -697,35 +567,36 @@ def test_compile_warmup_refuses_full_size_models_on_the_cpu(monkeypatch, capsys)
     assert "--tiny" in capsys.readouterr().err
 
 
-def test_gemm_config_shapes_are_every_forward_and_grad_input_call():
-    configs = load_script("bench_gemm_configs")
-    one = {"tiny": (64, 32, 10, (2,))}  # vision d=64 at 20 tokens, text d=32 at 2*77
-    shapes = configs.gemm_shapes(one)
-    vision = {(20, 64, 64), (20, 256, 64), (20, 64, 256)}
-    text = {(154, 32, 32), (154, 128, 32), (154, 32, 128)}
-    # each (N, K) family once with bias (forward) and once without (grad-input: N and K swap roles)
-    assert set(shapes) == {(*s, bias) for s in vision | text for bias in (True, False)}
-    assert len(configs.gemm_shapes()) == 60  # ViT-B/16, L/14 (2 batches), H/14 (2 batches)
+def test_bench_inference_cpu_smoke():
+    """Tiny towers on the CPU: a row per mode, bf16 its own baseline, 8-bit embeddings close to bf16's."""
+    flags = ["--device", "cpu", "--tiny", "--batch-size", "4", "--iters", "1", "--warmup", "0"]
+    stdout = run_script(["benchmarks/bench_inference.py", *flags])
+    rows = {
+        line.split(" | ")[0].strip("| "): line.split(" | ")
+        for line in stdout.splitlines()
+        if line[:3] in ("| b", "| i", "| f")
+    }
+    assert set(rows) == {"bf16", "int8", "fp8"} and rows["bf16"][2] == "1.00x"
+    for mode in ("int8", "fp8"):
+        assert (
+            float(rows[mode][5]) > 0.99 and float(rows[mode][6].strip(" |")) > 0.99
+        )  # min cosine, image / text
 
 
-def test_gemm_config_subsets_cover_every_shape_within_their_worst_ratio():
-    configs = load_script("bench_gemm_configs")
-    rows = [  # config 0 wins the first shape, 2 the second, 1 is close on both; None: did not fit
-        {"ms": [1.0, 1.1, 2.0, None]},
-        {"ms": [2.0, 1.2, 1.0, None]},
+def test_bench_linear_cpu_smoke():
+    """--device cpu --tiny: every case times bf16 and the default SwitchBack rows on the torch reference path."""
+    stdout = run_script(["benchmarks/bench_linear.py", "--device", "cpu", "--tiny"])
+    rows = [
+        line.split(" | ")
+        for line in stdout.splitlines()
+        if line.startswith("| fc") or line.startswith("| block")
     ]
-    assert configs.worst_ratio(rows, (0,)) == 2.0
-    assert configs.worst_ratio(rows, (3,)) == float("inf")
-    subsets = configs.covering_subsets(rows, max_size=3)
-    assert subsets[0] == {"size": 1, "configs": [1], "worst_ratio": 1.2}
-    assert subsets[1] == {"size": 2, "configs": [0, 2], "worst_ratio": 1.0}
-    assert subsets[2]["worst_ratio"] == 1.0 and len(subsets) == 3
-
-
-def test_gemm_config_benchmark_needs_a_gpu(monkeypatch, capsys):
-    configs = load_script("bench_gemm_configs")
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    monkeypatch.setattr(sys, "argv", ["bench_gemm_configs.py"])
-    with pytest.raises(SystemExit):
-        configs.main()
-    assert "CUDA" in capsys.readouterr().err
+    timed = {(r[0].strip("| "), r[1]) for r in rows if r[2] and float(r[2]) > 0}
+    for case in ("fc1", "fc2", "block"):
+        label = f"{case} d=16 tokens=32"
+        assert {
+            (label, "bf16 nn.Linear"),
+            (label, "switchback int8/tensor"),
+            (label, "switchback fp8/row"),
+        } <= timed
+    assert any(r[3] == "1.00" for r in rows)  # bf16 is its own baseline

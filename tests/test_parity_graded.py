@@ -1,4 +1,5 @@
-"""The graded-shapes parity protocol: task, simulated gradient quantizers, pretrain -> save -> fine-tune, summary."""
+"""The accuracy harness (benchmarks/parity.py): graded-shapes task, simulated gradient quantizers, pretrain ->
+save -> fine-tune, the train_clip protocol, the paired summary."""
 
 import importlib.util
 import math
@@ -13,7 +14,10 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))  # the accuracy harness's research package lives there
 from accuracy import grad_quant_sim as gq  # noqa: E402
+from accuracy import graded_run as gr  # noqa: E402
 from accuracy import graded_shapes as gs  # noqa: E402
+from accuracy import summary as sm  # noqa: E402
+from accuracy import train_clip_run as tc  # noqa: E402
 from accuracy.sim_switchback import SimSwitchBackLinear, apply_sim_switchback  # noqa: E402
 
 
@@ -24,7 +28,7 @@ def load_script(name: str):
     return module
 
 
-pg = load_script("parity_graded")
+pg = load_script("parity")
 
 
 # --- task ---------------------------------------------------------------------------------------------------
@@ -163,7 +167,7 @@ def test_pretrain_save_finetune_round_trip(tmp_path):
 
 
 def test_apply_sim_switchback_swaps_the_switchback_targets():
-    model = pg.build_model("tiny", 40)
+    model = gr.build_model("tiny", 40)
     sims = apply_sim_switchback(model, "row")
     names = {n for n, m in model.named_modules() if isinstance(m, SimSwitchBackLinear)}
     assert len(sims) == len(names) == 12  # q/k/v/out_proj/fc1/fc2 of one layer per tower
@@ -174,8 +178,8 @@ def test_memory_switch_variant_fuses_the_mlps_and_trains(tmp_path):
     from hf_switchback.mlp import is_fused_mlp
 
     assert pg.check_variant("int8-memeff") == "int8-memeff"
-    model = pg.build_model("tiny", 40)
-    pg.apply_variant(model, "int8-memeff")
+    model = gr.build_model("tiny", 40)
+    gr.apply_variant(model, "int8-memeff")
     assert sum(is_fused_mlp(m) for m in model.modules()) == 2  # one MLP per tower
     run = pg.train_one(_spec(variant="int8-memeff", seed=1))
     assert run["status"] == "ok" and all(math.isfinite(r["loss"]) for r in run["train"])
@@ -199,7 +203,7 @@ def test_summary_pairs_by_seed_and_reads_a_t_interval():
         runs.append(_run("int8", seed, b + d, b / 2 - 0.01, [2.1] * 10))
     runs.append(_run("int8", 9, 0.1, 0.1, [9.0] * 10))  # no bf16 partner: left out
     runs.append(_run("int8", 0, 0.1, 0.1, [9.0] * 10, status="failed"))
-    summary = pg.summarize(runs)
+    summary = sm.summarize(runs)
     (pool,) = summary["pooled"]
     d = [100 * x for x in deltas]
     assert pool["d_zero_shot_top1"]["n"] == 5
@@ -209,15 +213,22 @@ def test_summary_pairs_by_seed_and_reads_a_t_interval():
     assert pool["verdict_zero_shot"].startswith("**parity within ±0.5 pp**")
     assert pool["d_caption_r1"]["mean"] == pytest.approx(-1.0)
     assert pool["d_final_loss"]["mean"] == pytest.approx(0.1)
-    text = pg.markdown(summary, dict(arch="tiny", eval_samples=10000))
+    text = sm.markdown(summary, dict(arch="tiny", eval_samples=10000))
     assert "parity within" in text and "0.50 pp" in text
 
 
 def test_verdict_resolves_either_way_and_needs_five_pairs():
-    assert pg.verdict(pg.interval([-2.0, -2.1, -1.9, -2.0, -2.05])).startswith("**worse")
-    assert pg.verdict(pg.interval([1.0, 1.1, 0.9, 1.0, 1.05])).startswith("**better")
-    assert pg.verdict(pg.interval([1.0, -1.0, 0.5, -0.5, 0.0])).startswith("not resolved (95%")
-    assert pg.verdict(pg.interval([0.0, 0.1, 0.0, 0.1])).startswith("not resolved (4 pairs")
+    assert sm.verdict(sm.interval([-2.0, -2.1, -1.9, -2.0, -2.05])).startswith("**worse")
+    assert sm.verdict(sm.interval([1.0, 1.1, 0.9, 1.0, 1.05])).startswith("**better")
+    assert sm.verdict(sm.interval([1.0, -1.0, 0.5, -0.5, 0.0])).startswith("not resolved (95%")
+    assert sm.verdict(sm.interval([0.0, 0.1, 0.0, 0.1])).startswith("not resolved (4 pairs")
+
+
+def test_drop_step_is_read_on_the_smoothed_curve():
+    train = [dict(step=5 * (i + 1), loss=v) for i, v in enumerate([3.0, 3.0, 3.0, 1.0, 1.0, 1.0])]
+    # EMA 0.8 from 3.0: 3.0, 3.0, 3.0, 2.6, 2.28 -> first at or below 2.5 on the 5th entry (step 25)
+    assert sm.drop_step(train, 2.5) == 25
+    assert sm.drop_step(train, 0.5) is None and sm.drop_step([], 2.5) is None
 
 
 def test_drop_spread_dates_a_late_escape():
@@ -229,43 +240,26 @@ def test_drop_spread_dates_a_late_escape():
     ]
     for r in runs:
         r["spec"]["batch_size"] = 148  # ln(148) ~ 5.0
-    spread = [s for s in pg.summarize(runs)["drop_spread"] if s["fraction"] == 0.5]
+    spread = [s for s in sm.summarize(runs)["drop_spread"] if s["fraction"] == 0.5]
     assert spread[0]["min"] < 10 and spread[0]["max"] >= 30
 
 
-def test_auto_steps_give_every_run_of_a_wave_the_same_count(tmp_path):
-    import threading
-
-    deadline = time.time() + 30
-    wave = [_spec(steps="auto", max_steps=10_000, name=f"r{i}") for i in range(3)]
-    wave = pg.plan_auto_steps(wave, tmp_path / "wave.steps", deadline)
-    counts = {}
-
-    def child(spec, elapsed):
-        counts[spec["name"]] = pg.decide_steps(spec, 10, elapsed, torch.device("cpu"))
-
-    threads = [
-        threading.Thread(target=child, args=(s, e)) for s, e in zip(wave, (1.0, 2.0, 0.5), strict=True)
-    ]
-    for t in threads:
-        t.start()
-    pg.wave_steps(wave, poll_s=0.01)
-    for t in threads:
-        t.join()
-    (count,) = set(counts.values())
-    # the slowest run (10 steps in 2 s) sets it: 10 + 0.8 * 5 steps/s * ~30 s
-    assert 10 + 0.8 * 5 * 20 <= count <= 10 + 0.8 * 5 * 30
-    alone = pg.plan_auto_steps([_spec(steps="auto", max_steps=50)], tmp_path / "x", deadline)[0]
-    assert alone["steps_file"] is None and pg.decide_steps(alone, 10, 0.1, torch.device("cpu")) == 50
+def test_auto_steps_are_what_fits_before_the_deadline_at_the_speed_so_far():
+    spec = _spec(steps="auto", max_steps=10_000, deadline=time.time() + 30)
+    count = gr.decide_steps(spec, 10, 2.0, torch.device("cpu"))
+    # 10 steps in 2 s: 10 + 0.8 x 5 steps/s x ~30 s
+    assert 10 + 0.8 * 5 * 29 <= count <= 10 + 0.8 * 5 * 30
+    assert gr.decide_steps(dict(spec, max_steps=50), 10, 0.1, torch.device("cpu")) == 50
+    assert gr.decide_steps(dict(spec, deadline=time.time() - 1), 10, 1.0, torch.device("cpu")) == 11
 
 
 def test_pairs_use_the_step_count_the_runs_trained_with():
     a, b = _run("bf16", 0, 0.5, 0.5, [2.0] * 10), _run("int8", 0, 0.5, 0.5, [2.0] * 10)
     a["spec"]["steps"] = b["spec"]["steps"] = "auto"
     a["steps"], b["steps"] = 100, 120
-    assert "d_zero_shot_top1" not in pg.summarize([a, b])["rows"][1]
+    assert "d_zero_shot_top1" not in sm.summarize([a, b])["rows"][1]
     b["steps"] = 100
-    assert pg.summarize([a, b])["rows"][1]["d_zero_shot_top1"] == 0.0
+    assert sm.summarize([a, b])["rows"][1]["d_zero_shot_top1"] == 0.0
 
 
 def test_runs_of_one_process_each_leave_their_record(tmp_path):
@@ -279,18 +273,164 @@ def test_runs_of_one_process_each_leave_their_record(tmp_path):
 
 def test_a_killed_run_keeps_its_partial_curve_and_is_marked_timeout(tmp_path, monkeypatch):
     """A run killed by the time budget leaves a partial record (spec, status "partial", curve so far): the
-    launcher must mark it "timeout" and keep its curve, not crash on the duplicate keys."""
+    launcher kills the child's whole process group, marks the run "timeout" and keeps its curve, without
+    crashing on the duplicate keys. A killed train_clip run keeps the curve of its own train_log.jsonl."""
     spec = dict(name="scratch_fp8_seed0", protocol="scratch", variant="fp8", seed=0)
+    clip = dict(
+        name="train_clip_int8_seed0", protocol="train_clip", variant="int8", seed=0, runs_dir=str(tmp_path)
+    )
     partial_path = tmp_path / "scratch_fp8_seed0.out.json"
+    (tmp_path / clip["name"]).mkdir()
+    (tmp_path / clip["name"] / "train_log.jsonl").write_text(
+        '{"step": 5, "loss": 4.0}\n{"step": 100, "x": 1}\n'
+    )
+    killed = []
 
-    def killed(cmd, **kwargs):
-        partial = dict(spec=dict(spec, progress_to=str(partial_path)), status="partial", steps=1000)
-        partial["train"] = [dict(step=5, loss=6.0), dict(step=10, loss=5.5)]
-        partial_path.write_text(pg.json.dumps(partial))
-        raise pg.subprocess.TimeoutExpired(cmd, kwargs.get("timeout"))
+    class Child:  # the child process: writes its partial record, then runs past the time budget
+        pid = 12345
 
-    monkeypatch.setattr(pg.subprocess, "run", killed)
-    (record,) = pg.launch([spec], tmp_path / "group.json", timeout_s=5)
+        def __init__(self, cmd, **kwargs):
+            assert kwargs["start_new_session"]  # its own process group, so that killpg reaches its workers
+            partial = dict(spec=dict(spec, progress_to=str(partial_path)), status="partial", steps=1000)
+            partial["train"] = [dict(step=5, loss=6.0), dict(step=10, loss=5.5)]
+            partial_path.write_text(pg.json.dumps(partial))
+
+        def communicate(self, timeout=None):
+            if timeout is not None:
+                raise pg.subprocess.TimeoutExpired("child", timeout)
+            return "", None
+
+    monkeypatch.setattr(pg.subprocess, "Popen", Child)
+    monkeypatch.setattr(pg.os, "killpg", lambda pid, sig: killed.append((pid, sig)))
+    record, clip_record = pg.launch([spec, clip], tmp_path / "group.json", timeout_s=5)
+    assert killed == [(12345, pg.signal.SIGKILL)]
     assert record["status"] == "timeout" and record["output_tail"] == ["timeout"]
     assert record["spec"]["name"] == spec["name"] and record["spec"]["progress_to"] == str(partial_path)
     assert [x["step"] for x in record["train"]] == [5, 10] and record["evals"] == []
+    assert clip_record["status"] == "timeout" and clip_record["train"] == [dict(step=5, loss=4.0)]
+    assert clip_record["evals"] == [dict(step=100, x=1)]
+
+
+@pytest.mark.slow
+def test_cli_smoke_pretrains_finetunes_and_merges(tmp_path):
+    """The command line end to end on the CPU: pretrain, two variants fine-tuned in one process, the table and
+    JSON, then --merge re-summarizes the JSON to the same summary."""
+    import json
+    import subprocess
+
+    env = {"PYTHONPATH": str(ROOT / "src"), "HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"}
+    script = str(ROOT / "benchmarks" / "parity.py")
+    flags = ["--smoke", "--seeds", "0", "--variants", "bf16", "int8", "--runs_per_process", "2"]
+    out, merged = tmp_path / "out", tmp_path / "merged"
+    for args in (
+        [*flags, "--out_dir", str(out), "--runs_dir", str(tmp_path / "runs")],
+        ["--merge", str(out / "parity.json"), "--out_dir", str(merged)],
+    ):
+        proc = subprocess.run(
+            [sys.executable, script, *args], env=env, capture_output=True, text=True, timeout=300
+        )
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    data = json.loads((out / "parity.json").read_text())
+    assert [r["spec"]["name"] for r in data["runs"]] == [
+        "pretrain",
+        "finetune_bf16_seed0",
+        "finetune_int8_seed0",
+    ]
+    assert all(r["status"] == "ok" for r in data["runs"])
+    (row,) = [r for r in data["summary"]["rows"] if r["variant"] == "int8"]
+    assert "d_zero_shot_top1" in row and math.isfinite(row["final_loss"])
+    assert "| finetune | int8 | 0 | ok |" in (out / "parity.md").read_text()
+    assert json.loads((merged / "parity.json").read_text())["summary"] == data["summary"]
+
+
+# --- the train_clip protocol ---------------------------------------------------------------------------------
+def _clip_spec(variant, **kw):
+    spec = _spec(
+        protocol="train_clip", task="default", variant=variant, model_config="cfg.json", arch="cfg.json"
+    )
+    spec.update(num_workers=2, eval_every=0, runs_dir="/runs", data_order="worker-blocks", **kw)
+    return spec
+
+
+def test_train_clip_command_sets_the_variant_and_one_epoch(tmp_path):
+    def flags(variant):
+        words = tc.train_clip_command(_clip_spec(variant, steps=40, batch_size=8), tmp_path)
+        return {w: words[i + 1] if i + 1 < len(words) else None for i, w in enumerate(words)}
+
+    bf16, int8, memeff, grad = flags("bf16"), flags("int8"), flags("int8-memeff"), flags("int8-int8grad")
+    assert bf16["--switchback"] == "off" and "--min_tokens" not in bf16
+    assert int8["--switchback"] == "on" and int8["--min_tokens"] == "0" and "--precision" not in int8
+    assert "--memory_efficient" in memeff and grad["--grad_precision"] == "int8"
+    assert flags("fp8-wgrad8")["--wgrad_precision"] == "fp8"
+    assert int8["--synthetic_train_samples"] == "320" and int8["--max_train_steps"] == "40"  # one epoch
+    assert int8["--output_dir"] == str(tmp_path) and int8["--num_workers"] == "2"
+
+
+def test_runs_of_the_former_train_clip_harness_merge_with_their_data_order():
+    """Records without a spec (the former ViT-B/16-only harness) pair on seed, schedule and data order: before
+    the data layout was recorded, batches depended on --num_workers, so the worker count must match."""
+
+    def old(variant, zs, workers, layout=None, extra=""):
+        command = f"train_clip.py --model_config x/clip.json --seed 0 --batch_size 8 --num_workers {workers} --lr 5e-4{extra}"
+        run = dict(variant=variant, seed=0, status="ok", command=command, wall_s=1.0)
+        run.update(train=[dict(step=s, loss=2.0) for s in (5, 10)], evals=[])
+        run["results"] = {"zero_shot_top1": zs, "image_to_text_R@1": 0.1, "text_to_image_R@1": 0.2}
+        return tc.from_train_clip_harness(run if layout is None else dict(run, data_layout=layout), {})
+
+    def deltas(*runs):
+        return [r.get("d_zero_shot_top1") for r in sm.summarize(list(runs))["rows"][1:]]
+
+    assert deltas(old("bf16", 0.9, 5), old("int8", 0.8, 5), old("int8", 0.8, 4)) == [
+        pytest.approx(-10.0),
+        None,
+    ]
+    blocks = [old("bf16", 0.9, 5, "worker-blocks"), old("int8", 0.85, 4, "worker-blocks")]
+    assert deltas(*blocks) == [pytest.approx(-5.0)]
+    assert deltas(blocks[0], old("int8", 0.8, 5, "worker-blocks", " --lr 1e-3")) == [
+        None
+    ]  # the last flag wins
+    assert blocks[1]["results"]["caption_r1"] == 0.1 and blocks[1]["spec"]["arch"] == "clip.json"
+
+
+@pytest.mark.slow
+def test_train_clip_protocol_cpu_smoke(tmp_path):
+    """Two tiny train_clip.py runs (bf16, int8) in one child process, read into the paired table."""
+    import json
+    import subprocess
+
+    env = {"PYTHONPATH": str(ROOT / "src"), "HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"}
+    args = ["--protocol", "train_clip", "--smoke", "--seeds", "0", "--variants", "bf16", "int8"]
+    args += [
+        "--runs_per_process",
+        "2",
+        "--out_dir",
+        str(tmp_path / "out"),
+        "--runs_dir",
+        str(tmp_path / "runs"),
+    ]
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "parity.py"), *args],
+        env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = json.loads((tmp_path / "out" / "parity.json").read_text())
+    bf16, int8 = data["runs"]
+    assert bf16["status"] == int8["status"] == "ok"
+    assert [x["step"] for x in bf16["train"]] == [1, 2, 3, 4, 5, 6] and "--switchback on" in int8["command"]
+    assert int8["results"]["train_clip"]["switchback"]["min_tokens"] == 0
+    (row,) = [r for r in data["summary"]["rows"] if r["variant"] == "int8"]
+    assert row["steps"] == 6 and "d_zero_shot_top1" in row and math.isfinite(row["d_final_loss"])
+    assert (tmp_path / "runs" / "train_clip_int8_seed0" / "all_results.json").exists()
+
+
+def test_train_clip_protocol_refuses_what_train_clip_would(tmp_path):
+    """Refused before any run starts: an eval set larger than train_clip's, a simulated variant."""
+    import subprocess
+
+    script = [sys.executable, str(ROOT / "benchmarks" / "parity.py"), "--protocol", "train_clip"]
+    for extra, message in (
+        (["--eval_samples", "1000"], "synthetic eval set has 576 images"),
+        (["--variants", "bf16", "sim-row"], "sim-* variants simulate linears in the graded-shapes protocols"),
+    ):
+        proc = subprocess.run([*script, *extra, "--out_dir", str(tmp_path)], capture_output=True, text=True)
+        assert proc.returncode == 2 and message in proc.stderr, proc.stderr

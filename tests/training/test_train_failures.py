@@ -205,9 +205,9 @@ def test_every_rank_resumes_from_the_checkpoint_the_main_process_picked_and_the_
 
 @pytest.mark.slow
 def test_kill_9_of_a_rank_mid_run_resumes_to_the_same_losses(tmp_path, capsys):
-    """One repetition of benchmarks/kill_resume.py (the full check runs 20): 2 ranks, a checkpoint every step,
+    """One repetition of tests/training/kill_resume.py (the full check runs 20): 2 ranks, a checkpoint every step,
     one rank SIGKILLed at a random moment, resumed with 'latest': every logged loss equals the reference."""
-    kill_resume = load_script("benchmarks/kill_resume.py")
+    kill_resume = load_script("tests/training/kill_resume.py")
     assert (
         kill_resume.main(["--repeats", "1", "--steps", "8", "--seed", "5", "--workdir", str(tmp_path)]) == 0
     )

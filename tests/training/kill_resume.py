@@ -8,8 +8,8 @@ random time after step 1 (see `trial`), then relaunches with `--resume_from_chec
 an output_dir holding a run but no checkpoint). The run passes when train_log.jsonl holds the reference's loss at
 every step (relative 1e-6) and all_results.json the same train_loss. Linux only (reads /proc to find the ranks).
 
-    python benchmarks/kill_resume.py --repeats 20            # the full check (~20-40 min on 2 cores)
-    python benchmarks/kill_resume.py --repeats 1 --steps 8 --seed 5   # what CI runs (tests/training/test_train_failures.py)
+    python tests/training/kill_resume.py --repeats 20            # the full check (~20-40 min on 2 cores)
+    python tests/training/kill_resume.py --repeats 1 --steps 8 --seed 5   # what CI runs (tests/training/test_train_failures.py)
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import sys
 import tempfile
 import time
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPT = os.path.join(REPO, "examples", "train_clip.py")
 CPU_CONFIG = os.path.join(REPO, "accelerate_configs", "cpu.yaml")
 TINY = dict(hidden=32, layers=1, image_size=32, vocab=64)
