@@ -2,6 +2,9 @@
 #   make test    ruff check, ruff format --check and the test suite (exactly what CI runs: .ci/run)
 #   make train   the default training run (examples/train_clip.py; extra flags: make train ARGS="--help")
 # The environment is rebuilt when pyproject.toml changes. On a CUDA machine: make test EXTRAS=dev,triton
+# `make test` also checks the lower end of the dependency ranges: a second environment $(VENV)-lowest with
+# pyproject.toml's lower bounds pinned (constraints-lowest.txt) runs the tests of the code that calls those
+# libraries (LOWEST_TESTS). `make test-newest` skips it.
 
 VENV ?= .venv
 PYTHON ?= python3
@@ -11,13 +14,22 @@ EXTRAS ?= dev
 ARGS ?=
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+LOW_VENV := $(VENV)-lowest
+LOW_STAMP := $(LOW_VENV)/.installed
+LOWEST_TESTS ?= tests/training tests/test_hub.py tests/test_quantizer.py tests/test_convert.py tests/test_siglip.py \
+	tests/test_lora.py tests/test_metrics.py tests/test_adapters.py tests/test_precision_summary.py
 
-.PHONY: test train
+.PHONY: test test-newest test-lowest train
 
-test: $(STAMP)
+test: test-newest test-lowest
+
+test-newest: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/python -m pytest -q
+
+test-lowest: $(LOW_STAMP)
+	$(LOW_VENV)/bin/python -m pytest -q -m "not slow" -p no:cacheprovider $(LOWEST_TESTS)
 
 train: $(STAMP)
 	$(BIN)/accelerate launch examples/train_clip.py $(ARGS)
@@ -27,4 +39,11 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q $(TORCH)
 	$(BIN)/python -m pip install -q -e ".[$(EXTRAS)]"
+	touch $@
+
+$(LOW_STAMP): pyproject.toml constraints-lowest.txt
+	test -x $(LOW_VENV)/bin/python || $(PYTHON) -m venv $(LOW_VENV)
+	$(LOW_VENV)/bin/python -m pip install -q --upgrade pip
+	$(LOW_VENV)/bin/python -m pip install -q $(TORCH)
+	$(LOW_VENV)/bin/python -m pip install -q -e ".[$(EXTRAS)]" -c constraints-lowest.txt
 	touch $@
