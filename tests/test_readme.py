@@ -38,8 +38,14 @@ def test_quick_start_test_command_is_what_ci_runs():
     commands = [line for line in ci if line and not line.startswith("#")]
     assert "make test VENV=.ci/venv" in commands and not any("pytest" in c or "ruff" in c for c in commands)
     makefile = (REPO / "Makefile").read_text()
-    recipe = makefile.split("\ntest: ", 1)[1].split("\n\n", 1)[0]
-    assert "ruff check ." in recipe and "ruff format --check ." in recipe and "-m pytest -q" in recipe
+
+    def recipe(target: str) -> str:
+        return makefile.split(f"\n{target}: ", 1)[1].split("\n\n", 1)[0]
+
+    assert recipe("test").split() == ["test-newest", "test-lowest"]
+    newest = recipe("test-newest")
+    assert "ruff check ." in newest and "ruff format --check ." in newest and "-m pytest -q" in newest
+    assert "-m pytest -q" in recipe("test-lowest")
 
 
 def test_default_run_figures_come_from_the_recorded_run():
