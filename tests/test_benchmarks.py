@@ -577,10 +577,10 @@ def test_bench_inference_cpu_smoke():
         if line[:3] in ("| b", "| i", "| f")
     }
     assert set(rows) == {"bf16", "int8", "fp8"} and rows["bf16"][2] == "1.00x"
-    for mode in ("int8", "fp8"):
-        assert (
-            float(rows[mode][5]) > 0.99 and float(rows[mode][6].strip(" |")) > 0.99
-        )  # min cosine, image / text
+    # min cosine to bf16's embeddings, image / text. fp8 (e4m3, 3 mantissa bits) rounds 8x coarser than int8 rows:
+    # its text minimum over the 4 samples measured 0.988-0.997 across runs and machines; broken numerics give ~0.
+    for mode, floor in (("int8", 0.99), ("fp8", 0.95)):
+        assert float(rows[mode][5]) > floor and float(rows[mode][6].strip(" |")) > floor, (mode, rows[mode])
 
 
 def test_bench_linear_cpu_smoke():
