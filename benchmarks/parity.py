@@ -36,7 +36,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = Path(__file__).resolve()
+ROOT = SCRIPT.parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))  # `accuracy` and `common`, however this file is loaded
 import common  # noqa: E402
 from accuracy.graded_run import ARCHS, SWITCHBACK_FIELDS, train_graded, write_atomic  # noqa: E402
@@ -75,14 +76,7 @@ def launch(specs: list[dict], path: Path, timeout_s: float) -> list[dict]:
     path.write_text(json.dumps(specs))
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT / "src"), env.get("PYTHONPATH")) if p)
-    cmd = [
-        sys.executable,
-        str(Path(__file__).resolve()),
-        "--one_run",
-        str(path),
-        "--out_dir",
-        str(path.parent),
-    ]
+    cmd = [sys.executable, str(SCRIPT), "--one_run", str(path), "--out_dir", str(path.parent)]
     t0 = time.perf_counter()
     proc = subprocess.Popen(
         cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
@@ -189,70 +183,68 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
-def main() -> None:
-    args = parse_args()
-    out_dir = Path(args.out_dir)
-    if args.one_run:  # child process: its runs one after another, each record to the spec's progress_to
-        for spec in json.loads(Path(args.one_run).read_text()):
-            write_atomic(Path(spec["progress_to"]), train_graded(spec))
-        return
-    if args.merge:
-        loaded = [(p, json.loads(Path(p).read_text())) for p in args.merge]
-        old = [p for p, d in loaded if any("spec" not in r for r in d["runs"])]
-        if old:  # BENCHMARKS.md's ViT-B/16 runs
-            sys.exit(
-                f"{old[0]}: runs of the train_clip harness; re-summarize with `git show aa227a1:benchmarks/parity.py`"
-            )
-        write_outputs([r for _, d in loaded for r in d["runs"]], loaded[0][1]["env"], out_dir)
-        print((out_dir / "parity.md").read_text())
-        return
-    runs_dir = Path(tempfile.mkdtemp(prefix="parity_"))
+def merge(paths: list[str], out_dir: Path) -> None:
+    loaded = [json.loads(Path(p).read_text()) for p in paths]
+    for path, data in zip(paths, loaded, strict=True):
+        if any("spec" not in r for r in data["runs"]):  # BENCHMARKS.md's ViT-B/16 runs
+            sys.exit(f"{path}: runs of the train_clip harness; merge them with parity.py of commit aa227a1")
+    write_outputs([r for d in loaded for r in d["runs"]], loaded[0]["env"], out_dir)
+
+
+def run(args, out_dir: Path) -> None:
     import torch
 
+    runs_dir, start, init_from, runs = Path(tempfile.mkdtemp(prefix="parity_")), time.perf_counter(), None, []
     env = dict(
-        arch=args.arch, batch_size=args.batch_size, eval_samples=args.eval_samples, args=vars(args).copy()
+        arch=args.arch, batch_size=args.batch_size, eval_samples=args.eval_samples, args=dict(vars(args))
     )
     env.update(common.versions("cuda" if torch.cuda.is_available() else "cpu", ("triton", "transformers")))
-    start, init_from, runs = time.perf_counter(), None, []
     # A few steps of each Triton variant beside the pretraining fill Triton's on-disk kernel cache, so that the
     # parallel runs after them do not all compile and autotune the same kernels at once.
-    warm = [
-        dict(
-            s,
-            steps=3,
-            eval_samples=min(1000, args.eval_samples),
-            name=f"warm_{s['variant']}",
-            protocol="warm",
-        )
-        for s in make_specs(args, args.protocol, None)[: len(args.variants)]
-        if args.warm and s["variant"] in WARM_VARIANTS
-    ]
+    warm = [dict(s, steps=3, eval_samples=min(1000, args.eval_samples), name=f"warm_{s['variant']}", protocol="warm")
+            for s in make_specs(args, args.protocol, None)[: len(args.variants)]
+            if args.warm and s["variant"] in WARM_VARIANTS]  # fmt: skip
     first = []
     if args.protocol == "finetune":
         init_from = str(runs_dir / "pretrained")
-        auto = args.pretrain_steps == "auto"
-        warmup = 2 * args.warmup if auto else max(args.warmup, args.pretrain_steps // 20)
-        pre = dict(make_specs(args, "pretrain", None)[0], variant="bf16", seed=0, name="pretrain")
-        first = [dict(pre, save_to=init_from, steps=args.pretrain_steps, lr=args.pretrain_lr, warmup=warmup)]
+        steps = args.pretrain_steps
+        warmup = 2 * args.warmup if steps == "auto" else max(args.warmup, steps // 20)
+        pre = dict(
+            make_specs(args, "pretrain", None)[0], variant="bf16", seed=0, name="pretrain", steps=steps
+        )
+        first = [dict(pre, save_to=init_from, lr=args.pretrain_lr, warmup=warmup)]
     if first or warm:
         done = run_specs(first + warm, runs_dir, len(first + warm), args.pretrain_share * args.time_budget_s)
         runs += [r for r in done if r["spec"]["protocol"] != "warm"]
     if first:
-        env["pretrain"] = {
-            k: runs[0].get(k) for k in ("results", "zero_shot_before_finetune", "train_s", "status")
-        }
+        keys = ("results", "zero_shot_before_finetune", "train_s", "status")
+        env["pretrain"] = {k: runs[0].get(k) for k in keys}
         if runs[0].get("status") != "ok":
             write_outputs(runs, env, out_dir)
             sys.exit(f"pretraining failed: {runs[0].get('output_tail')}")
-    specs = make_specs(args, args.protocol, init_from)
-    left = args.time_budget_s - (time.perf_counter() - start)
 
     def on_wave(done: list[dict]) -> None:  # a call killed from outside still leaves the table so far
         write_outputs(runs + done, env, out_dir)
 
+    specs, left = (
+        make_specs(args, args.protocol, init_from),
+        args.time_budget_s - (time.perf_counter() - start),
+    )
     runs += run_specs(specs, runs_dir, args.parallel, left, on_wave, args.runs_per_process)
     write_outputs(runs, env, out_dir)
-    print((out_dir / "parity.md").read_text())
+
+
+def main() -> None:
+    args = parse_args()
+    if args.one_run:  # a child process: its runs one after another, each record to the spec's progress_to
+        for spec in json.loads(Path(args.one_run).read_text()):
+            write_atomic(Path(spec["progress_to"]), train_graded(spec))
+        return
+    if args.merge:
+        merge(args.merge, Path(args.out_dir))
+    else:
+        run(args, Path(args.out_dir))
+    print((Path(args.out_dir) / "parity.md").read_text())
 
 
 if __name__ == "__main__":

@@ -208,27 +208,22 @@ def markdown(summary: dict, env: dict) -> str:
 def plot(runs: list[dict], path: Path) -> bool:
     """Smoothed loss curves, one panel per protocol; False where matplotlib is missing."""
     try:
-        from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
     except ImportError:
         return False
     protocols = list(dict.fromkeys(r["spec"]["protocol"] for r in runs))
-    fig = Figure(figsize=(6.5 * len(protocols), 4.5))
-    FigureCanvasAgg(fig)
+    fig = Figure(figsize=(6.5 * len(protocols), 4.5), layout="tight")
     colors = {"bf16": "tab:blue", "int8": "tab:orange", "fp8": "tab:green", "int8-int8grad": "tab:red"}
     for ax, protocol in zip(fig.subplots(1, len(protocols), squeeze=False)[0], protocols, strict=True):
         seen = set()
         for r in (r for r in runs if r["spec"]["protocol"] == protocol and r["train"]):
-            v = r["spec"]["variant"]
-            xs, ys = [x["step"] for x in r["train"]], ema_of([x["loss"] for x in r["train"]])
-            ax.plot(
-                xs, ys, color=colors.get(v, "gray"), alpha=0.6, linewidth=0.9, label=None if v in seen else v
-            )
+            v, xs = r["spec"]["variant"], [x["step"] for x in r["train"]]
+            ys = ema_of([x["loss"] for x in r["train"]])
+            ax.plot(xs, ys, color=colors.get(v, "gray"), alpha=0.6, lw=0.9, label=None if v in seen else v)
             seen.add(v)
         ax.set(title=f"{protocol}: training loss (EMA 0.8), one line per seed", xlabel="step", ylabel="loss")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-    fig.tight_layout()
     fig.savefig(path, dpi=100)
     return True
 
