@@ -1,22 +1,17 @@
 """Accuracy parity: SwitchBack variants against bf16 in paired runs (same init, same batches), 95% t intervals.
 
-Small CLIP models train on the graded-shapes task (accuracy/graded_shapes.py), whose batches are generated on
-the device from (seed, step), so runs of one seed see the same batches. Protocols:
-
-    finetune  pretrain once in bf16 on the `pretrain` task (8 colours x 6 shapes), save it with save_pretrained,
+Small CLIP models on the graded-shapes task (accuracy/graded_shapes.py: batches are a function of seed and step)
+    finetune  pretrain once in bf16 on the `pretrain` task (8 colours x 6 shapes), save it (save_pretrained),
               then fine-tune it per (variant, seed) on the shifted `finetune` task (6 new colours, 4 new shapes)
     scratch   train per (variant, seed) from a seeded random init on the `all` task (14 colours x 10 shapes)
+Variants: bf16, int8 (the library default), fp8, int8-int8grad (all-int8), int8-memeff (memory_efficient=True),
+fp8-wgrad8 (wgrad_precision="fp8"), sim-row / sim-block<N> (all-int8 simulated in torch, output-gradient scales
+per row or per 1 x N block). Runs pair with the bf16 run of their seed; parity.md gives per variant the mean
+paired difference of zero-shot top-1, image->caption R@1 and final loss, its 95% Student t interval and the
+verdict against +-0.5 pp (from 5 pairs on). Recorded commands and results: BENCHMARKS.md, "Accuracy (parity)".
 
-Variants: bf16 (no SwitchBack), int8 (the library default), fp8, int8-int8grad (all-int8), int8-memeff
-(memory_efficient=True), fp8-wgrad8 (wgrad_precision="fp8"), sim-row / sim-block<N> (all-int8 simulated in
-torch, output-gradient scales per row or per 1 x N block). Every run pairs with the bf16 run of the same seed;
-parity.md gives per variant the mean paired difference of zero-shot top-1, image->caption R@1 and final loss,
-its 95% Student t interval and the verdict against +-0.5 pp (from 5 pairs on). Small runs are host-bound: run
-a seed's variants one after another in one process (--runs_per_process), a few processes at once (--parallel).
-The recorded commands and results: BENCHMARKS.md, "Accuracy (parity)". For example:
-
-    PYTHONPATH=src python benchmarks/parity.py --protocol scratch --arch small --batch_size 512 \\
-        --eval_samples 5000 --variants bf16 int8 --seeds 0 1 2 3 4 --parallel 5 --runs_per_process 2 \\
+    PYTHONPATH=src python benchmarks/parity.py --protocol scratch --arch small --batch_size 512 \
+        --eval_samples 5000 --variants bf16 int8 --seeds 0 1 2 3 4 --parallel 5 --runs_per_process 2 \
         --steps 1000 --warmup 40 --lr 1e-3 --warm --out_dir $OUT/sc --time_budget_s 545
     python benchmarks/parity.py --merge a/parity.json b/parity.json --out_dir merged   # re-summarize, no runs
     PYTHONPATH=src python benchmarks/parity.py --protocol finetune --smoke --out_dir /tmp/p   # CPU smoke test

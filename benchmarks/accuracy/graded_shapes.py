@@ -45,11 +45,6 @@ class Task:
     colors: tuple[str, ...]
     shapes: tuple[str, ...]
 
-    def __post_init__(self) -> None:
-        unknown = [c for c in self.colors if c not in COLORS] + [s for s in self.shapes if s not in SHAPES]
-        if unknown or not self.colors or not self.shapes:
-            raise ValueError(f"Task {self.name!r}: unknown or missing colours/shapes {unknown}")
-
     def classnames(self) -> list[str]:
         """Zero-shot classes, colour-major: label = colour index * len(shapes) + shape index."""
         return [f"{c} {s}" for c in self.colors for s in self.shapes]
@@ -121,20 +116,10 @@ def _shape_masks(u: torch.Tensor, v: torch.Tensor, shape: torch.Tensor) -> torch
     return masks.gather(0, shape.view(1, -1, 1, 1).expand(1, *u.shape)).squeeze(0)
 
 
-def render(
-    color: torch.Tensor,
-    shape: torch.Tensor,
-    size: torch.Tensor,
-    position: torch.Tensor,
-    image_size: int,
-    generator: torch.Generator,
-) -> torch.Tensor:
-    """(B, 3, image_size, image_size) float images in [0, 1] for attribute indices (B,) on one device.
-
-    color indexes COLORS, shape SHAPES, size SIZES, position POSITIONS. Jitter (centre, radius, tint,
-    background, pixel noise) comes from `generator`, on the attributes' device. Rendered at 2x and averaged
-    down, so edges are anti-aliased and tiny shapes stay legible.
-    """
+def render(color, shape, size, position, image_size: int, generator: torch.Generator) -> torch.Tensor:
+    """(B, 3, image_size, image_size) float images in [0, 1] for attribute indices (B,) into COLORS, SHAPES,
+    SIZES and POSITIONS, jittered (centre, radius, tint, background, noise) by `generator`, on its device.
+    Rendered at 2x and averaged down, so edges are anti-aliased and tiny shapes stay legible."""
     device, batch = color.device, color.shape[0]
 
     def uniform(*shape_, low=0.0, high=1.0):
