@@ -8,7 +8,7 @@ import torch
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from hf_switchback import KernelOptions
-from hf_switchback.kernels import matmul, ops
+from hf_switchback.kernels import matmul, ops, quantize
 from hf_switchback.kernels import reference as ref
 
 torch.manual_seed(0)
@@ -32,6 +32,20 @@ for inp in (x, x.t(), torch.randn(200, 37).bfloat16(), torch.randn(3001, 37)):
     q_ref, s_ref, cs_ref = ref.quantize_rowwise_colsum(inp, torch.int8)
     assert torch.equal(q, q_ref) and torch.equal(s, s_ref)
     torch.testing.assert_close(cs, cs_ref, rtol=1e-5, atol=1e-4)
+# The same with rows held in 3 or 5 pieces (768, 1280, 3072, 5120), pieces with masked lanes (70, 100), the
+# one-pass limit and past it (8192, 8200); few programs (as on a 1-SM GPU), so each walks several row tiles
+# and the last one stops inside a tile; a zero row; fp32, bf16 and non-contiguous rows.
+sm_count = quantize._sm_count
+quantize._sm_count = lambda device: 1
+for shape in ((37, 70), (301, 100), (45, 768), (29, 1280), (13, 3072), (11, 5120), (5, 8192), (3, 8200)):
+    base = torch.randn(shape) * 3
+    base[shape[0] // 2] = 0
+    for inp in (base, base.bfloat16(), base.t().contiguous().t()):
+        q, s, cs = ops.quantize_rowwise_colsum(inp, torch.int8)
+        q_ref, s_ref, cs_ref = ref.quantize_rowwise_colsum(inp, torch.int8)
+        assert torch.equal(q, q_ref) and torch.equal(s, s_ref), shape
+        torch.testing.assert_close(cs, cs_ref, rtol=1e-5, atol=1e-4 * shape[0] ** 0.5)
+quantize._sm_count = sm_count
 q, s = ops.quantize_rowwise(x, torch.int8)
 assert torch.equal(ops.dequantize_rowwise(q, s, torch.float32), ref.dequantize_rowwise(q, s, torch.float32))
 a = torch.randint(-127, 128, (37, 200), dtype=torch.int8)

@@ -96,7 +96,7 @@ def test_quantize_non_contiguous_and_3d_strides(qdtype):
 @pytest.mark.gpu
 @pytest.mark.parametrize("qdtype", QDTYPES)
 @pytest.mark.parametrize("dtype", FLOATS)
-@pytest.mark.parametrize("shape", [*SHAPES, (65, 5120), (3000, 1280), (3001, 768)])
+@pytest.mark.parametrize("shape", [*SHAPES, (65, 5120), (3000, 1280), (3001, 768), (1001, 3072), (999, 100)])
 def test_quantize_rowwise_colsum(shape, dtype, qdtype):
     """Fused grad quantize + bias-gradient column sum: q and scale bitwise, sum up to float32 order."""
     x = _input(shape, dtype)
@@ -115,6 +115,50 @@ def test_quantize_rowwise_colsum(shape, dtype, qdtype):
     assert torch.equal(s.cpu(), s_ref) and torch.equal(_bits(q), _bits(q_ref))
     bound = max(shape[1], 1) * 2**-24 * x_t.cpu().float().abs().sum(0) + 1e-30
     assert ((colsum.cpu() - sum_ref).abs() <= bound).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("qdtype", QDTYPES)
+@pytest.mark.parametrize("k", [100, 768, 1280, 3072, 5120, 8192])
+def test_quantize_rowwise_colsum_many_tiles_per_program(monkeypatch, k, qdtype):
+    """Few programs (as on a 3-SM GPU): each walks many row tiles, the last program's share cut by M, and
+    a zero row sits inside a tile. q and scale bitwise, the column sum to float32 summation order."""
+    from hf_switchback.kernels import quantize
+
+    monkeypatch.setattr(quantize, "_sm_count", lambda device: 3)
+    m = 2003
+    launch = quantize._colsum_launch(m, k, 3)
+    assert launch["rows_per_program"] >= 4 * launch["BLOCK_M"] and m % launch["rows_per_program"] != 0
+    x = _input((m, k), torch.bfloat16)
+    x[m - 2] = 0
+    q, s, colsum = _ops().quantize_rowwise_colsum(x, qdtype)
+    q_ref, s_ref, sum_ref = ref.quantize_rowwise_colsum(x.cpu(), qdtype)
+    assert torch.equal(s.cpu(), s_ref) and torch.equal(_bits(q), _bits(q_ref))
+    bound = m * 2**-24 * x.cpu().float().abs().sum(0) + 1e-30
+    assert ((colsum.cpu() - sum_ref).abs() <= bound).all()
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
+@pytest.mark.parametrize("m", [1, 37, 16448, 50432])
+@pytest.mark.parametrize("k", [1, 70, 100, 768, 1024, 1152, 1280, 3072, 4096, 5120, 8192])
+def test_colsum_launch_tiles_cover_rows_in_one_wave(m, k):
+    """The quantize + column-sum launch: pieces cover a row (exactly at the ViT widths), programs cover M
+    with whole tiles, and the grid fits one wave of the warps per SM it aims at."""
+    from hf_switchback.kernels import quantize
+
+    sms = 132
+    launch = quantize._colsum_launch(m, k, sms)
+    block_m, chunk, chunks = launch["BLOCK_M"], launch["CHUNK"], launch["CHUNKS"]
+    rows, (grid,), warps = launch["rows_per_program"], launch["grid"], launch["num_warps"]
+    for size in (block_m, chunk, warps):
+        assert size & (size - 1) == 0
+    assert (chunks - 1) * chunk < k <= chunks * chunk and chunks <= quantize._CS_MAX_CHUNKS
+    # never more lanes than one power-of-two block, and none masked off at the usual widths
+    assert chunks * chunk <= max(16, 1 << (k - 1).bit_length())
+    assert chunks * chunk == k or k not in (768, 1024, 1280, 3072, 4096, 5120, 8192)
+    assert rows % block_m == 0 and (grid - 1) * rows < m <= grid * rows
+    assert grid * warps <= sms * quantize._CS_WARPS_PER_SM
+    assert block_m * chunk * chunks // (32 * warps) <= 2 * quantize._CS_PER_THREAD  # values per thread
 
 
 @pytest.mark.gpu

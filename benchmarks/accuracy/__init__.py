@@ -1,11 +1,2 @@
-"""The accuracy harness's parts (`benchmarks/parity.py` is its command line), kept out of the installed package.
-
-    graded_shapes   a synthetic captioned-shapes task with graded difficulty, batches a pure function of (seed, step)
-    graded_run      one small-CLIP run on that task, in its own training loop
-    train_clip_run  one examples/train_clip.py run (the train_clip protocol)
-    summary         runs paired with bf16: intervals, verdicts, the table and the plot
-    grad_quant_sim  simulated (fake-quantized) output-gradient quantizers
-    sim_switchback  a SwitchBack linear simulated in torch with one of those quantizers
-
-Import them with benchmarks/ on sys.path: `from accuracy import graded_shapes`.
-"""
+"""The parts of the accuracy harness (`benchmarks/parity.py`), outside the installed package: the graded-shapes
+task, one run on it, the simulated all-int8 linear, the paired summary. Import with benchmarks/ on sys.path."""

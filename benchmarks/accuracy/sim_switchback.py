@@ -1,12 +1,13 @@
-"""SimSwitchBackLinear: all-int8 SwitchBack simulated in torch, with a chosen output-gradient quantizer.
+"""All-int8 SwitchBack simulated in torch, with a chosen output-gradient quantizer: accuracy on any device, no speed.
 
-The tensor-wise-weight SwitchBack linear (int8 row-wise input x int8 tensor-wise weight in forward, 16-bit
-grad-weight) with the grad-input GEMM's output gradient quantized by one of
-`grad_quant_sim`'s quantizers. Everything is fake-quantized (quantize, dequantize,
-float32 matmul): it measures accuracy on any device, not speed.
+Forward: row-wise int8 input x tensor-wise int8 weight; grad-input: the output gradient quantized by `row` (the
+paper's one scale per token: entries below absmax / 254 of their row flush to zero) or `block<N>` (one scale per
+1 x N run of each row); grad-weight stays 16-bit. Operands are quantized, dequantized and multiplied in float32.
 """
 
 from __future__ import annotations
+
+import re
 
 import torch
 from torch import nn
@@ -14,25 +15,44 @@ from torch import nn
 from hf_switchback import SwitchBackConfig
 from hf_switchback.convert import find_targets
 
-from .grad_quant_sim import (
-    fake_quant_grad,
-    fake_quant_rows,
-    fake_quant_tensor,
-    gradient_stats,
-    parse_grad_quantizer,
-)
+QMAX = 127.0
+QUANTIZER = re.compile(r"row|block([1-9]\d*)")  # the output-gradient quantizer names
 
 
-class _SimSwitchBackFunction(torch.autograd.Function):
+def block_size(quantizer: str) -> int | None:
+    """The block length of a gradient quantizer name: None for "row", N for "block<N>"."""
+    match = QUANTIZER.fullmatch(quantizer)
+    if match is None:
+        raise ValueError(f"unknown gradient quantizer {quantizer!r}: use row or block<N>, e.g. sim-block64")
+    return int(match.group(1)) if match.group(1) else None
+
+
+def fake_quant(x: torch.Tensor, block: int | None = None) -> torch.Tensor:
+    """Absmax int8 of x (M, K), dequantized to float32: one scale per row, or per 1 x `block` run of each row
+    (the last run may be shorter). Rounds half to even; an all-zero row or run stays zero."""
+    xf = x.float()
+    m, k = xf.shape
+    block = block or k
+    pad = (-k) % block
+    runs = nn.functional.pad(xf, (0, pad)).view(m, (k + pad) // block, block)
+    scale = runs.abs().amax(dim=2, keepdim=True) / QMAX
+    scale = torch.where(scale == 0, torch.ones_like(scale), scale)
+    return (torch.round(runs / scale).clamp(-QMAX, QMAX) * scale).view(m, k + pad)[:, :k]
+
+
+def fake_quant_tensor(w: torch.Tensor) -> torch.Tensor:
+    """Tensor-wise absmax int8 (one scale for the whole weight), dequantized."""
+    return fake_quant(w.reshape(1, -1)).view(w.shape)
+
+
+class _SimSwitchBack(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, module):
-        ctx.module = module
+    def forward(ctx, x, weight, bias, block):
         ctx.save_for_backward(x, weight)
-        x2 = x.reshape(-1, x.shape[-1])
-        # float32 GEMM of the dequantized operands (exact for int8 x int8 up to float32 summation), not autocast's
-        # bf16, which would round the operands a second time
+        ctx.block = block
+        # float32 GEMM of the dequantized operands: autocast's bf16 would round them a second time
         with torch.autocast(x.device.type, enabled=False):
-            out = fake_quant_rows(x2) @ fake_quant_tensor(weight).t()
+            out = fake_quant(x.reshape(-1, x.shape[-1])) @ fake_quant_tensor(weight).t()
         if bias is not None:
             out = out + bias.float()
         return out.to(x.dtype).view(*x.shape[:-1], weight.shape[0])
@@ -40,63 +60,28 @@ class _SimSwitchBackFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         x, weight = ctx.saved_tensors
-        module = ctx.module
-        g2 = grad_out.reshape(-1, grad_out.shape[-1])
-        x2 = x.reshape(-1, x.shape[-1])
-        if module.record is not None:
-            module.record.append(gradient_stats(g2, weight, module.stat_quantizers))
-        gq = fake_quant_grad(g2, module.grad_quantizer, module.generator)
-        grad_x = (gq @ fake_quant_tensor(weight)).to(x.dtype).view_as(x)
-        # grad-weight stays 16-bit, as in SwitchBack
-        grad_w = (g2.t().to(x2.dtype) @ x2).to(weight.dtype)
-        grad_b = g2.sum(dim=0).to(weight.dtype) if ctx.needs_input_grad[2] else None
+        g = grad_out.reshape(-1, grad_out.shape[-1])
+        grad_x = (fake_quant(g, ctx.block) @ fake_quant_tensor(weight)).to(x.dtype).view_as(x)
+        grad_w = (g.t().to(x.dtype) @ x.reshape(-1, x.shape[-1])).to(weight.dtype)
+        grad_b = g.sum(dim=0).to(weight.dtype) if ctx.needs_input_grad[2] else None
         return grad_x, grad_w, grad_b, None
 
 
-class SimSwitchBackLinear(nn.Linear):
-    """nn.Linear with simulated all-int8 SwitchBack arithmetic and a chosen output-gradient quantizer.
+class SimSwitchBackLinear(nn.Module):
+    """Takes over an nn.Linear's Parameters (the optimizer's references stay valid)."""
 
-    `record`: a list to append gradient_stats of every backward to (None: off), over `stat_quantizers`.
-    """
-
-    def __init__(self, in_features, out_features, bias=True, grad_quantizer="row", device=None, dtype=None):
-        super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
-        parse_grad_quantizer(grad_quantizer)
-        self.grad_quantizer = grad_quantizer
-        self.generator: torch.Generator | None = None
-        self.record: list | None = None
-        self.stat_quantizers: tuple[str, ...] = ("row",)
-
-    @classmethod
-    def from_linear(cls, linear: nn.Linear, grad_quantizer: str) -> SimSwitchBackLinear:
-        new = cls.__new__(cls)
-        nn.Module.__init__(new)
-        new.in_features, new.out_features = linear.in_features, linear.out_features
-        new.weight, new.bias = linear.weight, linear.bias  # the same Parameters
-        parse_grad_quantizer(grad_quantizer)
-        new.grad_quantizer, new.generator, new.record, new.stat_quantizers = (
-            grad_quantizer,
-            None,
-            None,
-            ("row",),
-        )
-        if parse_grad_quantizer(grad_quantizer)[0] == "row-sr":
-            new.generator = torch.Generator(device=linear.weight.device)
-            new.generator.manual_seed(0)
-        return new
+    def __init__(self, linear: nn.Linear, quantizer: str):
+        super().__init__()
+        self.weight, self.bias, self.block = linear.weight, linear.bias, block_size(quantizer)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _SimSwitchBackFunction.apply(x, self.weight, self.bias, self)
+        return _SimSwitchBack.apply(x, self.weight, self.bias, self.block)
 
 
-def apply_sim_switchback(model: nn.Module, grad_quantizer: str, config=None) -> list[SimSwitchBackLinear]:
-    """Swap the linears SwitchBack would swap (same target selection) for SimSwitchBackLinear; returns them."""
-    targets = find_targets(model, config or SwitchBackConfig())
-    replacements = {
-        name: SimSwitchBackLinear.from_linear(model.get_submodule(name), grad_quantizer) for name in targets
-    }
-    for name, module in replacements.items():
-        parent_name, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent_name), child, module)  # single-process runs: no sharding to keep
-        module.name = name  # gradient statistics are reported by layer kind
-    return list(replacements.values())
+def apply_sim_switchback(model: nn.Module, quantizer: str) -> int:
+    """Swap the linears that apply_switchback would swap; returns how many."""
+    targets = find_targets(model, SwitchBackConfig())
+    for name in targets:
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent), child, SimSwitchBackLinear(model.get_submodule(name), quantizer))
+    return len(targets)

@@ -32,10 +32,16 @@ _TL_QDTYPE = {
 }
 # Activations fused into the row quantizes of a SwitchBack MLP (kernels/reference.ACTIVATIONS lists them).
 ACT_CODES = {None: 0, "gelu": 1, "gelu_tanh": 2, "quick_gelu": 3}
-# Rows per program of the fused quantize + column-sum kernel: enough programs to fill the GPU, few enough
+# Rows per program of the activation backward's "rows" kernel: enough programs to fill the GPU, few enough
 # float32 partial sums (cdiv(M, ROWS) x K) that writing and reducing them costs far less than re-reading x.
 _COLSUM_PROGRAMS = 1024
 _COLSUM_MAX_ROWS = 64
+# Launch of the quantize + column-sum kernel (_colsum_launch says why): the most pieces a row is held in,
+# tile values per thread, warps per program, and warps per SM.
+_CS_MAX_CHUNKS = 5
+_CS_PER_THREAD = 24
+_CS_WARPS = 4
+_CS_WARPS_PER_SM = 16
 # KernelOptions.act_backward_impl "auto": whole rows per program ("rows": reads less, but a row of 4d values
 # must fit in one program's registers, which limits occupancy) up to this width, 2-D tiles ("tiles") above. On
 # the H100 "rows" wins at 4d = 3072 and loses at 4d = 5120 (BENCHMARKS.md, GEMM kernels).
@@ -150,6 +156,21 @@ def _rowwise_kernel(
 
 
 @triton.jit
+def _row_chunks(x_ptr, rows, rmask, K, stride_xm, stride_xk, CHUNK: tl.constexpr, CHUNKS: tl.constexpr):
+    """A tile of whole rows as CHUNKS [BLOCK_M, CHUNK] pieces in x's dtype (a tuple), zero past K and in the
+    rows that rmask leaves out (those load nothing from memory)."""
+    offs = tl.arange(0, CHUNK)
+    base = x_ptr + rows[:, None] * stride_xm
+    chunks = ()
+    for c in tl.static_range(CHUNKS):
+        cols = c * CHUNK + offs
+        mask = rmask[:, None] & (cols < K)[None, :]
+        # tuple concatenation: Triton's frontend has no starred expressions
+        chunks = chunks + (tl.load(base + cols[None, :] * stride_xk, mask=mask, other=0.0),)  # noqa: RUF005
+    return chunks
+
+
+@triton.jit
 def _rowwise_colsum_kernel(
     x_ptr,
     q_ptr,
@@ -160,34 +181,68 @@ def _rowwise_colsum_kernel(
     stride_xm,
     stride_xk,
     stride_qm,
+    rows_per_program,
     QMAX_C: tl.constexpr,
     IS_INT: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    ROWS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    CHUNK: tl.constexpr,
+    CHUNKS: tl.constexpr,
 ):
-    # Row-wise quantize of ROWS consecutive rows (each row read once, from registers) that also sums the
-    # rows it reads: part[pid, :] = sum of those rows in float32. The bias gradient then needs no second pass.
+    # Row-wise quantize of the rows [pid * rows_per_program, ...) that also sums them: part[pid, :] = their
+    # float32 column sum, so the bias gradient needs no second pass over x. rows_per_program is a multiple
+    # of BLOCK_M; the program walks its rows one tile of BLOCK_M whole rows at a time.
+    #
+    # Whole rows stay in registers, so x is read from memory once and never re-read from L2 (a row's absmax
+    # is needed before any of its values can be quantized). A row is held as CHUNKS pieces of CHUNK columns
+    # (a power of two, as Triton's blocks must be), which fits the usual widths with no masked-off lanes:
+    # 1280 = 5 x 256, 5120 = 5 x 1024, 768 and 3072 = 3 x 256 and 3 x 1024; one next_power_of_2(K)-wide
+    # block wastes 37% of its lanes at 1280 and 5120. The pieces share one shape, hence one register
+    # layout: pieces of different widths get different layouts, and Triton then moves a whole piece through
+    # shared memory to combine their row maxima.
+    #
+    # Memory-level parallelism: each iteration issues the next tile's loads before working on the current
+    # tile, so a tile is in flight while the previous one is reduced, quantized and stored. The column sum
+    # is accumulated per tile element (no cross-thread work in the loop) and reduced over rows once, at the
+    # end.
+    #
     # The 8-bit dtype comes from q_ptr, not from a dtype constexpr: torch.compile launches this kernel from
     # its generated code (kernels/compiled.py), which takes numbers and booleans as constexprs.
     pid = tl.program_id(0)
-    offs = tl.arange(0, BLOCK_K)
-    kmask = offs < K
-    colsum = tl.zeros([BLOCK_K], dtype=tl.float32)
-    for r in range(ROWS):
-        # Rows past M (last program only) redo row M - 1: the same values written again by the program that
-        # owns that row, kept out of the sum. This keeps every mask a vector (the interpreter needs that).
-        row_raw = pid.to(tl.int64) * ROWS + r
-        row = tl.minimum(row_raw, M - 1)
-        x = tl.load(x_ptr + row * stride_xm + offs * stride_xk, mask=kmask, other=0.0).to(tl.float32)
-        colsum += tl.where(row_raw < M, x, 0.0)
-        absmax = tl.max(tl.abs(x), axis=0)
-        scale = tl.div_rn(absmax, QMAX_C)
+    row_start = pid.to(tl.int64) * rows_per_program
+    row_end = tl.minimum(row_start + rows_per_program, M)
+    rows = row_start + tl.arange(0, BLOCK_M)
+    rmask = rows < row_end
+    offs = tl.arange(0, CHUNK)
+    x_next = _row_chunks(x_ptr, rows, rmask, K, stride_xm, stride_xk, CHUNK, CHUNKS)
+    acc = ()
+    for _c in tl.static_range(CHUNKS):
+        acc = acc + (tl.zeros([BLOCK_M, CHUNK], dtype=tl.float32),)  # noqa: RUF005
+    for _ in range(0, rows_per_program, BLOCK_M):
+        x = x_next
+        next_rows = rows + BLOCK_M
+        next_rmask = next_rows < row_end
+        x_next = _row_chunks(x_ptr, next_rows, next_rmask, K, stride_xm, stride_xk, CHUNK, CHUNKS)
+        absx = tl.abs(x[0].to(tl.float32))
+        for c in tl.static_range(1, CHUNKS):
+            absx = tl.maximum(absx, tl.abs(x[c].to(tl.float32)))
+        scale = tl.div_rn(tl.max(absx, axis=1, keep_dims=True), QMAX_C)
         safe = tl.where(scale == 0.0, 1.0, scale)
         inv = tl.div_rn(1.0, safe)
-        tl.store(s_ptr + row, scale)
-        q = _scaled_clamped(x, safe, inv, QMAX_C, IS_INT).to(q_ptr.dtype.element_ty)
-        tl.store(q_ptr + row * stride_qm + offs, q, mask=kmask)
-    tl.store(part_ptr + pid.to(tl.int64) * K + offs, colsum, mask=kmask)
+        tl.store(s_ptr + rows[:, None], scale, mask=rmask[:, None])
+        q_row = q_ptr + rows[:, None] * stride_qm
+        summed = ()
+        for c in tl.static_range(CHUNKS):
+            xc = x[c].to(tl.float32)
+            summed = summed + (acc[c] + xc,)  # noqa: RUF005
+            cols = c * CHUNK + offs
+            q = _scaled_clamped(xc, safe, inv, QMAX_C, IS_INT).to(q_ptr.dtype.element_ty)
+            tl.store(q_row + cols[None, :], q, mask=rmask[:, None] & (cols < K)[None, :])
+        acc = summed
+        rows = next_rows
+        rmask = next_rmask
+    for c in tl.static_range(CHUNKS):
+        cols = c * CHUNK + offs
+        tl.store(part_ptr + pid.to(tl.int64) * K + cols, tl.sum(acc[c], axis=0), mask=cols < K)
 
 
 @triton.jit
@@ -436,6 +491,47 @@ def _colsum_rows(m: int) -> int:
     return min(_COLSUM_MAX_ROWS, triton.next_power_of_2(triton.cdiv(m, _COLSUM_PROGRAMS)))
 
 
+def _colsum_launch(m: int, k: int, sms: int) -> dict:
+    """Tile, rows per program, grid and warps of _rowwise_colsum_kernel for an (m, k) input on `sms` SMs.
+
+    - CHUNK: the smallest power of two (at least 16) that covers a row in at most _CS_MAX_CHUNKS pieces:
+      exact for the usual widths (kernel comment), and as many independent loads per thread.
+    - vec: adjacent values per thread in each piece (one vector load and store), _CS_PER_THREAD / CHUNKS
+      rounded down to a power of two, 4 to 16; BLOCK_M rows per tile then give each of _CS_WARPS warps
+      `vec` values of every piece, and rows wider than that take more warps (up to 16) rather than more
+      values per thread. Each thread holds about _CS_PER_THREAD values of the tile (x, its prefetched
+      successor and the column-sum accumulator: about 100 registers at 24).
+    - Programs: _CS_WARPS_PER_SM warps per SM, all resident at once (one wave: every program walks an
+      equal share of rows, so a second partial wave would idle most SMs at the end) whenever a program
+      needs at most 128 registers per thread. 16 warps of 24 prefetched 2-byte values per thread keep
+      about 24 KB of loads in flight per SM, about what covers HBM latency on an H100 (3.35 TB/s x ~0.8 us
+      / 132 SMs). More programs would also write more float32 partial sums (programs x k, written here
+      and read by the final sum): at 528 programs and k = 1280 that is 5 MB against 63 MB of x and q.
+    """
+    chunk = 16
+    while triton.cdiv(k, chunk) > _CS_MAX_CHUNKS:
+        chunk *= 2
+    chunks = triton.cdiv(k, chunk)
+    vec = max(4, min(16, 1 << ((_CS_PER_THREAD // chunks).bit_length() - 1)))
+    block_m = max(1, min(32 * _CS_WARPS * vec // chunk, triton.next_power_of_2(m)))
+    num_warps = max(1, min(16, block_m * chunk // (32 * vec)))
+    programs = max(1, sms * _CS_WARPS_PER_SM // num_warps)
+    rows_per_program = block_m * triton.cdiv(triton.cdiv(m, block_m), programs)
+    return dict(
+        grid=(triton.cdiv(m, rows_per_program),),
+        rows_per_program=rows_per_program,
+        BLOCK_M=block_m,
+        CHUNK=chunk,
+        CHUNKS=chunks,
+        num_warps=num_warps,
+    )
+
+
+def _sm_count(device: torch.device) -> int:
+    # The interpreter runs on the CPU: any count gives the same results up to float32 summation order.
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
+
+
 def quantize_rowwise_colsum(
     x: torch.Tensor, qdtype: torch.dtype = torch.int8, *, wrap=None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -453,11 +549,10 @@ def quantize_rowwise_colsum(
         return q, scale, x.sum(dim=0, dtype=torch.float32)
     q = torch.empty((m, k), dtype=qdtype, device=x.device)
     scale = torch.empty((m,), dtype=torch.float32, device=x.device)
-    rows = _colsum_rows(m)
-    grid = triton.cdiv(m, rows)
-    part = torch.empty((grid, k), dtype=torch.float32, device=x.device)
-    block = triton.next_power_of_2(k)
-    (wrap or launch_directly)(_rowwise_colsum_kernel)[(grid,)](
+    launch = _colsum_launch(m, k, _sm_count(x.device))
+    grid = launch.pop("grid")
+    part = torch.empty((grid[0], k), dtype=torch.float32, device=x.device)
+    (wrap or launch_directly)(_rowwise_colsum_kernel)[grid](
         x,
         q,
         scale,
@@ -467,9 +562,7 @@ def quantize_rowwise_colsum(
         x.stride(0),
         x.stride(1),
         q.stride(0),
-        BLOCK_K=block,
-        ROWS=rows,
-        num_warps=max(1, min(16, block // 256)),
+        **launch,
         **_scale_args(qdtype),
     )
     return q, scale, part.sum(dim=0)
