@@ -87,11 +87,10 @@ KERNEL_FLAGS = {
 
 def switchback_fields(base: str) -> dict | None:
     """The SwitchBackConfig fields of a SwitchBack base (int8-memeff-unfused, ...); None if it is not one."""
-    precision, _, rest = base.partition("-")
+    precision = base.partition("-")[0]
     if precision not in ("int8", "fp8"):
         return None
-    fields = dict(precision=precision)
-    rest = f"-{rest}" if rest else ""
+    fields, rest = dict(precision=precision), base.removeprefix(precision)
     while rest:
         token = next((t for t in TOKENS if rest == f"-{t}" or rest.startswith(f"-{t}-")), None)
         if token is None:
@@ -246,18 +245,22 @@ def timed(step, steps: int, device: str):
     for _ in range(steps):
         out = step()
     synchronize(device)
-    return (time.perf_counter() - t0) * 1000 / steps, out
+    return (time.perf_counter() - t0) * 1000 / max(steps, 1), out
 
 
 def row_batch(name: str, spec: common.Variant, args) -> int:
     return spec.batch or args.batch or (TINY_BATCH if args.tiny else MODELS[name]["batch"])
 
 
-def run_row(name: str, variant: str, grad_ckpt: bool, args, profile: bool = False) -> dict:
+def run_row(name: str, variant: str, grad_ckpt: bool, args, profile: bool = False, batch: int | None = None):
     """One training row: first step (compile + autotune), --warmup steps, one step split to read the memory its
     forward saves, --steps timed steps; with `profile`, --profile_steps more under torch.profiler."""
     spec, device = parse_variant(variant), args.device
-    cuda, batch, grad_ckpt = device == "cuda", row_batch(name, spec, args), grad_ckpt or spec.grad_ckpt
+    cuda, batch, grad_ckpt = (
+        device == "cuda",
+        batch or row_batch(name, spec, args),
+        grad_ckpt or spec.grad_ckpt,
+    )
     with common.recompute_budget(spec.budget):
         config = clip_config(name, tiny=args.tiny)
         inductor_mode, options = getattr(args, "compile_mode", "default"), kernel_options(args)
