@@ -413,13 +413,13 @@ def test_bench_memory_fit_search_and_verify_find_the_largest_batch(monkeypatch):
 
 
 def test_bench_crossover_cpu_smoke_writes_a_table_the_loader_reads(tmp_path, capsys):
-    """bench_crossover.py --device cpu --tiny in process: every shape family and precision gets times and a
+    """bench_linear.py --mode crossover --device cpu --tiny in process: every shape family and precision gets times and a
     crossover, and its JSON is a table that kernels/crossover loads (the format the GPU run ships)."""
     from hf_switchback.kernels import crossover
 
-    bench = load_script("bench_crossover")
+    bench = load_script("bench_linear")
     out = tmp_path / "sm90.json"
-    result = bench.main(["--device", "cpu", "--tiny", "--out", str(out)])
+    result = bench.main(["--mode", "crossover", "--device", "cpu", "--tiny", "--out", str(out)])
     data = json.loads(out.read_text())
     assert data == result and data["complete"] and data["format"] == crossover.FORMAT
     assert set(data["precisions"]) == {"int8", "fp8"}
@@ -435,11 +435,11 @@ def test_bench_crossover_cpu_smoke_writes_a_table_the_loader_reads(tmp_path, cap
             assert table[(precision, entry["K"], entry["N"])] == want
     assert "crossover" in capsys.readouterr().out
     with pytest.raises(SystemExit):  # a table must be measured on the GPU it is for
-        bench.main(["--device", "cpu", "--tiny", "--write_table", str(tmp_path)])
+        bench.main(["--mode", "crossover", "--device", "cpu", "--tiny", "--write_table", str(tmp_path)])
 
 
 def test_bench_crossover_is_the_first_m_from_which_every_larger_m_pays():
-    bench = load_script("bench_crossover")
+    bench = load_script("bench_linear")
     tokens = [1024, 2048, 4096, 8192, 16384]
     assert bench.crossover_of(tokens, [0.5, 1.1, 0.99, 1.03, 1.2], 1.02) == 8192  # 2048 paid, 4096 did not
     assert bench.crossover_of(tokens, [1.05] * 5, 1.02) == 1024

@@ -39,7 +39,7 @@ def test_m_bucket_matches_the_autotuners_key():
 
 
 def test_shipped_sm90_table_is_the_measurement_it_was_written_from():
-    bench = load_script("benchmarks/bench_gemm_configs.py")
+    bench = load_script("benchmarks/bench_linear.py")
     payload = json.loads(MEASUREMENT.read_text())
     expected = bench.tile_table(payload["rows"], [bench.tile_of(c) for c in payload["configs"]])
     shipped = json.loads((TABLE_DIR / "sm90.json").read_text())
@@ -59,7 +59,7 @@ def test_every_table_tile_is_a_config_of_the_kernels_list():
     assert tiles <= set(matmul._TILE_SHAPES)
     # and the list the measurement timed is that list, in that order (tile_table indexes it)
     payload = json.loads(MEASUREMENT.read_text())
-    bench = load_script("benchmarks/bench_gemm_configs.py")
+    bench = load_script("benchmarks/bench_linear.py")
     assert [bench.tile_of(c) for c in payload["configs"]] == list(matmul._TILE_SHAPES)
 
 
