@@ -111,4 +111,4 @@ def test_a_broken_table_is_an_error_naming_file_and_fix(tmp_path, content, messa
     with pytest.raises(ValueError, match=message) as err:
         measured_tile(SM90, "int8", "bfloat16", 1500, 64, 128, table_dir=tmp_path)
     assert str(tmp_path / "sm90.json") in str(err.value)
-    assert "bench_gemm_configs.py" in str(err.value) or "entry 0" in str(err.value)
+    assert "bench_linear.py" in str(err.value) or "entry 0" in str(err.value)
