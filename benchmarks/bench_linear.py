@@ -63,11 +63,9 @@ def build_case(case: str, d: int, hidden_act: str = "gelu_pytorch_tanh") -> nn.M
     from transformers.models.clip.modeling_clip import CLIPMLP
 
     heads = 16 if d % 16 == 0 else 1
-    return CLIPMLP(
-        CLIPVisionConfig(
-            hidden_size=d, intermediate_size=4 * d, hidden_act=hidden_act, num_attention_heads=heads
-        )
-    )
+    config = CLIPVisionConfig(hidden_size=d, intermediate_size=4 * d, num_attention_heads=heads)
+    config.hidden_act = hidden_act
+    return CLIPMLP(config)
 
 
 def switchback(model: nn.Module, cfg: SwitchBackConfig) -> nn.Module:
@@ -96,44 +94,28 @@ def torchao_variant(model: nn.Module, recipe: str) -> nn.Module:
     return model
 
 
-def variants(
-    compiled: bool, tokens: int, bias_grad_ab=False, mlp_ab=False, tma_ab=False, bwd_ab=False
-) -> list:
+def variants(compiled: bool, tokens: int, bias_grad_ab=False, mlp_ab=False, tma_ab=False, bwd_ab=False):
     """(name, make(model) -> model, compile?) of every row."""
-    fuse = lambda cfg: " [fuse_mlp=True]" if cfg.fuses_mlp else ""  # noqa: E731
-    configs = []  # (name suffix, SwitchBackConfig)
-    for precision, scaling, mem in itertools.product(("int8", "fp8"), ("tensor", "row"), (False, True)):
-        configs.append(
-            ("", SwitchBackConfig(precision=precision, weight_scaling=scaling, memory_efficient=mem))
-        )
-    for precision in ("int8", "fp8"):
-        for tag, options in ACT_BWD.items() if bwd_ab else ():
-            cfg = SwitchBackConfig(precision=precision, fuse_mlp=True, kernel_options=options)
-            configs.append((fuse(cfg) + tag, cfg))
-        for fused, mem in itertools.product((False, True), repeat=2) if tma_ab else ():  # the Hopper TMA GEMM
-            options = KernelOptions(use_tma=True)
-            cfg = SwitchBackConfig(
-                precision=precision, fuse_mlp=fused, memory_efficient=mem, kernel_options=options
-            )
-            configs.append((fuse(cfg) + WITH_TMA, cfg))
-    for precision, scaling, mem in itertools.product(("int8", "fp8"), ("tensor", "row"), (False, True)):
-        if mlp_ab:  # the block as one fused MLP op (three separate ops are the default)
-            cfg = SwitchBackConfig(
-                precision=precision, weight_scaling=scaling, memory_efficient=mem, fuse_mlp=True
-            )
-            configs.append((fuse(cfg), cfg))
-    for precision, scaling in (("int8", "tensor"), ("int8", "row"), ("fp8", "row")) if bias_grad_ab else ():
-        options = KernelOptions(fused_bias_grad=False)  # the bias gradient as a separate column-sum pass
-        configs.append(
-            (UNFUSED, SwitchBackConfig(precision=precision, weight_scaling=scaling, kernel_options=options))
-        )
+    precisions = ("int8", "fp8")
+    grid = itertools.product(precisions, ("tensor", "row"), (False, True))
+    grid = [dict(precision=p, weight_scaling=s, memory_efficient=m) for p, s, m in grid]
+    specs = [("", fields) for fields in grid]  # (name tag, SwitchBackConfig fields)
+    for p in precisions if bwd_ab else ():
+        specs += [(tag, dict(precision=p, fuse_mlp=True, kernel_options=o)) for tag, o in ACT_BWD.items()]
+    tma = KernelOptions(use_tma=True)  # the persistent TMA GEMM on Hopper (the portable one is the default)
+    for p, fuse, mem in itertools.product(precisions, (False, True), (False, True)) if tma_ab else ():
+        specs.append((WITH_TMA, dict(precision=p, fuse_mlp=fuse, memory_efficient=mem, kernel_options=tma)))
+    specs += [("", dict(fields, fuse_mlp=True)) for fields in grid] if mlp_ab else []  # the block as one op
+    separate = KernelOptions(fused_bias_grad=False)  # the bias gradient as its own column-sum pass
+    for p, scaling in (("int8", "tensor"), ("int8", "row"), ("fp8", "row")) if bias_grad_ab else ():
+        specs.append((UNFUSED, dict(precision=p, weight_scaling=scaling, kernel_options=separate)))
     if tokens < AUTO_MIN_TOKENS_CUDA:  # what forcing the 8-bit kernels below the floor would cost
-        configs += [
-            (" backend=triton", SwitchBackConfig(precision=p, backend="triton")) for p in ("int8", "fp8")
-        ]
+        specs += [(" backend=triton", dict(precision=p, backend="triton")) for p in precisions]
     out = [("bf16 nn.Linear", lambda m: m, False)]
-    for tag, cfg in configs:
-        out.append((f"switchback {cfg.variant}{tag}", lambda m, cfg=cfg: switchback(m, cfg), False))
+    for tag, fields in specs:
+        cfg = SwitchBackConfig(**fields)
+        fused = " [fuse_mlp=True]" if "fuse_mlp" in fields and cfg.fuses_mlp else ""
+        out.append((f"switchback {cfg.variant}{fused}{tag}", lambda m, cfg=cfg: switchback(m, cfg), False))
     if compiled:
         out.append(("bf16 nn.Linear + compile", lambda m: m, True))
         for precision in ("int8", "fp8"):
@@ -173,9 +155,8 @@ def quant_ms(case: str, d: int, tokens: int, cfg: SwitchBackConfig, act: str | N
     for k, n in shapes:
         x, g, w = torch.randn(tokens, k, **bf), torch.randn(tokens, n, **bf), torch.randn(n, k, **bf)
         fns += [lambda w=w: wq(w, qf), lambda w=w: wtq(w, qg)]
-        if (
-            act is None or k == d
-        ):  # the fused block quantizes fc2's input and fc1's gradient in its act passes
+        own_input = act is None or k == d  # the fused block's act passes quantize fc2's input, fc1's gradient
+        if own_input:
             fns += [lambda x=x: ops.quantize_rowwise(x, qf)]
         if act is None:
             fns += [lambda g=g: ops.quantize_rowwise(g, qg)]
@@ -185,10 +166,8 @@ def quant_ms(case: str, d: int, tokens: int, cfg: SwitchBackConfig, act: str | N
                 lambda h=h: ops.act_quantize_rowwise(h, qf, act),
                 lambda g=g: ops.quantize_rowwise_colsum(g, qg),
             ]
-            fns += [
-                lambda gh=gh, h=h, o=opts: ops.act_backward_quantize_colsum(gh, h, qg, act, True, options=o)
-            ]
-        if cfg.memory_efficient and (act is None or k == d):
+            fns += [lambda a=(gh, h, qg, act, True), o=opts: ops.act_backward_quantize_colsum(*a, options=o)]
+        if cfg.memory_efficient and own_input:
             xq, xs = ops.quantize_rowwise(x, qf)
             fns += [lambda xq=xq, xs=xs: ops.dequantize_rowwise(xq, xs, torch.bfloat16)]
     return sum(do_bench(fn, rep=20) for fn in fns)
@@ -198,20 +177,11 @@ def run_case(case: str, d: int, tokens: int, args) -> None:
     """Print one table row per variant of one case."""
     torch.manual_seed(0)
     ref = build_case(case, d, args.act).to(args.device, torch.bfloat16)
-    x = torch.randn(
-        tokens, 4 * d if case == "fc2" else d, device=args.device, dtype=torch.bfloat16, requires_grad=True
-    )
-    grad = torch.randn(tokens, 4 * d if case == "fc1" else d, device=args.device, dtype=torch.bfloat16)
-    base_ms = None
-    rows = variants(
-        case in args.compile_cases,
-        tokens,
-        args.bias_grad_ab,
-        args.mlp_ab and case == "block",
-        args.tma_ab,
-        args.bwd_ab,
-    )
-    for name, make, compiled in rows:
+    bf = dict(device=args.device, dtype=torch.bfloat16)
+    x = torch.randn(tokens, 4 * d if case == "fc2" else d, **bf, requires_grad=True)
+    grad, base_ms = torch.randn(tokens, 4 * d if case == "fc1" else d, **bf), None
+    ab = (args.bias_grad_ab, args.mlp_ab and case == "block", args.tma_ab, args.bwd_ab)
+    for name, make, compiled in variants(case in args.compile_cases, tokens, *ab):
         short = name.removeprefix("switchback ")
         selected = short in args.only if args.exact else any(o in name for o in args.only or ())
         if args.only and name != "bf16 nn.Linear" and not selected:
@@ -236,14 +206,12 @@ def run_case(case: str, d: int, tokens: int, args) -> None:
         except Exception as err:  # a peer that fails must not end the run; the table says why
             note = f"{type(err).__name__}: {str(err).splitlines()[0][:90]}"
         base_ms = base_ms or ms
-        cells = [f"{case} d={d} tokens={tokens}", name] + [
-            ("" if v is None else format(v, f))
-            for v, f in (
-                (ms, ".3f"),
-                (base_ms / ms if ms and base_ms else None, ".2f"),
-                (saved, ".0f"),
-                (quant, ".3f"),
-            )
+        ratio = base_ms / ms if ms and base_ms else None
+        values = zip((ms, ratio, saved, quant), (".3f", ".2f", ".0f", ".3f"), strict=True)
+        cells = [
+            f"{case} d={d} tokens={tokens}",
+            name,
+            *("" if v is None else format(v, f) for v, f in values),
         ]
         print("| " + " | ".join([*cells, note]) + " |", flush=True)
         torch._dynamo.reset()
@@ -252,25 +220,17 @@ def run_case(case: str, d: int, tokens: int, args) -> None:
 def bench_gemms(d: int, tokens: int) -> None:
     """Bare GEMMs of a block (operands already quantized): ours portable and TMA, fp8 on cuBLAS, vs cuBLAS bf16."""
     for name, n, k in (("d->4d", 4 * d, d), ("4d->d", d, 4 * d)):
-        a16, w16 = (
-            torch.randn(tokens, k, device="cuda", dtype=torch.bfloat16),
-            torch.randn(n, k, device="cuda", dtype=torch.bfloat16),
-        )
-        bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+        bf = dict(device="cuda", dtype=torch.bfloat16)
+        a16, w16, bias = torch.randn(tokens, k, **bf), torch.randn(n, k, **bf), torch.randn(n, **bf)
         base = do_bench(lambda a16=a16, w16=w16, bias=bias: nn.functional.linear(a16, w16, bias))
         cells = [f"cuBLAS bf16 {base:.3f} ms"]
         for qdtype in (torch.int8, torch.float8_e4m3fn):
             (a_q, a_s), (w_q, w_s) = ops.quantize_rowwise(a16, qdtype), ops.quantize_tensorwise(w16, qdtype)
-            paths = [("portable", False, "triton"), ("tma", True, "triton")] + (
-                [("cublas", False, "cublas")] if qdtype != torch.int8 else []
-            )
-            for tag, tma, fp8_gemm in paths:
+            paths = [("portable", False, "triton"), ("tma", True, "triton"), ("cublas", False, "cublas")]
+            for tag, tma, fp8_gemm in paths[: 2 if qdtype == torch.int8 else 3]:
                 options = KernelOptions(use_tma=tma, fp8_gemm=fp8_gemm)
-                ms = do_bench(
-                    lambda a=(a_q, w_q, a_s, w_s, bias), o=options: ops.scaled_matmul(
-                        *a, torch.bfloat16, options=o
-                    )
-                )
+                operands = (a_q, w_q, a_s, w_s, bias, torch.bfloat16)
+                ms = do_bench(lambda a=operands, o=options: ops.scaled_matmul(*a, options=o))
                 cells.append(f"{str(qdtype).split('.')[-1]} {tag} {ms:.3f} ms ({base / ms:.2f}x)")
         print(f"| gemm {name} d={d} M={tokens} | " + " | ".join(cells) + " |", flush=True)
 
@@ -286,14 +246,13 @@ def bench_row_kernels(d: int, tokens: int, act: str) -> None:
         "quantize_rowwise": lambda: ops.quantize_rowwise(h, torch.int8),
         "act_quantize_rowwise": lambda: ops.act_quantize_rowwise(h, torch.int8, act),
     }
-    for tag, options in ACT_BWD.items():
-        timings[f"act_backward_quantize_colsum{tag}"] = lambda o=options: ops.act_backward_quantize_colsum(
-            g, h, torch.int8, act, True, options=o
-        )
+    for o in ACT_BWD.values():
+        bwd = lambda o=o: ops.act_backward_quantize_colsum(g, h, torch.int8, act, True, options=o)  # noqa: E731
+        timings[f"act_backward_quantize_colsum ({o.act_backward_impl})"] = bwd
     for width in (d, 4 * d):  # the output-gradient quantize + column sum (d: q/k/v/out_proj, fc2; 4d: fc1)
         grad = torch.randn(tokens, width, **bf)
-        timings[f"quantize_rowwise_colsum (tokens, {width})"] = lambda grad=grad: ops.quantize_rowwise_colsum(
-            grad, torch.int8
+        timings[f"quantize_rowwise_colsum (tokens, {width})"] = lambda g=grad: ops.quantize_rowwise_colsum(
+            g, torch.int8
         )
     cells = [f"{name} {do_bench(fn, rep=50):.3f} ms" for name, fn in timings.items()]
     print(f"| row kernels ({tokens}, {4 * d}) bf16 | " + " | ".join(cells) + " |", flush=True)
@@ -353,9 +312,7 @@ def sample_ms(fn, loops: int, device: torch.device) -> float:
     return begin.elapsed_time(end) / loops
 
 
-def time_shape(
-    layers: dict[str, nn.Module], k: int, n: int, m: int, repeats: int, device
-) -> dict[str, float]:
+def time_shape(layers: dict[str, nn.Module], k: int, n: int, m: int, repeats: int, device) -> dict:
     """Median ms of one training step of each layer at M = m tokens, the variants interleaved."""
     x = torch.randn(m, k, device=device, dtype=torch.bfloat16, requires_grad=True)
     grad = torch.randn(m, n, device=device, dtype=torch.bfloat16)
@@ -385,14 +342,10 @@ def time_shape(
 
 def git_commit() -> str:
     try:
-        out = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"],
-            cwd=Path(__file__).parent,
-            capture_output=True,
-            text=True,
-            check=True,
-        )
-        return out.stdout.strip()
+        git = ["git", "rev-parse", "--short", "HEAD"]
+        return subprocess.run(
+            git, cwd=Path(__file__).parent, capture_output=True, text=True, check=True
+        ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
 
@@ -404,33 +357,20 @@ def write_json(result: dict, path: Path) -> None:
 
 
 def crossover_mode(args) -> dict:
-    device, backend, tokens = (
-        torch.device(args.device),
-        "torch" if args.tiny else "auto",
-        sorted(set(args.tokens)),
-    )
-    cuda = device.type == "cuda"
+    device, tokens, cuda = torch.device(args.device), sorted(set(args.tokens)), args.device == "cuda"
     props = torch.cuda.get_device_properties(device) if cuda else None
-    result = dict(format=crossover.FORMAT, complete=False, device=props.name if cuda else "cpu")
-    result.update(capability=f"sm{props.major}{props.minor}" if cuda else None, torch=torch.__version__)
-    result.update(triton=versions(args.device, ("triton",))["triton"], date=datetime.date.today().isoformat())
-    result.update(
-        commit=args.commit, command="python " + " ".join(sys.argv), margin=args.margin, repeats=args.repeats
-    )
-    result.update(
-        tokens=tokens,
-        step="forward + backward (input and weight gradients), float32 parameters under bf16 autocast",
-    )
     grads = {p: grad_precision(SwitchBackConfig(precision=p), device) for p in args.precisions}
-    result["switchback"] = {
-        p: f"SwitchBackConfig(precision={p!r}, min_tokens=0), grad precision here: {grads[p]}"
-        for p in args.precisions
-    }
-    result["precisions"] = {p: {} for p in args.precisions}
+    result = dict(
+        format=crossover.FORMAT, complete=False, device=props.name if cuda else "cpu",
+        capability=f"sm{props.major}{props.minor}" if cuda else None, torch=torch.__version__,
+        triton=versions(args.device, ("triton",))["triton"], date=datetime.date.today().isoformat(),
+        commit=args.commit, command="python " + " ".join(sys.argv), margin=args.margin, repeats=args.repeats,
+        tokens=tokens, step="forward + backward (input and weight gradients), float32 parameters under bf16 autocast",
+        switchback={p: f"SwitchBackConfig(precision={p!r}, min_tokens=0), grad precision here: {grads[p]}" for p in grads},
+        precisions={p: {} for p in args.precisions},
+    )  # fmt: skip
     table_path = (
-        args.write_table / crossover.table_name(torch.cuda.get_device_capability(device))
-        if args.write_table
-        else None
+        args.write_table / crossover.table_name((props.major, props.minor)) if args.write_table else None
     )
     started, todo = time.perf_counter(), shapes(args.dims)
     print(
@@ -440,9 +380,10 @@ def crossover_mode(args) -> dict:
         layers: dict[str, nn.Module] = {"bf16": nn.Linear(k, n, device=device)}
         for precision in args.precisions:
             twin = copy.deepcopy(layers["bf16"])
-            layers[precision] = SwitchBackLinear.from_linear(
-                twin, SwitchBackConfig(precision=precision, backend=backend, min_tokens=0)
+            config = SwitchBackConfig(
+                precision=precision, backend="torch" if args.tiny else "auto", min_tokens=0
             )
+            layers[precision] = SwitchBackLinear.from_linear(twin, config)
         times = {m: time_shape(layers, k, n, m, args.repeats, device) for m in tokens}
         for precision in args.precisions:
             speedups = [times[m]["bf16"] / times[m][precision] for m in tokens]
@@ -452,9 +393,7 @@ def crossover_mode(args) -> dict:
                 switchback_ms={str(m): round(times[m][precision], 4) for m in tokens},
                 speedup={str(m): round(s, 3) for m, s in zip(tokens, speedups, strict=True)},
             )  # fmt: skip
-        print(
-            f"[{i + 1}/{len(todo)}] {k}->{n} done, {time.perf_counter() - started:.0f} s elapsed", flush=True
-        )
+        print(f"[{i + 1}/{len(todo)}] {k}->{n} done, {time.perf_counter() - started:.0f} s", flush=True)
         if args.out is not None:
             write_json(result, args.out)
     result.update(complete=True, seconds=round(time.perf_counter() - started, 1))
@@ -473,10 +412,8 @@ def crossover_mode(args) -> dict:
 
 # ----------------------------------------------------------------------------------------- gemm_configs mode
 TEXT_TOKENS = 77
-A_DTYPE, OUT_DTYPE = (
-    "int8",
-    "bfloat16",
-)  # what time_configs measures: the training step's, under bf16 autocast
+# what time_configs measures: the training step's operands and output, under bf16 autocast
+A_DTYPE, OUT_DTYPE = "int8", "bfloat16"
 # vision width, text width, vision tokens (224 px), per-GPU batches (bench_train.py's and bench_memory.py's)
 MODELS = {"vit-b-16": (768, 512, 197, (256,)), "vit-l-14": (1024, 768, 257, (128, 384)), "vit-h-14": (1280, 1024, 257, (64, 192))}  # fmt: skip
 TILE_FIELDS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages")
@@ -525,33 +462,18 @@ def tile_table(rows: list[dict], tiles: list[tuple]) -> list[dict]:
     entries = []
     for (n, k, bucket), group in sorted(groups.items()):
         ratio, index = min((worst_ratio(group, (i,)), i) for i in range(len(tiles)))
-        entries.append(
-            dict(
-                a=A_DTYPE,
-                out=OUT_DTYPE,
-                n=n,
-                k=k,
-                m_bucket=bucket,
-                tile=list(tiles[index]),
-                worst_ratio=round(ratio, 4),
-            )
-        )
+        entry = dict(a=A_DTYPE, out=OUT_DTYPE, n=n, k=k, m_bucket=bucket, tile=list(tiles[index]))
+        entries.append(dict(entry, worst_ratio=round(ratio, 4)))
     return entries
 
 
 def write_tile_table(directory: Path, payload: dict, source: str) -> Path:
     """The GPU's table file (sm<major><minor>.json) in `directory`, from a --json payload."""
     header = dict(format=gemm_configs.FORMAT, capability=payload["capability"], device=payload["device"])
-    header.update(
-        torch=payload["torch"],
-        source=source,
-        tile=list(TILE_FIELDS),
-        layout="a (M, K) and b (N, K) contiguous",
-    )
-    # one line per entry: a table a person reads and diffs
-    entries = ",\n  ".join(
-        json.dumps(e) for e in tile_table(payload["rows"], [tile_of(c) for c in payload["configs"]])
-    )
+    header.update(torch=payload["torch"], source=source, tile=list(TILE_FIELDS))
+    header["layout"] = "a (M, K) and b (N, K) contiguous"
+    tiles = [tile_of(c) for c in payload["configs"]]
+    entries = ",\n  ".join(json.dumps(e) for e in tile_table(payload["rows"], tiles))  # one line per entry
     path = Path(directory) / f"{payload['capability']}.json"
     path.write_text(json.dumps(header, indent=1)[:-2] + f',\n "entries": [\n  {entries}\n ]\n}}\n')
     return path
@@ -568,21 +490,8 @@ def time_configs(shape: tuple[int, int, int, bool], configs: list) -> list[float
     c = torch.empty((m, n), dtype=torch.bfloat16, device="cuda")
     a_scale, b_scale = torch.rand(m, device="cuda") / 127, torch.tensor(0.01, device="cuda")
     bias = torch.randn(n, dtype=torch.bfloat16, device="cuda") if has_bias else c
-    args = (
-        a,
-        b,
-        c,
-        a_scale,
-        b_scale,
-        bias,
-        m,
-        n,
-        k,
-        triton.next_power_of_2(m),
-        *a.stride(),
-        *b.stride(),
-        *c.stride(),
-    )
+    args = (a, b, c, a_scale, b_scale, bias, m, n, k, triton.next_power_of_2(m))
+    args += (*a.stride(), *b.stride(), *c.stride())
     flags = dict(B_SCALE_PER_ROW=False, HAS_BIAS=has_bias, IS_INT=True, UPCAST=False, EVEN_K=k % 128 == 0)
     times = []
     for config in configs:
@@ -631,77 +540,46 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument(
-        "--mode", choices=("layer", "crossover", "gemm_configs"), default="layer", help="the question"
-    )
-    parser.add_argument(
-        "--dims", type=int, nargs="+", help="widths d (layer: 768 1024 1280; crossover: 512-1280)"
-    )
-    parser.add_argument(
-        "--tokens", type=int, nargs="+", help="rows M (layer: 65536 4096; crossover: 2048-131072)"
-    )
+    parser.add_argument("--mode", choices=("layer", "crossover", "gemm_configs"), default="layer")
+    parser.add_argument("--dims", type=int, nargs="+", help="widths d (default: per mode)")
+    parser.add_argument("--tokens", type=int, nargs="+", help="rows M (default: per mode)")
+    parser.add_argument("--write_table", type=Path, nargs="?", const=True, metavar="DIR", help="see above")
     add_smoke_flags(parser)
-    layer = parser.add_argument_group("layer mode")
-    layer.add_argument(
-        "--cases", nargs="*", default=list(CASES), choices=CASES, help="none: only --kernels/--gemm"
-    )
-    layer.add_argument(
-        "--compile-cases", nargs="*", default=["block"], choices=CASES, help="also compiled / torchao"
-    )
-    layer.add_argument("--only", nargs="*", help="only variants whose name contains one of these")
-    layer.add_argument(
-        "--exact", action="store_true", help="--only names equal a variant (without 'switchback ')"
-    )
-    layer.add_argument("--mlp-ab", action="store_true", help="add fused-MLP block rows (fuse_mlp=True)")
-    layer.add_argument("--tma-ab", action="store_true", help="add rows on the Hopper TMA GEMM (use_tma=True)")
-    layer.add_argument(
-        "--bwd-ab", action="store_true", help="add fused-block rows per activation-backward impl"
-    )
-    layer.add_argument(
-        "--bias-grad-ab", action="store_true", help="add rows with a separate bias-gradient pass"
-    )
-    layer.add_argument("--gemm", action="store_true", help="also time the bare GEMMs of each d x tokens")
-    layer.add_argument(
-        "--kernels", action="store_true", help="also time the (tokens, 4d) row kernels one by one"
-    )
-    layer.add_argument(
-        "--act", default="gelu_pytorch_tanh", choices=sorted(ACT_KIND), help="the block's hidden_act"
-    )
-    cross = parser.add_argument_group("crossover mode")
-    cross.add_argument("--precisions", nargs="+", default=["int8", "fp8"], choices=("int8", "fp8"))
-    cross.add_argument("--repeats", type=int, default=7, help="interleaved timed samples per variant")
-    cross.add_argument("--margin", type=float, default=1.02, help="speed-up SwitchBack must reach to count")
-    cross.add_argument("--out", type=Path, help="JSON file, rewritten after every shape")
-    cross.add_argument("--commit", default=None, help="recorded in the JSON (default: git's HEAD)")
-    tiles = parser.add_argument_group("gemm_configs mode")
-    tiles.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS))
-    tiles.add_argument("--json", default=None, help="every shape's times and the subsets")
-    tiles.add_argument("--max_subset", type=int, default=4, help="largest config subset to report")
-    tiles.add_argument("--from_json", default=None, help="no timing: the table from an earlier --json file")
-    parser.add_argument(
-        "--write_table",
-        type=Path,
-        nargs="?",
-        const=True,
-        metavar="DIR",
-        help="crossover / gemm_configs: write the GPU's table (no DIR: into the package)",
-    )
+    layer = parser.add_argument_group("layer mode").add_argument
+    layer("--cases", nargs="*", default=list(CASES), choices=CASES, help="none: only --kernels / --gemm")
+    layer("--compile-cases", nargs="*", default=["block"], choices=CASES, help="add compiled, torchao rows")
+    layer("--only", nargs="*", help="only variants whose name contains one of these")
+    layer("--exact", action="store_true", help="--only names equal a variant (without 'switchback ')")
+    layer("--mlp-ab", action="store_true", help="add fused-MLP block rows (fuse_mlp=True)")
+    layer("--tma-ab", action="store_true", help="add rows on the Hopper TMA GEMM (use_tma=True)")
+    layer("--bwd-ab", action="store_true", help="add fused-block rows per activation-backward impl")
+    layer("--bias-grad-ab", action="store_true", help="add rows with a separate bias-gradient pass")
+    layer("--gemm", action="store_true", help="also time the bare GEMMs of each d x tokens")
+    layer("--kernels", action="store_true", help="also time the (tokens, 4d) row kernels one by one")
+    layer("--act", default="gelu_pytorch_tanh", choices=sorted(ACT_KIND), help="the block's hidden_act")
+    cross = parser.add_argument_group("crossover mode").add_argument
+    cross("--precisions", nargs="+", default=["int8", "fp8"], choices=("int8", "fp8"))
+    cross("--repeats", type=int, default=7, help="interleaved timed samples per variant")
+    cross("--margin", type=float, default=1.02, help="speed-up SwitchBack must reach to count")
+    cross("--out", type=Path, help="JSON file, rewritten after every shape")
+    cross("--commit", default=None, help="recorded in the JSON (default: git's HEAD)")
+    tiles = parser.add_argument_group("gemm_configs mode").add_argument
+    tiles("--models", nargs="+", choices=list(MODELS), default=list(MODELS))
+    tiles("--json", default=None, help="every shape's times and the subsets")
+    tiles("--max_subset", type=int, default=4, help="largest config subset to report")
+    tiles("--from_json", default=None, help="no timing: the table from an earlier --json file")
     args = parser.parse_args(argv)
     if args.write_table is True:
         args.write_table = (crossover if args.mode == "crossover" else gemm_configs).TABLE_DIR
     if args.from_json:
         if args.mode != "gemm_configs" or not args.write_table:
-            parser.error(
-                "--from_json only rebuilds a gemm_configs table: pass --mode gemm_configs --write_table DIR"
-            )
+            parser.error("--from_json rebuilds a table: pass --mode gemm_configs --write_table DIR")
         return args
     if args.mode == "gemm_configs" and not torch.cuda.is_available():
         parser.error("--mode gemm_configs times the Triton GEMM's configs: it needs a CUDA GPU")
     check_device(parser, args)
     if args.write_table and (args.tiny or args.mode == "layer"):
-        parser.error(
-            "--write_table records what the GPU measured: --mode crossover or gemm_configs, without --tiny"
-        )
+        parser.error("--write_table records a GPU's measurement: --mode crossover / gemm_configs, no --tiny")
     cross = args.mode == "crossover"
     args.dims = args.dims or ([16, 32] if args.tiny else DIMS if cross else [768, 1024, 1280])
     args.tokens = args.tokens or ([8, 16, 32] if args.tiny else TOKENS if cross else [65536, 4096])
@@ -713,9 +591,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None):
     args = parse_args(argv)
-    return {"layer": layer_mode, "crossover": crossover_mode, "gemm_configs": gemm_configs_mode}[args.mode](
-        args
-    )
+    modes = {"layer": layer_mode, "crossover": crossover_mode, "gemm_configs": gemm_configs_mode}
+    return modes[args.mode](args)
 
 
 if __name__ == "__main__":
