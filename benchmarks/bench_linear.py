@@ -475,6 +475,7 @@ def write_tile_table(directory: Path, payload: dict, source: str) -> Path:
     tiles = [tile_of(c) for c in payload["configs"]]
     entries = ",\n  ".join(json.dumps(e) for e in tile_table(payload["rows"], tiles))  # one line per entry
     path = Path(directory) / f"{payload['capability']}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(header, indent=1)[:-2] + f',\n "entries": [\n  {entries}\n ]\n}}\n')
     return path
 
