@@ -38,6 +38,8 @@ from pathlib import Path
 
 import torch
 
+from hf_switchback.compile_cache import allow_compile_cache, load_compile_artifacts, save_compile_artifacts
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common
 import step_profile
@@ -193,8 +195,6 @@ def build_model(config, variant, grad_ckpt, compile_mode, device, inductor_mode=
         model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, target_modules=list(LORA_TARGETS)))
     if not variant.endswith("+compile"):
         return model
-    from hf_switchback.compile_cache import allow_compile_cache
-
     allow_compile_cache()  # as train_clip.py --torch_compile: a warm start loads the traced layers
     options = {} if inductor_mode == "default" else dict(mode=inductor_mode)
     if compile_mode == "model":
@@ -256,11 +256,8 @@ def run_row(name: str, variant: str, grad_ckpt: bool, args, profile: bool = Fals
     """One training row: first step (compile + autotune), --warmup steps, one step split to read the memory its
     forward saves, --steps timed steps; with `profile`, --profile_steps more under torch.profiler."""
     spec, device = parse_variant(variant), args.device
-    cuda, batch, grad_ckpt = (
-        device == "cuda",
-        batch or row_batch(name, spec, args),
-        grad_ckpt or spec.grad_ckpt,
-    )
+    cuda, grad_ckpt = device == "cuda", grad_ckpt or spec.grad_ckpt
+    batch = batch or row_batch(name, spec, args)
     with common.recompute_budget(spec.budget):
         config = clip_config(name, tiny=args.tiny)
         inductor_mode, options = getattr(args, "compile_mode", "default"), kernel_options(args)
@@ -269,15 +266,11 @@ def run_row(name: str, variant: str, grad_ckpt: bool, args, profile: bool = Fals
         forward, finish = training_step(model, config, batch, device)
         artifacts = getattr(args, "compile_artifacts", None)
         if artifacts:  # before the first step, where the model compiles
-            from hf_switchback.compile_cache import load_compile_artifacts
-
             load_compile_artifacts(artifacts)
         compile_before, caches_before = common.phase_totals(), common.cache_counts()
         first_step_s, _ = timed(lambda: finish(forward()), 1, device)
         first_step_s /= 1000
         if artifacts:
-            from hf_switchback.compile_cache import save_compile_artifacts
-
             save_compile_artifacts(artifacts)
         row = dict(model=name, variant=variant, grad_ckpt=grad_ckpt, batch=batch, first_step_s=first_step_s)
         row["first_step_split"] = common.first_step_split(compile_before, common.phase_totals(), first_step_s)
