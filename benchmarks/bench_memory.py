@@ -15,7 +15,6 @@ backward per sample and the largest batch (--fit). Ratios: samples/s over the fa
 --fit (for --fit_variants, default all rows):
   estimate  (default) peak(batch) = fixed + batch x per-sample from the row's own run, fixed = memory between
             steps + one gradient per parameter; the rest counts as per-sample, so it errs low. No extra runs.
-  verify    a run at the estimate (a multiple of --batch_multiple), 5% lower per out-of-memory, --fit_tries runs.
   search    a run at the estimate, then bisection between the largest batch that fit and the smallest that did
             not (1.25x the estimate until one fails), at most --fit_tries runs. A compiled row recompiles per batch.
 --saved_tensors: instead of training, what one vision encoder layer saves for backward, bytes per token.
@@ -59,48 +58,35 @@ def estimate_max_batch(row: dict, cap: int) -> int | None:
 
 
 def fit(name: str, spec: str, first: dict, args, cap: int, mode: str | None = None, clock=None) -> dict:
-    """The largest batch found for one configuration (see --fit; `mode` overrides args.fit); `first` is its
-    run at the row's batch."""
+    """The largest batch found for one configuration (see --fit; `mode` overrides args.fit), bisecting in
+    multiples of --batch_multiple; `first` is its run at the row's batch."""
     mode = mode or args.fit
     estimate = estimate_max_batch(first, cap) if "ms_per_step" in first else None
     out = dict(max_batch_est=estimate)
     if mode == "estimate" or estimate is None:
         return out
     step, runs = args.batch_multiple, []
-
-    def run_at(batch: int) -> bool:
-        """One run at `batch`; True if it fits."""
+    # the estimate errs low, so 1.25x it is assumed not to fit until a run says otherwise
+    ok, bad = first["batch"], max(math.ceil(1.25 * estimate / step) * step, first["batch"] + step)
+    out.update(max_batch=ok, max_batch_samples_per_s=first["samples_per_s"], search_upper=bad)
+    batch = estimate // step * step
+    for _ in range(args.fit_tries):
+        if not ok < batch < bad:
+            batch = (ok + bad) // 2 // step * step
+        if batch <= ok:
+            break
         runs.append(attempt(name, spec, batch, args, clock))
         if "ms_per_step" in runs[-1]:
+            ok = batch
             out.update(max_batch=batch, max_batch_samples_per_s=runs[-1]["samples_per_s"])
-        return "ms_per_step" in runs[-1]
-
-    if mode == "verify":
-        batch = estimate // step * step
-        for _ in range(args.fit_tries):
-            if batch <= 0 or run_at(batch) or runs[-1].get("status") == "skipped":
-                break
-            batch = int(batch * 0.95) // step * step
-    else:  # search: the estimate errs low, so 1.25x it is assumed not to fit until a run says otherwise
-        ok, bad = first["batch"], max(math.ceil(1.25 * estimate / step) * step, first["batch"] + step)
-        out.update(max_batch=ok, max_batch_samples_per_s=first["samples_per_s"], search_upper=bad)
-        batch = estimate // step * step
-        for _ in range(args.fit_tries):
-            if not ok < batch < bad:
-                batch = (ok + bad) // 2 // step * step
-            if batch <= ok:
-                break
-            if run_at(batch):
-                ok = batch
-            elif runs[-1].get("status") == "skipped":
-                break
-            else:
-                bad = batch
-            batch = (ok + bad) // 2 // step * step
-        out["oom_at"] = bad if bad != out["search_upper"] else None
-    out["fit_runs"] = [
-        {k: r.get(k) for k in ("batch", "status", "samples_per_s", "peak_mem_gib")} for r in runs
-    ]
+        elif runs[-1].get("status") == "skipped":
+            break
+        else:
+            bad = batch
+        batch = (ok + bad) // 2 // step * step
+    out["oom_at"] = bad if bad != out["search_upper"] else None
+    keys = ("batch", "status", "samples_per_s", "peak_mem_gib")
+    out["fit_runs"] = [{k: r.get(k) for k in keys} for r in runs]
     return out
 
 
@@ -242,13 +228,9 @@ def main() -> None:
     bench_train.add_row_flags(parser, DEFAULT_VARIANTS, steps=4, warmup=1)
     parser.set_defaults(models=["vit-h-14"])
     parser.add_argument("--mem_cap_gib", type=float, default=None, help="memory cap (default: the GPU's)")
-    parser.add_argument(
-        "--fit", choices=("estimate", "verify", "search"), default="estimate", help="see above"
-    )
+    parser.add_argument("--fit", choices=("estimate", "search"), default="estimate", help="see above")
     spec_list = dict(nargs="+", type=bench_train.spec_arg, metavar="SPEC")
-    parser.add_argument(
-        "--fit_variants", **spec_list, help="rows --fit verify/search runs for (default: all)"
-    )
+    parser.add_argument("--fit_variants", **spec_list, help="rows --fit search runs for (default: all)")
     parser.add_argument("--fit_tries", type=int, default=3, help="runs per row that --fit may add")
     parser.add_argument(
         "--batch_multiple", type=int, default=8, help="batches --fit tries are multiples of this"

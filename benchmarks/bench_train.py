@@ -417,7 +417,7 @@ def add_row_flags(parser, variants, steps: int, warmup: int) -> None:
     vits = [m for m in MODELS if m.startswith("vit")]
     parser.add_argument("--models", nargs="+", choices=list(MODELS), default=vits, help="default: the ViTs")
     parser.add_argument(
-        "--variants", nargs="+", default=list(variants), type=spec_arg, help="rows (see above)"
+        "--variants", nargs="+", default=list(variants), type=spec_arg, metavar="SPEC", help="see above"
     )
     parser.add_argument("--batch", type=int, default=None, help="per-step batch (default: per model)")
     parser.add_argument("--compile", choices=("model", "layers"), default="model", help="+compile's scope")
