@@ -1,89 +1,78 @@
-"""Layer benchmark: SwitchBack int8/fp8 vs bf16 nn.Linear and torchao, fwd+bwd, on one GPU, one table.
+"""Kernels and layers on one GPU: SwitchBack int8/fp8 vs bf16 nn.Linear (and torchao), three questions (--mode).
 
-    PYTHONPATH=src python benchmarks/bench_linear.py                       # all cases (d 768/1024/1280)
-    PYTHONPATH=src python benchmarks/bench_linear.py --dims 1280 --tokens 65536 --cases block
-    PYTHONPATH=src python benchmarks/bench_linear.py --device cpu --tiny   # smoke test (CI): torch reference
+layer (default): fwd+bwd of a d->4d linear ("fc1"), 4d->d ("fc2") and transformers' CLIPMLP ("block"), at
+  `tokens` rows of bf16 input; median of triton's do_bench. Columns: ms, x bf16 (over eager nn.Linear), saved MiB
+  (storages autograd keeps for backward, parameters and input excluded), quant ms (the row's quantize kernels
+  timed alone). A/B flags add rows of the same layers with one KernelOptions field changed; --gemm times the
+  bare 8-bit GEMMs (ours portable / TMA, cuBLAS fp8) against cuBLAS bf16, --kernels the (tokens, 4d) row passes.
+crossover: per linear family (K, N) of widths --dims, one training step of bf16 vs SwitchBack (library defaults,
+  min_tokens=0; float32 parameters under bf16 autocast) at each M of --tokens, interleaved, median of --repeats
+  CUDA-event samples. Crossover = the smallest M from which SwitchBack is >= --margin at that and every larger M
+  (null: never). --write_table [DIR] writes the table that SwitchBackConfig(min_tokens=None) reads.
+gemm_configs: every tile config of the portable int8 GEMM at each per-call shape of ViT-B/L/H steps, and the
+  smallest config subsets within reach of every shape's best; --write_table [DIR] writes the GPU's
+  kernels/gemm_configs table (measured shapes launch their tile without autotuning).
 
-Cases: a single linear d->4d ("fc1"), 4d->d ("fc2"), and the CLIP MLP block fc1 -> GELU -> fc2 ("block":
-transformers' CLIPMLP, hidden_act from --act; SwitchBack rows run three separate ops, the default; --mlp-ab adds
-"[fuse_mlp=True]" rows, marked "[fused mlp]" when the block really ran as one fused op; --tma-ab adds "[tma]"
-rows on the Hopper TMA GEMM; each A/B row is the same layers with one KernelOptions field changed), at
-`tokens` rows of bf16 input. Each variant runs forward + backward (input gradient included, as inside a
-network); the time is the median of triton's do_bench (on the CPU, of a few wall-clock calls). Columns:
-- ms, x bf16: time and speed-up over eager bf16 nn.Linear of the same case (> 1 is faster);
-- saved MiB: bytes autograd keeps alive for backward (unique storages reached through saved-tensor hooks,
-  parameters and the caller's input excluded: what a network pays per layer for activations);
-- quant ms: time of the quantize kernels one fwd+bwd step of the case launches, timed on their own
-  (SwitchBack variants on the GPU only).
-torchao (float8 tensorwise / rowwise_with_gw_hp, int8 mixed-precision training) is optional: if it does not
-import, its rows say why. Compiled variants use torch.compile on the whole case module.
+    PYTHONPATH=src python benchmarks/bench_linear.py --dims 1280 --tokens 65536 --cases block --mlp-ab --gemm
+    PYTHONPATH=src python benchmarks/bench_linear.py --mode crossover --write_table   # into the package
+    PYTHONPATH=src python benchmarks/bench_linear.py --mode gemm_configs --json $OUT/gemm_configs.json
+    PYTHONPATH=src python benchmarks/bench_linear.py --mode gemm_configs --from_json F --write_table DIR  # no GPU
+    PYTHONPATH=src python benchmarks/bench_linear.py --device cpu --tiny [--mode crossover]   # smoke test
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import copy
+import datetime
+import functools
+import itertools
+import json
+import re
+import statistics
+import subprocess
 import sys
-from collections.abc import Callable
-from dataclasses import dataclass
+import time
 from pathlib import Path
 
 import torch
 from torch import nn
 
 from hf_switchback import KernelOptions, SwitchBackConfig, apply_switchback
-from hf_switchback.functional import AUTO_MIN_TOKENS_CUDA, quantized_dtypes
-from hf_switchback.kernels import ops
+from hf_switchback.functional import AUTO_MIN_TOKENS_CUDA, grad_precision, quantized_dtypes
+from hf_switchback.kernels import crossover, gemm_configs, ops
 from hf_switchback.mlp import is_fused_mlp
 from hf_switchback.modules import SwitchBackLinear
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import do_bench, versions
+from common import add_smoke_flags, check_device, do_bench, versions
 
-# --tiny: a CPU smoke run of the layer rows in seconds
-TINY_DIMS, TINY_TOKENS = [16], [32]
-
-
-@dataclass
-class Row:
-    case: str
-    variant: str
-    ms: float | None = None
-    ratio: float | None = None
-    saved_mib: float | None = None
-    quant_ms: float | None = None
-    note: str = ""
+# ------------------------------------------------------------------------------------------------ layer mode
+CASES = ("fc1", "fc2", "block")
+ACT_KIND = {"gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu", "quick_gelu": "quick_gelu"}  # -> fused kernels'
+# A/B row tags: the same layers with one KernelOptions field changed
+UNFUSED, WITH_TMA = " [unfused bias grad]", " [tma]"
+ACT_BWD = {f" [act-bwd {impl}]": KernelOptions(act_backward_impl=impl) for impl in ("tiles", "rows")}
 
 
 def build_case(case: str, d: int, hidden_act: str = "gelu_pytorch_tanh") -> nn.Module:
-    """bf16 reference module of a case (the variants are made from deep copies of it).
-
-    The block is transformers' CLIPMLP (fc1 -> activation_fn -> fc2), so apply_switchback fuses it unless
-    the config says fuse_mlp=False."""
-    if case == "fc1":
-        return nn.Sequential(nn.Linear(d, 4 * d))
-    if case == "fc2":
-        return nn.Sequential(nn.Linear(4 * d, d))
+    """bf16 reference module of a case; the block is transformers' CLIPMLP, which apply_switchback can fuse."""
+    if case != "block":
+        return nn.Sequential(nn.Linear(d, 4 * d) if case == "fc1" else nn.Linear(4 * d, d))
     from transformers import CLIPVisionConfig
     from transformers.models.clip.modeling_clip import CLIPMLP
 
     heads = 16 if d % 16 == 0 else 1
-    config = CLIPVisionConfig(
-        hidden_size=d, intermediate_size=4 * d, hidden_act=hidden_act, num_attention_heads=heads
-    )
+    config = CLIPVisionConfig(hidden_size=d, intermediate_size=4 * d, num_attention_heads=heads)
+    config.hidden_act = hidden_act
     return CLIPMLP(config)
 
 
 def switchback(model: nn.Module, cfg: SwitchBackConfig) -> nn.Module:
-    if cfg.min_tokens is None:
-        # The rows measure the 8-bit path above the 16,384-token floor; the default's per-shape table
-        # (kernels/crossover) would keep these shapes 16-bit on Hopper.
+    if cfg.min_tokens is None:  # the 8-bit path above the floor (Hopper's crossover table would pick 16-bit)
         cfg = cfg.replace(min_tokens=AUTO_MIN_TOKENS_CUDA)
     if isinstance(model, nn.Sequential):
-        for i, layer in enumerate(model):
-            if isinstance(layer, nn.Linear):
-                model[i] = SwitchBackLinear.from_linear(layer, cfg)
+        model[0] = SwitchBackLinear.from_linear(model[0], cfg)
         return model
     return apply_switchback(model, cfg.replace(target_modules=["fc1", "fc2"]))
 
@@ -105,166 +94,30 @@ def torchao_variant(model: nn.Module, recipe: str) -> nn.Module:
     return model
 
 
-def step_fn(model: nn.Module, x: torch.Tensor, grad: torch.Tensor) -> Callable[[], None]:
-    params = list(model.parameters())
-
-    def step() -> None:
-        for p in params:
-            p.grad = None
-        x.grad = None
-        model(x).backward(grad)
-
-    return step
-
-
-def saved_activation_mib(model: nn.Module, x: torch.Tensor) -> float:
-    """Unique storages autograd saves in one forward, excluding parameters and the input itself."""
-    skip = {p.untyped_storage().data_ptr() for p in model.parameters()} | {x.untyped_storage().data_ptr()}
-    seen: dict[int, int] = {}
-
-    def pack(t: torch.Tensor):
-        ptr = t.untyped_storage().data_ptr()
-        if ptr not in skip:
-            seen[ptr] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = model(x)
-    del out
-    return sum(seen.values()) / 2**20
-
-
-def weight_quantizers(cfg: SwitchBackConfig):
-    """The weight's quantize and quantize-transposed ops of the config's weight scaling."""
-    if cfg.weight_scaling == "tensor":
-        return ops.quantize_tensorwise, ops.quantize_tensorwise_transposed
-    return ops.quantize_rowwise, ops.quantize_rowwise_transposed
-
-
-def quant_ms(case: str, d: int, tokens: int, cfg: SwitchBackConfig, fused_act: str | None = None) -> float:
-    """The quantize kernels of one fwd+bwd of the case, each timed alone, summed.
-
-    fused_act (a fused MLP block): its kernels instead, whose activation-fused passes also do the
-    activation's forward and backward (the unfused rows run those as separate torch ops, not counted)."""
-    qf, qg = quantized_dtypes(cfg, torch.device("cuda"))
-    if fused_act is not None:
-        return fused_quant_ms(d, tokens, cfg, fused_act)
-    shapes = {"fc1": [(d, 4 * d)], "fc2": [(4 * d, d)], "block": [(d, 4 * d), (4 * d, d)]}[case]
-    total = 0.0
-    for k, n in shapes:
-        x = torch.randn(tokens, k, device="cuda", dtype=torch.bfloat16)
-        g = torch.randn(tokens, n, device="cuda", dtype=torch.bfloat16)
-        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
-        wq, wtq = weight_quantizers(cfg)
-        total += do_bench(lambda x=x: ops.quantize_rowwise(x, qf), rep=20)
-        total += do_bench(lambda g=g: ops.quantize_rowwise(g, qg), rep=20)
-        total += do_bench(lambda w=w, wq=wq: wq(w, qf), rep=20)
-        total += do_bench(lambda w=w, wtq=wtq: wtq(w, qg), rep=20)
-        if cfg.memory_efficient:
-            xq, xs = ops.quantize_rowwise(x, qf)
-            total += do_bench(lambda xq=xq, xs=xs: ops.dequantize_rowwise(xq, xs, torch.bfloat16), rep=20)
-    return total
-
-
-def fused_quant_ms(d: int, tokens: int, cfg: SwitchBackConfig, act: str) -> float:
-    qf, qg = quantized_dtypes(cfg, torch.device("cuda"))
-    bf = dict(device="cuda", dtype=torch.bfloat16)
-    x, h = torch.randn(tokens, d, **bf), torch.randn(tokens, 4 * d, **bf)
-    g, gh = torch.randn(tokens, d, **bf), torch.randn(tokens, 4 * d, **bf)
-    w = torch.randn(4 * d, d, **bf)
-    wq, wtq = weight_quantizers(cfg)
-    total = do_bench(lambda: ops.quantize_rowwise(x, qf), rep=20)
-    total += do_bench(lambda: ops.act_quantize_rowwise(h, qf, act), rep=20)
-    total += do_bench(lambda: ops.quantize_rowwise_colsum(g, qg), rep=20)
-    options = cfg.kernel_options
-    total += do_bench(lambda: ops.act_backward_quantize_colsum(gh, h, qg, act, True, options=options), rep=20)
-    total += 2 * do_bench(lambda: wq(w, qf), rep=20) + 2 * do_bench(lambda: wtq(w, qg), rep=20)
-    if cfg.memory_efficient:
-        xq, xs = ops.quantize_rowwise(x, qf)
-        total += do_bench(lambda: ops.dequantize_rowwise(xq, xs, torch.bfloat16), rep=20)
-    return total
-
-
-# A/B rows: the same layers with one KernelOptions field changed (tag in the row name -> options).
-UNFUSED = " [unfused bias grad]"
-WITH_TMA = " [tma]"
-UNFUSED_OPTIONS = KernelOptions(fused_bias_grad=False)
-TMA_OPTIONS = KernelOptions(use_tma=True)
-# The fused block's activation backward after fc2's grad-input GEMM: 2-D tiles, or whole rows per program.
-ACT_BWD = {
-    " [act-bwd tiles]": KernelOptions(act_backward_impl="tiles"),
-    " [act-bwd rows]": KernelOptions(act_backward_impl="rows"),
-}
-
-
-def fuse_tag(cfg: SwitchBackConfig) -> str:
-    """Name suffix of a variant whose CLIP MLP runs fused (fuse_mlp, by default on with memory_efficient)."""
-    return " [fuse_mlp=True]" if cfg.fuses_mlp else ""
-
-
-# hidden_act -> the fused kernels' activation name
-_ACT_KIND = {"gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu", "quick_gelu": "quick_gelu"}
-
-
-def variants(
-    include_compile: bool,
-    tokens: int,
-    bias_grad_ab: bool = False,
-    mlp_ab: bool = False,
-    tma_ab: bool = False,
-    bwd_ab: bool = False,
-) -> list[tuple[str, Callable[[nn.Module], nn.Module], bool]]:
-    """(name, make(model) -> model, compile?)."""
-    out: list[tuple[str, Callable[[nn.Module], nn.Module], bool]] = [("bf16 nn.Linear", lambda m: m, False)]
-    for precision in ("int8", "fp8"):
-        for scaling in ("tensor", "row"):
-            for mem in (False, True):
-                cfg = SwitchBackConfig(precision=precision, weight_scaling=scaling, memory_efficient=mem)
-                out.append((f"switchback {cfg.variant}", lambda m, cfg=cfg: switchback(m, cfg), False))
-    if bwd_ab:
-        for precision in ("int8", "fp8"):
-            for tag, options in ACT_BWD.items():
-                cfg = SwitchBackConfig(precision=precision, fuse_mlp=True, kernel_options=options)
-                tag = fuse_tag(cfg) + tag
-                out.append((f"switchback {cfg.variant}{tag}", lambda m, cfg=cfg: switchback(m, cfg), False))
-    if tma_ab:
-        # The persistent TMA GEMM on Hopper (KernelOptions(use_tma=True); the portable kernel is the default).
-        for precision in ("int8", "fp8"):
-            for fuse, mem in ((False, False), (True, False), (False, True), (True, True)):
-                cfg = SwitchBackConfig(
-                    precision=precision, fuse_mlp=fuse, memory_efficient=mem, kernel_options=TMA_OPTIONS
-                )
-                tag = fuse_tag(cfg)
-                out.append(
-                    (f"switchback {cfg.variant}{tag}{WITH_TMA}", lambda m, cfg=cfg: switchback(m, cfg), False)
-                )
-    if mlp_ab:
-        # The block as one fused SwitchBack MLP op (fuse_mlp=True; three separate ops are the default).
-        for precision in ("int8", "fp8"):
-            for scaling in ("tensor", "row"):
-                for mem in (False, True):
-                    cfg = SwitchBackConfig(
-                        precision=precision, weight_scaling=scaling, memory_efficient=mem, fuse_mlp=True
-                    )
-                    name = f"switchback {cfg.variant}{fuse_tag(cfg)}"
-                    out.append((name, lambda m, cfg=cfg: switchback(m, cfg), False))
-    if bias_grad_ab:
-        # Same layers with the bias gradient as a separate column-sum pass (KernelOptions(fused_bias_grad=False)).
-        for precision, scaling in (("int8", "tensor"), ("int8", "row"), ("fp8", "row")):
-            cfg = SwitchBackConfig(
-                precision=precision, weight_scaling=scaling, kernel_options=UNFUSED_OPTIONS
-            )
-            out.append((f"switchback {cfg.variant}{UNFUSED}", lambda m, cfg=cfg: switchback(m, cfg), False))
-    if include_compile:
+def variants(compiled: bool, tokens: int, bias_grad_ab=False, mlp_ab=False, tma_ab=False, bwd_ab=False):
+    """(name, make(model) -> model, compile?) of every row."""
+    precisions = ("int8", "fp8")
+    grid = itertools.product(precisions, ("tensor", "row"), (False, True))
+    grid = [dict(precision=p, weight_scaling=s, memory_efficient=m) for p, s, m in grid]
+    specs = [("", fields) for fields in grid]  # (name tag, SwitchBackConfig fields)
+    for p in precisions if bwd_ab else ():
+        specs += [(tag, dict(precision=p, fuse_mlp=True, kernel_options=o)) for tag, o in ACT_BWD.items()]
+    tma = KernelOptions(use_tma=True)  # the persistent TMA GEMM on Hopper (the portable one is the default)
+    for p, fuse, mem in itertools.product(precisions, (False, True), (False, True)) if tma_ab else ():
+        specs.append((WITH_TMA, dict(precision=p, fuse_mlp=fuse, memory_efficient=mem, kernel_options=tma)))
+    specs += [("", dict(fields, fuse_mlp=True)) for fields in grid] if mlp_ab else []  # the block as one op
+    separate = KernelOptions(fused_bias_grad=False)  # the bias gradient as its own column-sum pass
+    for p, scaling in (("int8", "tensor"), ("int8", "row"), ("fp8", "row")) if bias_grad_ab else ():
+        specs.append((UNFUSED, dict(precision=p, weight_scaling=scaling, kernel_options=separate)))
+    if tokens < AUTO_MIN_TOKENS_CUDA:  # what forcing the 8-bit kernels below the floor would cost
+        specs += [(" backend=triton", dict(precision=p, backend="triton")) for p in precisions]
+    out = [("bf16 nn.Linear", lambda m: m, False)]
+    for tag, fields in specs:
+        cfg = SwitchBackConfig(**fields)
+        fused = " [fuse_mlp=True]" if "fuse_mlp" in fields and cfg.fuses_mlp else ""
+        out.append((f"switchback {cfg.variant}{fused}{tag}", lambda m, cfg=cfg: switchback(m, cfg), False))
+    if compiled:
         out.append(("bf16 nn.Linear + compile", lambda m: m, True))
-    if tokens < AUTO_MIN_TOKENS_CUDA:
-        # Below the floor backend="auto" runs bf16; these rows show what forcing the 8-bit kernels would cost.
-        for precision in ("int8", "fp8"):
-            cfg = SwitchBackConfig(precision=precision, backend="triton")
-            out.append(
-                (f"switchback {cfg.variant} backend=triton", lambda m, cfg=cfg: switchback(m, cfg), False)
-            )
-    if include_compile:
         for precision in ("int8", "fp8"):
             cfg = SwitchBackConfig(precision=precision)
             out.append((f"switchback {cfg.variant} + compile", lambda m, cfg=cfg: switchback(m, cfg), True))
@@ -274,88 +127,110 @@ def variants(
     return out
 
 
-def run_case(
-    case: str,
-    d: int,
-    tokens: int,
-    compile_cases: set[str],
-    only: list[str] | None = None,
-    bias_grad_ab: bool = False,
-    mlp_ab: bool = False,
-    hidden_act: str = "gelu_pytorch_tanh",
-    tma_ab: bool = False,
-    bwd_ab: bool = False,
-    exact: bool = False,
-    device: str = "cuda",
-) -> list[Row]:
+def saved_activation_mib(model: nn.Module, x: torch.Tensor) -> float:
+    """Unique storages autograd saves in one forward, excluding parameters and the input itself."""
+    skip = {p.untyped_storage().data_ptr() for p in model.parameters()} | {x.untyped_storage().data_ptr()}
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor):
+        if t.untyped_storage().data_ptr() not in skip:
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(x)
+    return sum(seen.values()) / 2**20
+
+
+def quant_ms(case: str, d: int, tokens: int, cfg: SwitchBackConfig, act: str | None = None) -> float:
+    """The quantize kernels one fwd+bwd of the case launches, each timed alone, summed; `act` (a fused block):
+    its kernels instead, whose activation-fused passes also do the activation's forward and backward."""
+    qf, qg = quantized_dtypes(cfg, torch.device("cuda"))
+    tensorwise = cfg.weight_scaling == "tensor"
+    wq = ops.quantize_tensorwise if tensorwise else ops.quantize_rowwise
+    wtq = ops.quantize_tensorwise_transposed if tensorwise else ops.quantize_rowwise_transposed
+    bf = dict(device="cuda", dtype=torch.bfloat16)
+    fns = []
+    shapes = {"fc1": [(d, 4 * d)], "fc2": [(4 * d, d)], "block": [(d, 4 * d), (4 * d, d)]}[case]
+    for k, n in shapes:
+        x, g, w = torch.randn(tokens, k, **bf), torch.randn(tokens, n, **bf), torch.randn(n, k, **bf)
+        fns += [lambda w=w: wq(w, qf), lambda w=w: wtq(w, qg)]
+        own_input = act is None or k == d  # the fused block's act passes quantize fc2's input, fc1's gradient
+        if own_input:
+            fns += [lambda x=x: ops.quantize_rowwise(x, qf)]
+        if act is None:
+            fns += [lambda g=g: ops.quantize_rowwise(g, qg)]
+        elif k == d:
+            h, gh, opts = torch.randn(tokens, n, **bf), torch.randn(tokens, n, **bf), cfg.kernel_options
+            fns += [
+                lambda h=h: ops.act_quantize_rowwise(h, qf, act),
+                lambda g=g: ops.quantize_rowwise_colsum(g, qg),
+            ]
+            fns += [lambda a=(gh, h, qg, act, True), o=opts: ops.act_backward_quantize_colsum(*a, options=o)]
+        if cfg.memory_efficient and own_input:
+            xq, xs = ops.quantize_rowwise(x, qf)
+            fns += [lambda xq=xq, xs=xs: ops.dequantize_rowwise(xq, xs, torch.bfloat16)]
+    return sum(do_bench(fn, rep=20) for fn in fns)
+
+
+def run_case(case: str, d: int, tokens: int, args) -> None:
+    """Print one table row per variant of one case."""
     torch.manual_seed(0)
-    ref = build_case(case, d, hidden_act).to(device, torch.bfloat16)
-    k_in = 4 * d if case == "fc2" else d
-    n_out = d if case == "fc2" else 4 * d if case == "fc1" else d
-    x = torch.randn(tokens, k_in, device=device, dtype=torch.bfloat16, requires_grad=True)
-    grad = torch.randn(tokens, n_out, device=device, dtype=torch.bfloat16)
-    label = f"{case} d={d} tokens={tokens}"
-    rows: list[Row] = []
-    base_ms = None
-    for name, make, compiled in variants(
-        case in compile_cases, tokens, bias_grad_ab, mlp_ab and case == "block", tma_ab, bwd_ab
-    ):
+    ref = build_case(case, d, args.act).to(args.device, torch.bfloat16)
+    bf = dict(device=args.device, dtype=torch.bfloat16)
+    x = torch.randn(tokens, 4 * d if case == "fc2" else d, **bf, requires_grad=True)
+    grad, base_ms = torch.randn(tokens, 4 * d if case == "fc1" else d, **bf), None
+    ab = (args.bias_grad_ab, args.mlp_ab and case == "block", args.tma_ab, args.bwd_ab)
+    for name, make, compiled in variants(case in args.compile_cases, tokens, *ab):
         short = name.removeprefix("switchback ")
-        selected = any(o == short for o in only) if exact else any(o in name for o in only or ())
-        if only and name != "bf16 nn.Linear" and not selected:
+        selected = short in args.only if args.exact else any(o in name for o in args.only or ())
+        if args.only and name != "bf16 nn.Linear" and not selected:
             continue
-        row = Row(label, name)
+        ms = saved = quant = None
+        note = ""
         try:
             model = make(copy.deepcopy(ref))
             run_model = torch.compile(model) if compiled else model
-            step = step_fn(run_model, x, grad)
-            row.ms = do_bench(step, warmup=25, rep=100)
-            row.saved_mib = saved_activation_mib(run_model, x)
-            if name.startswith("switchback") and not compiled and device == "cuda":
-                fused_act = _ACT_KIND[hidden_act] if is_fused_mlp(model) else None
-                row.quant_ms = quant_ms(case, d, tokens, first_config(model), fused_act)
-                if fused_act is not None:
-                    row.variant += " [fused mlp]"
+            params = list(model.parameters())
+
+            def step(run_model=run_model, params=params) -> None:
+                for p in (*params, x):
+                    p.grad = None
+                run_model(x).backward(grad)
+
+            ms, saved = do_bench(step, warmup=25, rep=100), saved_activation_mib(run_model, x)
+            if name.startswith("switchback") and not compiled and args.device == "cuda":
+                act = ACT_KIND[args.act] if is_fused_mlp(model) else None
+                quant = quant_ms(case, d, tokens, first_config(model), act)
+                name += " [fused mlp]" if act else ""
         except Exception as err:  # a peer that fails must not end the run; the table says why
-            row.note = f"{type(err).__name__}: {str(err).splitlines()[0][:90]}"
-        if base_ms is None:
-            base_ms = row.ms
-        if row.ms is not None and base_ms:
-            row.ratio = base_ms / row.ms
-        rows.append(row)
-        print(format_row(row), flush=True)
+            note = f"{type(err).__name__}: {str(err).splitlines()[0][:90]}"
+        base_ms = base_ms or ms
+        ratio = base_ms / ms if ms and base_ms else None
+        values = zip((ms, ratio, saved, quant), (".3f", ".2f", ".0f", ".3f"), strict=True)
+        cells = [
+            f"{case} d={d} tokens={tokens}",
+            name,
+            *("" if v is None else format(v, f) for v, f in values),
+        ]
+        print("| " + " | ".join([*cells, note]) + " |", flush=True)
         torch._dynamo.reset()
-        if device == "cuda":
-            torch.cuda.empty_cache()
-    return rows
 
 
 def bench_gemms(d: int, tokens: int) -> None:
-    """Bare GEMMs of a block (operands already quantized): ours with and without the TMA kernel, and fp8 on
-    cuBLAS (_scaled_mm), vs cuBLAS bf16."""
+    """Bare GEMMs of a block (operands already quantized): ours portable and TMA, fp8 on cuBLAS, vs cuBLAS bf16."""
     for name, n, k in (("d->4d", 4 * d, d), ("4d->d", d, 4 * d)):
-        a16 = torch.randn(tokens, k, device="cuda", dtype=torch.bfloat16)
-        w16 = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
-        bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
-        base = do_bench(
-            lambda a16=a16, w16=w16, bias=bias: torch.nn.functional.linear(a16, w16, bias), rep=100
-        )
+        bf = dict(device="cuda", dtype=torch.bfloat16)
+        a16, w16, bias = torch.randn(tokens, k, **bf), torch.randn(n, k, **bf), torch.randn(n, **bf)
+        base = do_bench(lambda a16=a16, w16=w16, bias=bias: nn.functional.linear(a16, w16, bias))
         cells = [f"cuBLAS bf16 {base:.3f} ms"]
         for qdtype in (torch.int8, torch.float8_e4m3fn):
-            a_q, a_s = ops.quantize_rowwise(a16, qdtype)
-            w_q, w_s = ops.quantize_tensorwise(w16, qdtype)
-            # fp8: our Triton kernels (portable, TMA), then cuBLAS's row-wise _scaled_mm (kernels/cublas.py)
-            paths = [("portable", False, "triton"), ("tma", True, "triton")]
-            if qdtype != torch.int8:
-                paths.append(("cublas", False, "cublas"))
-            for tag, tma, fp8_gemm in paths:
+            (a_q, a_s), (w_q, w_s) = ops.quantize_rowwise(a16, qdtype), ops.quantize_tensorwise(w16, qdtype)
+            paths = [("portable", False, "triton"), ("tma", True, "triton"), ("cublas", False, "cublas")]
+            for tag, tma, fp8_gemm in paths[: 2 if qdtype == torch.int8 else 3]:
                 options = KernelOptions(use_tma=tma, fp8_gemm=fp8_gemm)
-                ms = do_bench(
-                    lambda a_q=a_q, w_q=w_q, a_s=a_s, w_s=w_s, bias=bias, options=options: ops.scaled_matmul(
-                        a_q, w_q, a_s, w_s, bias, torch.bfloat16, options=options
-                    ),
-                    rep=100,
-                )
+                operands = (a_q, w_q, a_s, w_s, bias, torch.bfloat16)
+                ms = do_bench(lambda a=operands, o=options: ops.scaled_matmul(*a, options=o))
                 cells.append(f"{str(qdtype).split('.')[-1]} {tag} {ms:.3f} ms ({base / ms:.2f}x)")
         print(f"| gemm {name} d={d} M={tokens} | " + " | ".join(cells) + " |", flush=True)
 
@@ -366,137 +241,359 @@ def bench_row_kernels(d: int, tokens: int, act: str) -> None:
     h, g = torch.randn(tokens, 4 * d, **bf), torch.randn(tokens, 4 * d, **bf)
     approximate = "tanh" if act == "gelu_tanh" else "none"
     timings = {
-        "torch gelu fwd": lambda: torch.nn.functional.gelu(h, approximate=approximate),
+        "torch gelu fwd": lambda: nn.functional.gelu(h, approximate=approximate),
         "torch gelu bwd": lambda: torch.ops.aten.gelu_backward(g, h, approximate=approximate),
         "quantize_rowwise": lambda: ops.quantize_rowwise(h, torch.int8),
         "act_quantize_rowwise": lambda: ops.act_quantize_rowwise(h, torch.int8, act),
     }
-    for impl in ("tiles", "rows"):
-
-        def bwd(options=KernelOptions(act_backward_impl=impl)):  # noqa: B008 (bound per loop)
-            return ops.act_backward_quantize_colsum(g, h, torch.int8, act, True, options=options)
-
-        timings[f"act_backward_quantize_colsum ({impl})"] = bwd
-    # The output-gradient quantize + column sum at both widths of a block (d: q/k/v/out_proj, fc2; 4d: fc1).
-    for width in (d, 4 * d):
+    for o in ACT_BWD.values():
+        bwd = lambda o=o: ops.act_backward_quantize_colsum(g, h, torch.int8, act, True, options=o)  # noqa: E731
+        timings[f"act_backward_quantize_colsum ({o.act_backward_impl})"] = bwd
+    for width in (d, 4 * d):  # the output-gradient quantize + column sum (d: q/k/v/out_proj, fc2; 4d: fc1)
         grad = torch.randn(tokens, width, **bf)
-        timings[f"quantize_rowwise_colsum (tokens, {width})"] = lambda grad=grad: ops.quantize_rowwise_colsum(
-            grad, torch.int8
+        timings[f"quantize_rowwise_colsum (tokens, {width})"] = lambda g=grad: ops.quantize_rowwise_colsum(
+            g, torch.int8
         )
     cells = [f"{name} {do_bench(fn, rep=50):.3f} ms" for name, fn in timings.items()]
     print(f"| row kernels ({tokens}, {4 * d}) bf16 | " + " | ".join(cells) + " |", flush=True)
 
 
-def _fmt(value: float | None, spec: str) -> str:
-    return "" if value is None else format(value, spec)
+def layer_mode(args) -> None:
+    print(" | ".join(f"{k} {v}" for k, v in versions(args.device).items()))
+    print("| case | variant | ms | x bf16 | saved MiB | quant ms | note |\n|---|---|---:|---:|---:|---:|---|")
+    for d, tokens in itertools.product(args.dims, args.tokens):
+        for case in args.cases:
+            run_case(case, d, tokens, args)
+        if args.kernels:
+            bench_row_kernels(d, tokens, ACT_KIND[args.act])
+        if args.gemm:
+            bench_gemms(d, tokens)
 
 
-def format_row(r: Row) -> str:
-    cells = [r.case, r.variant, _fmt(r.ms, ".3f"), _fmt(r.ratio, ".2f"), _fmt(r.saved_mib, ".0f")]
-    return "| " + " | ".join([*cells, _fmt(r.quant_ms, ".3f"), r.note]) + " |"
+# -------------------------------------------------------------------------------------------- crossover mode
+DIMS = [512, 768, 1024, 1280]
+# from 2,048 (8 images of 257 tokens); 19,712 = 256 x 77 text tokens, 50,432 = 256 x 197 ViT-B/16 tokens
+TOKENS = [2048, 4096, 8192, 16384, 19712, 32768, 50432, 65536, 131072]
+SAMPLE_MS, MAX_LOOP = 4.0, 64  # a sample loops the step to about this long: small M is launch-bound
 
 
-def main() -> None:
+def shapes(dims: list[int]) -> list[tuple[int, int, str]]:
+    """(K, N, family) of every linear family of encoder layers of widths `dims`, without repeats."""
+    out: dict[tuple[int, int], str] = {}
+    for d in dims:
+        for k, n, family in ((d, d, "d->d"), (d, 4 * d, "d->4d"), (4 * d, d, "4d->d")):
+            out.setdefault((k, n), family)
+    return [(k, n, family) for (k, n), family in out.items()]
+
+
+def crossover_of(tokens: list[int], speedups: list[float], margin: float) -> int | None:
+    """Smallest M of the sorted grid from which every speed-up is >= margin (None: not even the largest M)."""
+    found = None
+    for m, speedup in zip(reversed(tokens), reversed(speedups), strict=True):
+        if speedup < margin:
+            break
+        found = m
+    return found
+
+
+def sample_ms(fn, loops: int, device: torch.device) -> float:
+    """Milliseconds per call of `fn` looped `loops` times: CUDA events on a GPU, the wall clock on a CPU."""
+    if device.type != "cuda":
+        start = time.perf_counter()
+        for _ in range(loops):
+            fn()
+        return (time.perf_counter() - start) * 1e3 / loops
+    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    begin.record()
+    for _ in range(loops):
+        fn()
+    end.record()
+    end.synchronize()
+    return begin.elapsed_time(end) / loops
+
+
+def time_shape(layers: dict[str, nn.Module], k: int, n: int, m: int, repeats: int, device) -> dict:
+    """Median ms of one training step of each layer at M = m tokens, the variants interleaved."""
+    x = torch.randn(m, k, device=device, dtype=torch.bfloat16, requires_grad=True)
+    grad = torch.randn(m, n, device=device, dtype=torch.bfloat16)
+
+    def step_of(layer):
+        def step() -> None:
+            layer.zero_grad(set_to_none=True)
+            x.grad = None
+            with torch.autocast(device.type, dtype=torch.bfloat16):
+                # a new view per call: SwitchBack reuses the 8-bit form of the input it saw last (q/k/v share one)
+                layer(x.view_as(x)).backward(grad)
+
+        return step
+
+    steps = {name: step_of(layer) for name, layer in layers.items()}
+    for step in steps.values():  # compile / autotune, then warm
+        step()
+        step()
+    loops = max(1, min(MAX_LOOP, round(SAMPLE_MS / max(sample_ms(steps["bf16"], 1, device), 1e-3))))
+    samples: dict[str, list[float]] = {name: [] for name in steps}
+    names = list(steps)
+    for r in range(repeats):  # the order rotates each round
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            samples[name].append(sample_ms(steps[name], loops, device))
+    return {name: statistics.median(values) for name, values in samples.items()}
+
+
+def git_commit() -> str:
+    try:
+        git = ["git", "rev-parse", "--short", "HEAD"]
+        return subprocess.run(
+            git, cwd=Path(__file__).parent, capture_output=True, text=True, check=True
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def write_json(result: dict, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.with_suffix(".tmp").write_text(json.dumps(result, indent=1) + "\n")
+    path.with_suffix(".tmp").replace(path)
+
+
+def crossover_mode(args) -> dict:
+    device, tokens, cuda = torch.device(args.device), sorted(set(args.tokens)), args.device == "cuda"
+    props = torch.cuda.get_device_properties(device) if cuda else None
+    grads = {p: grad_precision(SwitchBackConfig(precision=p), device) for p in args.precisions}
+    result = dict(
+        format=crossover.FORMAT, complete=False, device=props.name if cuda else "cpu",
+        capability=f"sm{props.major}{props.minor}" if cuda else None, torch=torch.__version__,
+        triton=versions(args.device, ("triton",))["triton"], date=datetime.date.today().isoformat(),
+        commit=args.commit, command="python " + " ".join(sys.argv), margin=args.margin, repeats=args.repeats,
+        tokens=tokens, step="forward + backward (input and weight gradients), float32 parameters under bf16 autocast",
+        switchback={p: f"SwitchBackConfig(precision={p!r}, min_tokens=0), grad precision here: {grads[p]}" for p in grads},
+        precisions={p: {} for p in args.precisions},
+    )  # fmt: skip
+    table_path = (
+        args.write_table / crossover.table_name((props.major, props.minor)) if args.write_table else None
+    )
+    started, todo = time.perf_counter(), shapes(args.dims)
+    print(
+        f"{result['device']}, {len(todo)} shapes x {len(tokens)} token counts, {args.precisions}", flush=True
+    )
+    for i, (k, n, family) in enumerate(todo):
+        layers: dict[str, nn.Module] = {"bf16": nn.Linear(k, n, device=device)}
+        for precision in args.precisions:
+            twin = copy.deepcopy(layers["bf16"])
+            config = SwitchBackConfig(
+                precision=precision, backend="torch" if args.tiny else "auto", min_tokens=0
+            )
+            layers[precision] = SwitchBackLinear.from_linear(twin, config)
+        times = {m: time_shape(layers, k, n, m, args.repeats, device) for m in tokens}
+        for precision in args.precisions:
+            speedups = [times[m]["bf16"] / times[m][precision] for m in tokens]
+            result["precisions"][precision][f"{k}x{n}"] = dict(
+                K=k, N=n, family=family, crossover=crossover_of(tokens, speedups, args.margin),
+                bf16_ms={str(m): round(times[m]["bf16"], 4) for m in tokens},
+                switchback_ms={str(m): round(times[m][precision], 4) for m in tokens},
+                speedup={str(m): round(s, 3) for m, s in zip(tokens, speedups, strict=True)},
+            )  # fmt: skip
+        print(f"[{i + 1}/{len(todo)}] {k}->{n} done, {time.perf_counter() - started:.0f} s", flush=True)
+        if args.out is not None:
+            write_json(result, args.out)
+    result.update(complete=True, seconds=round(time.perf_counter() - started, 1))
+    for path in (args.out, table_path):
+        if path is not None:
+            write_json(result, path)
+            print(f"wrote {path}", flush=True)
+    for precision, entries in result["precisions"].items():
+        print(f"\n{precision}: speed-up over bf16 nn.Linear (fwd+bwd), crossover at >= {args.margin}x")
+        print(f"{'K->N':>12} {'family':>6} | " + " ".join(f"{m:>7}" for m in tokens) + " | crossover")
+        for e in entries.values():
+            ups = " ".join(f"{e['speedup'][str(m)]:7.2f}" for m in tokens)
+            print(f"{e['K']:>5}->{e['N']:<5} {e['family']:>6} | {ups} | {json.dumps(e['crossover'])}")
+    return result
+
+
+# ----------------------------------------------------------------------------------------- gemm_configs mode
+TEXT_TOKENS = 77
+# what time_configs measures: the training step's operands and output, under bf16 autocast
+A_DTYPE, OUT_DTYPE = "int8", "bfloat16"
+# vision width, text width, vision tokens (224 px), per-GPU batches (bench_train.py's and bench_memory.py's)
+MODELS = {"vit-b-16": (768, 512, 197, (256,)), "vit-l-14": (1024, 768, 257, (128, 384)), "vit-h-14": (1280, 1024, 257, (64, 192))}  # fmt: skip
+TILE_FIELDS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages")
+
+
+def gemm_shapes(models: dict = MODELS) -> list[tuple[int, int, int, bool]]:
+    """(M, N, K, bias) of every 8-bit GEMM call of the models' steps: forward with bias, grad-input without."""
+    found = set()
+    for vision_d, text_d, vision_tokens, batches in models.values():
+        for batch, (d, m) in itertools.product(batches, ((vision_d, vision_tokens), (text_d, TEXT_TOKENS))):
+            for out_f, in_f in ((d, d), (4 * d, d), (d, 4 * d)):
+                found |= {(batch * m, out_f, in_f, True), (batch * m, in_f, out_f, False)}
+    return sorted(found)
+
+
+def worst_ratio(rows: list[dict], subset: tuple[int, ...]) -> float:
+    """Over all shapes, the largest time of the subset's best config relative to the shape's best of all."""
+    worst = 1.0
+    for row in rows:
+        kept = [row["ms"][i] for i in subset if row["ms"][i] is not None]
+        worst = max(worst, (min(kept) if kept else float("inf")) / min(t for t in row["ms"] if t is not None))
+    return worst
+
+
+def covering_subsets(rows: list[dict], max_size: int = 4) -> list[dict]:
+    """For each size, the config subset whose worst_ratio is lowest (ties: the earlier configs)."""
+    best, n_configs = [], len(rows[0]["ms"])
+    for size in range(1, min(max_size, n_configs) + 1):
+        ratio, subset = min((worst_ratio(rows, s), s) for s in itertools.combinations(range(n_configs), size))
+        best.append(dict(size=size, configs=list(subset), worst_ratio=round(ratio, 4)))
+    return best
+
+
+def tile_of(config: str) -> tuple[int, int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) of a triton.Config as str() writes it."""
+    fields = dict(re.findall(r"(\w+): (\d+)", config))
+    return tuple(int(fields[name]) for name in TILE_FIELDS)
+
+
+def tile_table(rows: list[dict], tiles: list[tuple]) -> list[dict]:
+    """Table entries: per (N, K, M bucket) timed, the tile whose worst ratio to the fastest config over that
+    key's rows (every M of the bucket, with and without bias) is smallest."""
+    groups: dict[tuple[int, int, int], list[dict]] = {}
+    for row in rows:
+        groups.setdefault((row["n"], row["k"], gemm_configs.m_bucket(row["m"])), []).append(row)
+    entries = []
+    for (n, k, bucket), group in sorted(groups.items()):
+        ratio, index = min((worst_ratio(group, (i,)), i) for i in range(len(tiles)))
+        entry = dict(a=A_DTYPE, out=OUT_DTYPE, n=n, k=k, m_bucket=bucket, tile=list(tiles[index]))
+        entries.append(dict(entry, worst_ratio=round(ratio, 4)))
+    return entries
+
+
+def write_tile_table(directory: Path, payload: dict, source: str) -> Path:
+    """The GPU's table file (sm<major><minor>.json) in `directory`, from a --json payload."""
+    header = dict(format=gemm_configs.FORMAT, capability=payload["capability"], device=payload["device"])
+    header.update(torch=payload["torch"], source=source, tile=list(TILE_FIELDS))
+    header["layout"] = "a (M, K) and b (N, K) contiguous"
+    tiles = [tile_of(c) for c in payload["configs"]]
+    entries = ",\n  ".join(json.dumps(e) for e in tile_table(payload["rows"], tiles))  # one line per entry
+    path = Path(directory) / f"{payload['capability']}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(header, indent=1)[:-2] + f',\n "entries": [\n  {entries}\n ]\n}}\n')
+    return path
+
+
+def time_configs(shape: tuple[int, int, int, bool], configs: list) -> list[float | None]:
+    """ms of each config at one shape (None where it does not compile or run, e.g. too much shared memory)."""
+    import triton
+
+    from hf_switchback.kernels import matmul
+
+    m, n, k, has_bias = shape
+    a, b = (torch.randint(-127, 128, shape, dtype=torch.int8, device="cuda") for shape in ((m, k), (n, k)))
+    c = torch.empty((m, n), dtype=torch.bfloat16, device="cuda")
+    a_scale, b_scale = torch.rand(m, device="cuda") / 127, torch.tensor(0.01, device="cuda")
+    bias = torch.randn(n, dtype=torch.bfloat16, device="cuda") if has_bias else c
+    args = (a, b, c, a_scale, b_scale, bias, m, n, k, triton.next_power_of_2(m))
+    args += (*a.stride(), *b.stride(), *c.stride())
+    flags = dict(B_SCALE_PER_ROW=False, HAS_BIAS=has_bias, IS_INT=True, UPCAST=False, EVEN_K=k % 128 == 0)
+    times = []
+    for config in configs:
+        grid = (triton.cdiv(m, config.kwargs["BLOCK_M"]) * triton.cdiv(n, config.kwargs["BLOCK_N"]),)
+        kwargs = dict(**flags, **config.kwargs, num_warps=config.num_warps, num_stages=config.num_stages)
+        launch = functools.partial(matmul._scaled_mm_kernel[grid], *args, **kwargs)
+        try:
+            times.append(do_bench(launch, warmup=10, rep=40))
+        except Exception as err:  # a config that does not fit this GPU; the tuner skips it too
+            print(f"config {config} at {shape}: {type(err).__name__}", file=sys.stderr)
+            times.append(None)
+    return times
+
+
+def gemm_configs_mode(args) -> None:
+    if args.from_json:
+        payload = json.loads(Path(args.from_json).read_text())
+        payload.setdefault("capability", "sm90")  # files written before the field existed: the H100's
+        print(f"wrote {write_tile_table(args.write_table, payload, Path(args.from_json).name)}")
+        return
+    from hf_switchback.kernels import matmul
+
+    configs, rows = matmul._configs(), []
+    for shape in gemm_shapes({name: MODELS[name] for name in args.models}):
+        times = time_configs(shape, configs)
+        rows.append(dict(m=shape[0], n=shape[1], k=shape[2], bias=shape[3], ms=times))
+        best = min(t for t in times if t is not None)
+        ratios = " ".join(f"{t / best:6.3f}" if t is not None else f"{'-':>6}" for t in times)
+        print(f"M={shape[0]:6} N={shape[1]:5} K={shape[2]:5} bias={shape[3]!s:5} {ratios}", flush=True)
+    subsets = covering_subsets(rows, args.max_subset)
+    for subset in subsets:
+        print(f"{subset['size']} config(s) {subset['configs']}: worst {subset['worst_ratio']:.3f}x the best")
+    major, minor = torch.cuda.get_device_capability()
+    payload = dict(
+        device=torch.cuda.get_device_name(), capability=f"sm{major}{minor}", torch=torch.__version__
+    )
+    payload.update(configs=[str(c) for c in configs], rows=rows, subsets=subsets)
+    if args.json:
+        Path(args.json).write_text(json.dumps(payload, indent=1))
+    if args.write_table:
+        print(f"wrote {write_tile_table(args.write_table, payload, 'bench_linear.py --mode gemm_configs')}")
+
+
+# ------------------------------------------------------------------------------------------------------ main
+def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--dims", type=int, nargs="+", default=[768, 1024, 1280], help="model widths d")
-    parser.add_argument("--tokens", type=int, nargs="+", default=[65536, 4096], help="rows (batch x seq)")
-    parser.add_argument(
-        "--cases",
-        nargs="*",
-        default=["fc1", "fc2", "block"],
-        choices=["fc1", "fc2", "block"],
-        help="what to time (none: only --kernels / --gemm)",
-    )
-    parser.add_argument(
-        "--compile-cases",
-        nargs="*",
-        default=["block"],
-        choices=["fc1", "fc2", "block"],
-        help="cases that also get the torch.compile and torchao variants (each costs a compile)",
-    )
-    parser.add_argument("--only", nargs="*", help="run only variants whose name contains one of these")
-    parser.add_argument(
-        "--mlp-ab",
-        action="store_true",
-        help="add block variants with the fused MLP (fuse_mlp=True; separate layers are the default)",
-    )
-    parser.add_argument(
-        "--tma-ab",
-        action="store_true",
-        help="add variants on the Hopper TMA GEMM (KernelOptions(use_tma=True); the portable one is the default)",
-    )
-    parser.add_argument("--gemm", action="store_true", help="also time the bare GEMMs of each d x tokens")
-    parser.add_argument(
-        "--kernels", action="store_true", help="also time the (tokens, 4d) row kernels one by one"
-    )
-    parser.add_argument(
-        "--bwd-ab",
-        action="store_true",
-        help="add fused-block variants with the activation backward as a separate pass (tiles / rows)",
-    )
-    parser.add_argument(
-        "--exact", action="store_true", help="--only names must equal a variant name (without 'switchback ')"
-    )
-    parser.add_argument(
-        "--act",
-        default="gelu_pytorch_tanh",
-        choices=sorted(_ACT_KIND),
-        help="the block's hidden_act (CLIP: quick_gelu for OpenAI configs, gelu for OpenCLIP-style)",
-    )
-    parser.add_argument(
-        "--bias-grad-ab",
-        action="store_true",
-        help="add variants with the bias gradient as a separate pass (fused is the default)",
-    )
-    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="cpu: only with --tiny")
-    parser.add_argument(
-        "--tiny",
-        action="store_true",
-        help="smoke mode: d=16, 32 tokens, no compile rows, no --gemm/--kernels",
-    )
-    args = parser.parse_args()
-    if args.device == "cuda" and not torch.cuda.is_available():
-        parser.error("--device cuda needs a GPU; use --device cpu --tiny for a smoke run")
-    if args.device == "cpu" and not args.tiny:
-        parser.error("--device cpu times the torch reference kernels, meaningless at real sizes: add --tiny")
-    if args.tiny:
-        args.dims, args.tokens, args.compile_cases, args.gemm, args.kernels = (
-            TINY_DIMS,
-            TINY_TOKENS,
-            [],
-            False,
-            False,
-        )
-    with contextlib.suppress(Exception):
-        import torchao
+    parser.add_argument("--mode", choices=("layer", "crossover", "gemm_configs"), default="layer")
+    parser.add_argument("--dims", type=int, nargs="+", help="widths d (default: per mode)")
+    parser.add_argument("--tokens", type=int, nargs="+", help="rows M (default: per mode)")
+    parser.add_argument("--write_table", type=Path, nargs="?", const=True, metavar="DIR", help="see above")
+    add_smoke_flags(parser)
+    layer = parser.add_argument_group("layer mode").add_argument
+    layer("--cases", nargs="*", default=list(CASES), choices=CASES, help="none: only --kernels / --gemm")
+    layer("--compile-cases", nargs="*", default=["block"], choices=CASES, help="add compiled, torchao rows")
+    layer("--only", nargs="*", help="only variants whose name contains one of these")
+    layer("--exact", action="store_true", help="--only names equal a variant (without 'switchback ')")
+    layer("--mlp-ab", action="store_true", help="add fused-MLP block rows (fuse_mlp=True)")
+    layer("--tma-ab", action="store_true", help="add rows on the Hopper TMA GEMM (use_tma=True)")
+    layer("--bwd-ab", action="store_true", help="add fused-block rows per activation-backward impl")
+    layer("--bias-grad-ab", action="store_true", help="add rows with a separate bias-gradient pass")
+    layer("--gemm", action="store_true", help="also time the bare GEMMs of each d x tokens")
+    layer("--kernels", action="store_true", help="also time the (tokens, 4d) row kernels one by one")
+    layer("--act", default="gelu_pytorch_tanh", choices=sorted(ACT_KIND), help="the block's hidden_act")
+    cross = parser.add_argument_group("crossover mode").add_argument
+    cross("--precisions", nargs="+", default=["int8", "fp8"], choices=("int8", "fp8"))
+    cross("--repeats", type=int, default=7, help="interleaved timed samples per variant")
+    cross("--margin", type=float, default=1.02, help="speed-up SwitchBack must reach to count")
+    cross("--out", type=Path, help="JSON file, rewritten after every shape")
+    cross("--commit", default=None, help="recorded in the JSON (default: git's HEAD)")
+    tiles = parser.add_argument_group("gemm_configs mode").add_argument
+    tiles("--models", nargs="+", choices=list(MODELS), default=list(MODELS))
+    tiles("--json", default=None, help="every shape's times and the subsets")
+    tiles("--max_subset", type=int, default=4, help="largest config subset to report")
+    tiles("--from_json", default=None, help="no timing: the table from an earlier --json file")
+    args = parser.parse_args(argv)
+    if args.write_table is True:
+        args.write_table = (crossover if args.mode == "crossover" else gemm_configs).TABLE_DIR
+    if args.from_json:
+        if args.mode != "gemm_configs" or not args.write_table:
+            parser.error("--from_json rebuilds a table: pass --mode gemm_configs --write_table DIR")
+        return args
+    if args.mode == "gemm_configs" and not torch.cuda.is_available():
+        parser.error("--mode gemm_configs times the Triton GEMM's configs: it needs a CUDA GPU")
+    check_device(parser, args)
+    if args.write_table and (args.tiny or args.mode == "layer"):
+        parser.error("--write_table records a GPU's measurement: --mode crossover / gemm_configs, no --tiny")
+    cross = args.mode == "crossover"
+    args.dims = args.dims or ([16, 32] if args.tiny else DIMS if cross else [768, 1024, 1280])
+    args.tokens = args.tokens or ([8, 16, 32] if args.tiny else TOKENS if cross else [65536, 4096])
+    if args.tiny:  # the layer rows on the torch reference path, in seconds
+        args.repeats, args.compile_cases, args.gemm, args.kernels = 1, [], False, False
+    args.commit = args.commit or git_commit()
+    return args
 
-        print(f"torchao {torchao.__version__}")
-    print(" | ".join(f"{k} {v}" for k, v in versions(args.device, ("triton",)).items()))
-    print("| case | variant | ms | x bf16 | saved MiB | quant ms | note |")
-    print("|---|---|---:|---:|---:|---:|---|")
-    for d in args.dims:
-        for tokens in args.tokens:
-            for case in args.cases:
-                run_case(
-                    case,
-                    d,
-                    tokens,
-                    set(args.compile_cases),
-                    args.only,
-                    args.bias_grad_ab,
-                    args.mlp_ab,
-                    args.act,
-                    args.tma_ab,
-                    args.bwd_ab,
-                    args.exact,
-                    args.device,
-                )
-            if args.kernels:
-                bench_row_kernels(d, tokens, _ACT_KIND[args.act])
-            if args.gemm:
-                bench_gemms(d, tokens)
+
+def main(argv=None):
+    args = parse_args(argv)
+    modes = {"layer": layer_mode, "crossover": crossover_mode, "gemm_configs": gemm_configs_mode}
+    return modes[args.mode](args)
 
 
 if __name__ == "__main__":

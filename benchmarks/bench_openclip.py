@@ -1,20 +1,13 @@
 """OpenCLIP training step speed: bf16 vs the bitsandbytes drop-in (MLP linears) vs SwitchBack on all linears.
 
-One open_clip model (random init, no download) trained on random images and token ids: forward, the CLIP
-loss, backward, fused AdamW, bf16 autocast with fp32 master weights (OpenCLIP's `--precision amp_bf16`).
-
-    bf16   stock OpenCLIP
-    mlp    `--use-bnb-linear SwitchBackLinearGlobal` through hf_switchback.bnb_compat: open_clip.utils.
-           replace_linear swaps c_fc / c_proj (OpenCLIP's own default); attention stays bf16
-    all    apply_switchback(target_modules=["c_fc", "c_proj", "attn"]): the MLP linears and each
-           nn.MultiheadAttention (packed q/k/v as one 8-bit GEMM, out_proj)
-
-Both 8-bit variants quantize at every batch size (min_tokens=0, as bitsandbytes did). Prints one JSON line per
-variant and a markdown row; needs CUDA (except --device cpu --model tiny for a smoke run) and open_clip_torch
-with ftfy, regex, timm, torchvision:
+One open_clip model (random init) on random images and token ids: forward, the CLIP loss, backward, fused AdamW,
+bf16 autocast over fp32 weights (OpenCLIP's `--precision amp_bf16`). Variants: bf16 (stock); mlp (OpenCLIP's
+`--use-bnb-linear SwitchBackLinearGlobal` through hf_switchback.bnb_compat: c_fc / c_proj); all
+(apply_switchback on c_fc, c_proj and each nn.MultiheadAttention). Both 8-bit variants quantize at every size
+(min_tokens=0, as bitsandbytes did). Needs open_clip_torch (with ftfy, regex, timm, torchvision).
 
     PYTHONPATH=.whl/site:src python benchmarks/bench_openclip.py --model ViT-B-32 --batch 256
-    PYTHONPATH=.whl/site:src python benchmarks/bench_openclip.py --model ViT-H-14 --batch 64 --compile
+    PYTHONPATH=.whl/site:src python benchmarks/bench_openclip.py --device cpu --model tiny --steps 1  # smoke
 """
 
 from __future__ import annotations
@@ -79,9 +72,7 @@ def main() -> None:
     parser.add_argument("--model", default="ViT-B-32", help="open_clip model name, or 'tiny' (CPU smoke run)")
     parser.add_argument("--batch", type=int, default=256, help="images (and captions) per step")
     parser.add_argument("--steps", type=int, default=20, help="timed steps per variant (median reported)")
-    parser.add_argument(
-        "--warmup", type=int, default=5, help="untimed steps first (kernel autotuning, compile)"
-    )
+    parser.add_argument("--warmup", type=int, default=5, help="untimed steps first (autotuning, compile)")
     parser.add_argument(
         "--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS), help="what to time"
     )

@@ -1,27 +1,16 @@
-"""What the benchmark scripts share: row grammar, compile-time accounting, ratios, statistics, timing, versions.
+"""What the benchmark scripts share: row grammar, compile-time accounting, time budget, tables, statistics.
 
 Row grammar (bench_train.py, bench_memory.py, compile_warmup.py): BASE[+ckpt][+budgetF][+compile][@B]
+  +ckpt      full gradient checkpointing of every encoder layer
+  +budgetF   torch._functorch.config.activation_memory_budget = F (0..1) while the row compiles: Inductor's
+             partitioner recomputes until at most F of the activations are saved (needs +compile)
+  +compile   torch.compile (the whole model, or each encoder layer with --compile layers)
+  @B         this row's batch
 
-  BASE           bf16, a SwitchBack row (int8, fp8-memeff, ...) or torchao-float8-<recipe> (bench_train.BASES)
-  +ckpt          full gradient checkpointing of every encoder layer (HF gradient_checkpointing_enable)
-  +budgetF       torch._functorch.config.activation_memory_budget = F (0..1) while the row compiles: Inductor's
-                 partitioner recomputes (cheapest first) until at most F of the activations it would save are
-                 saved (needs +compile); on a SwitchBack base it recomputes on top of the 8-bit saving
-  +compile       torch.compile (the whole model unless the script is told --compile layers)
-  @B             this row's batch (default: --batch, else the model's)
-
-Compile-time accounting: torch.compile records how long each of its phases took
-(`torch._dynamo.utils.compilation_time_metrics`, seconds per call, cleared by `torch._dynamo.reset()`); totals
-taken before and after the first step split its wall time into
-
-    compile_forward_s      Dynamo tracing + AOT autograd + Inductor compiling the forward graphs
-    compile_backward_s     Inductor compiling the backward graphs (AOT autograd does it in the first backward)
-    kernel_compile_wait_s  of those two, the time spent waiting for Inductor's parallel kernel compiles
-    run_s                  the rest: running the step, which on its first call also autotunes Triton kernels
-
-and `cache_counts` does the same for torch.compile's on-disk caches (FX graph cache, AOT autograd cache: how
-many graphs hit, missed or bypassed). The metric names are torch internals; both return {} where they are
-missing, and tests/test_benchmarks.py checks them on the installed torch with a real compile.
+Compile-time accounting: torch.compile's own timers (`compilation_time_metrics`) and cache counters, read before
+and after the first step, split it into compiling forward / backward graphs (of which waiting for Inductor's
+kernel compiles), the rest (`run_s`: running, autotuning), and FX graph / AOT autograd cache hit/miss/bypass.
+The names are torch internals: both return {} where missing, and tests/test_benchmarks.py checks them.
 """
 
 from __future__ import annotations
@@ -35,45 +24,37 @@ import time
 from pathlib import Path
 from typing import NamedTuple
 
-MODIFIERS = ("ckpt", "compile")
-
 
 class Variant(NamedTuple):
     """One row's configuration, parsed from its spec (see the module docstring)."""
 
     base: str  # bf16, int8-memeff, torchao-float8-rowwise, ...
-    grad_ckpt: bool  # +ckpt
-    budget: float | None  # +budgetF (None: the partitioner's default, 1.0)
-    compiled: bool  # +compile
-    batch: int | None = None  # @B (None: --batch, or the model's default)
+    grad_ckpt: bool
+    budget: float | None  # None: the partitioner's default, 1.0
+    compiled: bool
+    batch: int | None = None  # None: --batch, or the model's default
 
 
-def parse_variant(spec: str, bases: tuple[str, ...]) -> Variant:
+def parse_variant(spec: str, is_base, bases_help: str) -> Variant:
     """'bf16+budget0.5+compile@128' -> Variant('bf16', False, 0.5, True, 128); ValueError naming the bad part."""
     spec, at, batch_text = spec.partition("@")
-    batch = None
-    if at:
-        if not batch_text.isdigit() or int(batch_text) <= 0:
-            raise ValueError(f"{spec}@{batch_text}: @B needs a positive batch, e.g. @128")
-        batch = int(batch_text)
+    if at and (not batch_text.isdigit() or int(batch_text) <= 0):
+        raise ValueError(f"{spec}@{batch_text}: @B needs a positive batch, e.g. @128")
     base, *mods = spec.split("+")
-    if base not in bases:
-        raise ValueError(f"unknown variant base {base!r} in {spec!r}; choose from {bases}")
+    if not is_base(base):
+        raise ValueError(f"unknown variant base {base!r} in {spec!r}; choose from {bases_help}")
     budget = None
     for mod in mods:
         if mod.startswith("budget"):
-            try:
+            with contextlib.suppress(ValueError):
                 budget = float(mod.removeprefix("budget"))
-            except ValueError:
-                budget = -1.0
-            if not 0.0 <= budget <= 1.0:
+            if budget is None or not 0.0 <= budget <= 1.0:
                 raise ValueError(f"{spec!r}: +budgetF needs 0 <= F <= 1, e.g. +budget0.5")
-        elif mod not in MODIFIERS:
+        elif mod not in ("ckpt", "compile"):
             raise ValueError(f"unknown modifier +{mod} in {spec!r}; use +ckpt, +budgetF, +compile")
-    compiled = "compile" in mods
-    if budget is not None and not compiled:
+    if budget is not None and "compile" not in mods:
         raise ValueError(f"{spec!r}: +budgetF is a torch.compile setting; add +compile")
-    return Variant(base, "ckpt" in mods, budget, compiled, batch)
+    return Variant(base, "ckpt" in mods, budget, "compile" in mods, int(batch_text) if at else None)
 
 
 def recompute_budget(budget: float | None):
@@ -94,12 +75,9 @@ PHASES = (
 # (our name, torch._dynamo.utils.counters group, counter)
 CACHE_COUNTERS = tuple(
     (f"{short}_{outcome}", group, f"{prefix}_{outcome}")
-    for short, group, prefix in (
-        ("fx_graph", "inductor", "fxgraph_cache"),
-        ("aot_autograd", "aot_autograd", "autograd_cache"),
-    )
+    for short, group, prefix in (("fx_graph", "inductor", "fxgraph_cache"), ("aot_autograd", "aot_autograd", "autograd_cache"))
     for outcome in ("hit", "miss", "bypass")
-)
+)  # fmt: skip
 
 
 def phase_totals() -> dict[str, float]:
@@ -111,9 +89,7 @@ def phase_totals() -> dict[str, float]:
     return {name: float(sum(compilation_time_metrics.get(key, ()))) for name, key in PHASES}
 
 
-def first_step_split(
-    before: dict[str, float], after: dict[str, float], first_step_s: float
-) -> dict[str, float]:
+def first_step_split(before: dict, after: dict, first_step_s: float) -> dict[str, float]:
     """The first step's seconds by phase, from `phase_totals()` taken before and after it."""
     if not before or not after:
         return {}
@@ -131,11 +107,27 @@ def cache_counts() -> dict[str, int]:
     return {name: int(counters[group][key]) for name, group, key in CACHE_COUNTERS}
 
 
-def first_step_caches(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
+def first_step_caches(before: dict, after: dict) -> dict[str, int]:
     """The first step's cache outcomes, from `cache_counts()` taken before and after it."""
     if not before or not after:
         return {}
     return {name: after[name] - before[name] for name, _, _ in CACHE_COUNTERS}
+
+
+class Clock:
+    """--time_budget_s: a run starts only if the longest run so far of the same key would still end in time."""
+
+    def __init__(self, budget_s: float | None):
+        self.start, self.budget_s, self.longest = time.perf_counter(), budget_s, {}
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.start
+
+    def allows(self, key) -> bool:
+        return not self.budget_s or self.elapsed() + self.longest.get(key, 0.0) <= self.budget_s
+
+    def record(self, key, seconds: float) -> None:
+        self.longest[key] = max(self.longest.get(key, 0.0), seconds)
 
 
 def ratio(value: float | None, reference: float | None) -> str:
@@ -143,17 +135,42 @@ def ratio(value: float | None, reference: float | None) -> str:
     return f"{value / reference:.2f}x" if value and reference else "-"
 
 
-def print_header(header: str) -> None:
-    print(header)
-    print("-" * len(header))
+def print_table(rows: list[dict], lead: list[tuple[str, str, int]], cols: list[tuple], measured: str) -> None:
+    """One line per row: `lead` cells (title, key, width), then `cols` (title, row -> value, format spec) for
+    rows that have `measured`, else the row's status and error."""
+    cols = [(title, get, spec, max(len(title), 7)) for title, get, spec in cols]
+    header = " ".join([*(f"{t:{w}}" for t, _, w in lead), *(f"{t:>{w}}" for t, _, _, w in cols)])
+    print(header + "\n" + "-" * len(header))
+    for r in rows:
+        cells = [f"{r.get(key)!s:{w}}" for _, key, w in lead]
+        if measured not in r:
+            print(*cells, f"{r.get('status', 'error')}: {r.get('error', '')[:120]}")
+            continue
+        values = [(get(r), spec, w) for _, get, spec, w in cols]
+        print(*cells, *(f"{'-' if v is None else format(v, s):>{w}}" for v, s, w in values))
 
 
 def emit(rows: list[dict], env: dict, json_path: str | None) -> None:
-    """Print the newest row as one JSON line and rewrite `json_path` with all rows, so a killed process keeps
-    what it measured."""
+    """Print the newest row as one JSON line and rewrite `json_path` with all rows (a killed process keeps
+    what it measured)."""
     print(json.dumps(rows[-1]), flush=True)
     if json_path:
         Path(json_path).write_text(json.dumps(dict(env=env, rows=rows), indent=1))
+
+
+def add_smoke_flags(parser, what: str = "smoke test only") -> None:
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help=f"cpu: {what}")
+    parser.add_argument("--tiny", action="store_true", help="CPU-test-size shapes (smoke test)")
+
+
+def check_device(parser, args) -> None:
+    """A CUDA run needs a GPU; a CPU run is a smoke test and needs --tiny."""
+    import torch
+
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda needs a GPU; use --device cpu --tiny for a smoke run")
+    if args.device == "cpu" and not args.tiny:
+        parser.error("--device cpu says nothing about the GPU at real sizes: add --tiny (a smoke test)")
 
 
 def mean_se(values: list[float]) -> tuple[float | None, float | None]:
@@ -163,26 +180,11 @@ def mean_se(values: list[float]) -> tuple[float | None, float | None]:
     mean = sum(values) / len(values)
     if len(values) < 2:
         return mean, None
-    var = sum((v - mean) ** 2 for v in values) / (len(values) - 1)
-    return mean, math.sqrt(var / len(values))
+    return mean, math.sqrt(sum((v - mean) ** 2 for v in values) / (len(values) - 1) / len(values))
 
 
-# Two-sided 95% Student t quantiles by degrees of freedom (pairs - 1): with a handful of pairs, +-2 SE is far
-# too narrow (2 pairs: 12.7 SE).
-T95 = {
-    1: 12.71,
-    2: 4.30,
-    3: 3.18,
-    4: 2.78,
-    5: 2.57,
-    6: 2.45,
-    7: 2.36,
-    8: 2.31,
-    9: 2.26,
-    10: 2.23,
-    15: 2.13,
-    20: 2.09,
-}
+# Two-sided 95% Student t quantiles by degrees of freedom: with a handful of pairs +-2 SE is far too narrow.
+T95 = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 7: 2.36, 8: 2.31, 9: 2.26, 10: 2.23, 15: 2.13, 20: 2.09}  # fmt: skip
 
 
 def t95(df: int) -> float:
@@ -191,8 +193,8 @@ def t95(df: int) -> float:
 
 
 def do_bench(fn, warmup: int = 25, rep: int = 100) -> float:
-    """Milliseconds per call of fn: triton's do_bench (warmup and rep in ms) where CUDA is, else the median of a
-    few wall-clock calls after one untimed call (CPU smoke runs: a timing that only has to be positive)."""
+    """Milliseconds per call of fn: triton's do_bench (warmup and rep in ms) on CUDA, else the median of three
+    wall-clock calls after an untimed one (CPU smoke runs: a timing that only has to be positive)."""
     import torch
 
     if torch.cuda.is_available():

@@ -91,10 +91,8 @@ def main() -> None:
     else:
         out = Path(tempfile.mkdtemp(prefix="default_run_"))
         start = time.perf_counter()
-        subprocess.run(
-            ["accelerate", "launch", str(REPO / "examples" / "train_clip.py"), "--output_dir", str(out)],
-            check=True,
-        )
+        command = ["accelerate", "launch", str(REPO / "examples" / "train_clip.py"), "--output_dir", str(out)]
+        subprocess.run(command, check=True)
         wall = time.perf_counter() - start
         results_path = out / "all_results.json"
     record = record_from(json.loads(results_path.read_text()), wall)

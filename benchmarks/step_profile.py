@@ -1,29 +1,12 @@
-"""Where a training step's GPU time goes: kernel time by family and by phase (forward / backward), from torch.profiler.
+"""Where a training step's GPU time goes: kernel time by family and phase (forward / backward), torch.profiler.
 
-bench_train.py and bench_memory.py --profile run this on their rows. Each profiled step runs forward and backward (+ optimizer) in
-record_function ranges that end with a device synchronize, so every kernel starts inside the range of the phase
-that launched it; a kernel's phase is read from its start time.
-
-Families (the first rule that matches decides):
-  8-bit GEMM           kernels launched by aten::_scaled_mm / aten::_int_mm (cuBLAS fp8 / int8: their names do
-                       not say so) and this package's Triton GEMMs (_scaled_mm_kernel, _scaled_mm_tma_kernel)
-  quantize/cast        this package's quantize kernels, Inductor kernels whose fused ops say absmax or a cast to 8
-                       bits (amax, round, clamp) or that only cast (triton_poi_fused__to_copy_0), and eager dtype
-                       copies. A dequantize or cast that Inductor fused into other pointwise work cannot be told
-                       apart and counts as norm + elementwise.
-  attention            flash / memory-efficient / cuDNN attention, forward and backward
-  optimizer            AdamW's multi-tensor kernels
-  16-bit GEMM          cuBLAS / CUTLASS GEMMs (and cuDNN's implicit-GEMM convolution of the patch embedding)
-  norm + elementwise   Inductor's other kernels (fused pointwise and reductions: LayerNorm, GELU, residual adds)
-                       and eager elementwise, reduction, norm and softmax kernels
-  other                the rest (memcpy / memset, fills, indexing)
-
-Recompute is not a kernel family (a recomputed op runs the same kernel as in forward, or is fused into a backward
-kernel by Inductor), so it is reported beside the families:
-  attention forward kernels that run in backward (exact: HF checkpointing or the partitioner re-ran attention);
-  GEMM calls in backward beyond two per forward GEMM (grad-input and grad-weight), valued at the forward GEMMs'
-  mean time per call (an estimate: which GEMMs were recomputed is not known). Elementwise work that the
-  partitioner recomputes inside fused backward kernels is not separable and is not counted.
+bench_train.py and bench_memory.py --profile run this on their rows. Each phase runs in a record_function range
+that ends with a synchronize, so a kernel's phase is the range its start time falls in. Families: the first rule
+of NAME_RULES that matches a kernel's name, except that kernels launched by 8-bit aten ops (cuBLAS fp8 / int8,
+named like bf16 ones) are 8-bit GEMMs and Inductor kernels that absmax, round, clamp or only cast are quantizes
+(a cast Inductor fused into other pointwise work counts as norm + elementwise). Recompute is reported beside
+the families: attention forward kernels run in backward (exact), and backward GEMM calls beyond two per forward
+GEMM valued at the forward mean (an estimate; recompute fused into backward kernels is not separable).
 """
 
 from __future__ import annotations
@@ -31,8 +14,8 @@ from __future__ import annotations
 import json
 import re
 import time
-from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -63,8 +46,7 @@ CPU_GEMM_OPS = ("aten::mm", "aten::addmm", "aten::bmm")
 GEMM_HELPERS = ("splitkreduce", "reduce_kernel")
 
 
-@dataclass(frozen=True)
-class Kernel:
+class Kernel(NamedTuple):
     """One kernel run: its name, the phase that launched it, its time in ms."""
 
     name: str
@@ -100,35 +82,34 @@ def gemm_call(name: str, fam: str) -> bool:
 
 def summarize(kernels: list[Kernel], steps: int, eight_bit: frozenset[str] = frozenset()) -> dict:
     """Per step: ms and calls by family x phase, the recompute figures (see the module docstring), GPU busy time."""
-    by = {fam: {FORWARD: 0.0, BACKWARD: 0.0, OUTSIDE: 0.0} for fam in FAMILIES}
-    calls = {fam: {FORWARD: 0, BACKWARD: 0, OUTSIDE: 0} for fam in FAMILIES}
-    gemm_calls = {FORWARD: 0, BACKWARD: 0, OUTSIDE: 0}
-    gemm_ms = {FORWARD: 0.0, BACKWARD: 0.0, OUTSIDE: 0.0}
-    attention_rerun_ms, attention_rerun_calls = 0.0, 0
+    phases = lambda: dict.fromkeys((FORWARD, BACKWARD, OUTSIDE), 0.0)  # noqa: E731
+    by, calls = {fam: phases() for fam in FAMILIES}, {fam: phases() for fam in FAMILIES}
+    gemm_calls, gemm_ms, rerun = phases(), phases(), dict(ms=0.0, calls=0.0)
     for k in kernels:
         fam = family(k.name, eight_bit)
         by[fam][k.phase] += k.ms / steps
-        calls[fam][k.phase] += 1
+        calls[fam][k.phase] += 1 / steps
         if gemm_call(k.name, fam):
-            gemm_calls[k.phase] += 1
+            gemm_calls[k.phase] += 1 / steps
             gemm_ms[k.phase] += k.ms / steps
         if k.phase == BACKWARD and is_attention_forward(k.name):
-            attention_rerun_ms += k.ms / steps
-            attention_rerun_calls += 1
-    fwd_calls = gemm_calls[FORWARD] / steps
-    extra_gemms = max(0.0, gemm_calls[BACKWARD] / steps - 2 * fwd_calls)
-    mean_fwd_gemm = gemm_ms[FORWARD] / fwd_calls if fwd_calls else 0.0
+            rerun["ms"] += k.ms / steps
+            rerun["calls"] += 1 / steps
+    extra_gemms = max(0.0, gemm_calls[BACKWARD] - 2 * gemm_calls[FORWARD])
+    mean_fwd_gemm = gemm_ms[FORWARD] / gemm_calls[FORWARD] if gemm_calls[FORWARD] else 0.0
+    recompute = dict(
+        attention_forward_in_backward_ms=rerun["ms"], attention_forward_in_backward_calls=rerun["calls"]
+    )
+    recompute.update(
+        extra_backward_gemm_calls=extra_gemms, extra_backward_gemm_ms_est=extra_gemms * mean_fwd_gemm
+    )
+    gpu_ms = sum(ms for phases in by.values() for ms in phases.values())
     return dict(
-        gpu_ms_per_step=sum(ms for phases in by.values() for ms in phases.values()),
+        gpu_ms_per_step=gpu_ms,
         ms=by,
-        calls_per_step={fam: {p: n / steps for p, n in phases.items()} for fam, phases in calls.items()},
-        gemm_calls_per_step={p: n / steps for p, n in gemm_calls.items()},
-        recompute=dict(
-            attention_forward_in_backward_ms=attention_rerun_ms,
-            attention_forward_in_backward_calls=attention_rerun_calls / steps,
-            extra_backward_gemm_calls=extra_gemms,
-            extra_backward_gemm_ms_est=extra_gemms * mean_fwd_gemm,
-        ),
+        calls_per_step=calls,
+        gemm_calls_per_step=gemm_calls,
+        recompute=recompute,
     )
 
 

@@ -101,7 +101,7 @@ def test_bench_train_time_budget_skips_and_keeps_rows(tmp_path, monkeypatch):
     # a failing row is recorded with its error and the next row still runs
     args = bench.argparse.Namespace(device="cpu", tiny=True, batch=None, compile="model")
     with pytest.raises(ValueError, match="unknown variant"):
-        bench.time_training("vit-b-16", "int4", False, 1, 0, args)
+        bench.run_row("vit-b-16", "int4", False, args)
 
 
 def test_bench_train_refuses_per_layer_cuda_graphs_with_checkpointing(monkeypatch, capsys):
@@ -191,26 +191,24 @@ def test_bench_memory_cpu_smoke_and_variant_grammar(tmp_path, monkeypatch, capsy
 
 def test_bench_memory_torchao_row_is_skipped_with_its_reason_where_torchao_is_missing(monkeypatch):
     bench = load_script("bench_memory")
-    real_find_spec = bench.importlib.util.find_spec
-    monkeypatch.setattr(
-        bench.importlib.util, "find_spec", lambda name: None if name == "torchao" else real_find_spec(name)
-    )
+    util = bench.bench_train.importlib.util
+    real_find_spec = util.find_spec
+    monkeypatch.setattr(util, "find_spec", lambda name: None if name == "torchao" else real_find_spec(name))
     args = bench.argparse.Namespace(device="cpu", tiny=True)
     row = bench.attempt("vit-b-16", "torchao-float8-rowwise+compile", 8, args)
     assert row["status"] == "skipped" and "torchao is not installed" in row["error"]
-    assert bench.missing_requirement("bf16") is None and bench.missing_requirement("int8-memeff") is None
 
 
 def test_bench_memory_time_budget_skips_runs_that_would_overrun():
     bench = load_script("bench_memory")
-    clock = bench.Clock(100.0)
+    clock = bench.common.Clock(100.0)
     assert clock.allows("vit-h-14")  # nothing known yet
     clock.start -= 60  # 60 s used
     clock.record("vit-h-14", 50.0)  # a ViT-H run took 50 s: another would end at 110 s
     assert not clock.allows("vit-h-14") and clock.allows("vit-b-16")
     row = bench.attempt("vit-h-14", "bf16+compile", 8, bench.argparse.Namespace(device="cpu"), clock)
     assert row["status"] == "skipped" and row["error"].startswith("time budget")
-    assert bench.Clock(None).allows("vit-h-14")
+    assert bench.common.Clock(None).allows("vit-h-14")
 
 
 def test_bench_memory_profile_sees_checkpoint_recompute(tmp_path, monkeypatch):
@@ -362,13 +360,26 @@ def test_bench_train_variant_kernel_changes_apply_on_top_of_the_process_options(
     assert cfg.memory_efficient and cfg.min_tokens == 0
     assert cfg.kernel_options == KernelOptions(use_tma=True, triton_act_quantize=False)
     assert bench.switchback_config("int8-memeff").kernel_options == KernelOptions()
-    for base, fields in bench.SWITCHBACK_VARIANTS.items():  # every row builds a valid config
-        assert bench.switchback_config(base).memory_efficient == fields.get("memory_efficient", False)
+    # rows are composed of tokens: each one's fields, in any order, checked by SwitchBackConfig
+    cfg = bench.switchback_config("fp8-memeff-unfused-wgrad8")
+    assert (cfg.precision, cfg.memory_efficient, cfg.fuse_mlp, cfg.wgrad_precision) == (
+        "fp8",
+        True,
+        False,
+        "fp8",
+    )
+    assert bench.switchback_config("int8-row-memeff").weight_scaling == "row"
+    assert bench.switchback_config("int8-attn").target_modules == bench.ATTENTION
+    for token in bench.TOKENS:  # every token builds a valid config
+        bench.switchback_config(f"int8-{token}")
+    for bad in ("int8-", "int8-fast", "int4-memeff", "int8-memeffx", "bf16-memeff"):
+        assert not bench.is_base(bad), bad
+    assert all(bench.is_base(b) for b in ("int8-default", "fp8-lora", "torchao-float8-rowwise", "bf16-lora"))
 
 
-def test_bench_memory_fit_search_and_verify_find_the_largest_batch(monkeypatch):
-    """--fit search bisects, --fit verify steps down from the estimate, both with out-of-memory rows caught;
-    a fake run (fits up to batch 300) stands in for the GPU."""
+def test_bench_memory_fit_search_finds_the_largest_batch(monkeypatch):
+    """--fit search bisects from the estimate, out-of-memory rows caught; a fake run (fits up to batch 300)
+    stands in for the GPU."""
     bench = load_script("bench_memory")
     tried = []
 
@@ -395,20 +406,16 @@ def test_bench_memory_fit_search_and_verify_find_the_largest_batch(monkeypatch):
     tried.clear()
     assert "max_batch" not in bench.fit("vit-h-14", "bf16+compile", first, args, cap, mode="estimate")
     assert tried == []
-    tried.clear()
-    args.fit = "verify"
-    found = bench.fit("vit-h-14", "int8-memeff+compile", first, args, cap)
-    assert tried[0] == 336 and found["max_batch"] == 296 and len(tried) <= 3  # 336 OOM, 312 OOM, 296 fits
 
 
 def test_bench_crossover_cpu_smoke_writes_a_table_the_loader_reads(tmp_path, capsys):
-    """bench_crossover.py --device cpu --tiny in process: every shape family and precision gets times and a
+    """bench_linear.py --mode crossover --device cpu --tiny in process: every shape family and precision gets times and a
     crossover, and its JSON is a table that kernels/crossover loads (the format the GPU run ships)."""
     from hf_switchback.kernels import crossover
 
-    bench = load_script("bench_crossover")
+    bench = load_script("bench_linear")
     out = tmp_path / "sm90.json"
-    result = bench.main(["--device", "cpu", "--tiny", "--out", str(out)])
+    result = bench.main(["--mode", "crossover", "--device", "cpu", "--tiny", "--out", str(out)])
     data = json.loads(out.read_text())
     assert data == result and data["complete"] and data["format"] == crossover.FORMAT
     assert set(data["precisions"]) == {"int8", "fp8"}
@@ -424,11 +431,11 @@ def test_bench_crossover_cpu_smoke_writes_a_table_the_loader_reads(tmp_path, cap
             assert table[(precision, entry["K"], entry["N"])] == want
     assert "crossover" in capsys.readouterr().out
     with pytest.raises(SystemExit):  # a table must be measured on the GPU it is for
-        bench.main(["--device", "cpu", "--tiny", "--write_table", str(tmp_path)])
+        bench.main(["--mode", "crossover", "--device", "cpu", "--tiny", "--write_table", str(tmp_path)])
 
 
 def test_bench_crossover_is_the_first_m_from_which_every_larger_m_pays():
-    bench = load_script("bench_crossover")
+    bench = load_script("bench_linear")
     tokens = [1024, 2048, 4096, 8192, 16384]
     assert bench.crossover_of(tokens, [0.5, 1.1, 0.99, 1.03, 1.2], 1.02) == 8192  # 2048 paid, 4096 did not
     assert bench.crossover_of(tokens, [1.05] * 5, 1.02) == 1024
@@ -567,20 +574,30 @@ def test_compile_warmup_refuses_full_size_models_on_the_cpu(monkeypatch, capsys)
     assert "--tiny" in capsys.readouterr().err
 
 
-def test_bench_inference_cpu_smoke():
-    """Tiny towers on the CPU: a row per mode, bf16 its own baseline, 8-bit embeddings close to bf16's."""
-    flags = ["--device", "cpu", "--tiny", "--batch-size", "4", "--iters", "1", "--warmup", "0"]
-    stdout = run_script(["benchmarks/bench_inference.py", *flags])
-    rows = {
-        line.split(" | ")[0].strip("| "): line.split(" | ")
-        for line in stdout.splitlines()
-        if line[:3] in ("| b", "| i", "| f")
-    }
-    assert set(rows) == {"bf16", "int8", "fp8"} and rows["bf16"][2] == "1.00x"
-    # min cosine to bf16's embeddings, image / text. fp8 (e4m3, 3 mantissa bits) rounds 8x coarser than int8 rows:
-    # its text minimum over the 4 samples measured 0.988-0.997 across runs and machines; broken numerics give ~0.
+def test_bench_train_inference_cpu_smoke(tmp_path):
+    """--inference on tiny towers: a row per mode, bf16 its own reference, 8-bit embeddings close to bf16's."""
+    out = tmp_path / "rows.json"
+    flags = [
+        "--inference",
+        "--device",
+        "cpu",
+        "--tiny",
+        "--models",
+        "vit-b-16",
+        "--batch",
+        "4",
+        "--steps",
+        "1",
+    ]
+    stdout = run_script(["benchmarks/bench_train.py", *flags, "--warmup", "0", "--json", str(out)])
+    rows = {r["variant"]: r for r in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {"bf16", "int8", "fp8"} and rows["bf16"]["min_cos_image"] == pytest.approx(1.0)
+    assert all(r["images_per_s"] > 0 and r["texts_per_s"] > 0 for r in rows.values())
+    # min cosine to bf16's embeddings. fp8 (e4m3, 3 mantissa bits) rounds 8x coarser than int8 rows: its text
+    # minimum over 4 samples measured 0.988-0.997 across runs and machines; broken numerics give ~0.
     for mode, floor in (("int8", 0.99), ("fp8", 0.95)):
-        assert float(rows[mode][5]) > floor and float(rows[mode][6].strip(" |")) > floor, (mode, rows[mode])
+        assert rows[mode]["min_cos_image"] > floor and rows[mode]["min_cos_text"] > floor, rows[mode]
+    assert any(line.startswith("vit-b-16") and " fp8 " in line for line in stdout.splitlines())
 
 
 def test_bench_linear_cpu_smoke():

@@ -29,7 +29,7 @@ FAKE = {
 
 
 def write_table(directory, capability=HOPPER, entries=None) -> None:
-    """A table in the format benchmarks/bench_crossover.py writes (only the fields the loader reads)."""
+    """A table in the format benchmarks/bench_linear.py --mode crossover writes (only the fields the loader reads)."""
     precisions: dict = {}
     for (precision, k, n), value in (FAKE if entries is None else entries).items():
         precisions.setdefault(precision, {})[f"{k}x{n}"] = {"K": k, "N": n, "crossover": value}
@@ -206,7 +206,7 @@ def test_the_wheel_carries_the_tables(tmp_path):
 
 
 def test_the_shipped_hopper_table_is_complete_and_its_crossovers_follow_its_own_timings():
-    """sm90.json is a measured table (benchmarks/bench_crossover.py on an H100): complete, for sm90, every CLIP
+    """sm90.json is a measured table (benchmarks/bench_linear.py --mode crossover on an H100): complete, for sm90, every CLIP
     family of d = 512..1280 in both precisions, and each crossover is the smallest token count from which the
     recorded speed-up (bf16 ms / SwitchBack ms) is at least the margin at that count and every larger one
     (recomputed here from the timings), which is what the default config then reads."""

@@ -39,7 +39,7 @@ def test_m_bucket_matches_the_autotuners_key():
 
 
 def test_shipped_sm90_table_is_the_measurement_it_was_written_from():
-    bench = load_script("benchmarks/bench_gemm_configs.py")
+    bench = load_script("benchmarks/bench_linear.py")
     payload = json.loads(MEASUREMENT.read_text())
     expected = bench.tile_table(payload["rows"], [bench.tile_of(c) for c in payload["configs"]])
     shipped = json.loads((TABLE_DIR / "sm90.json").read_text())
@@ -59,7 +59,7 @@ def test_every_table_tile_is_a_config_of_the_kernels_list():
     assert tiles <= set(matmul._TILE_SHAPES)
     # and the list the measurement timed is that list, in that order (tile_table indexes it)
     payload = json.loads(MEASUREMENT.read_text())
-    bench = load_script("benchmarks/bench_gemm_configs.py")
+    bench = load_script("benchmarks/bench_linear.py")
     assert [bench.tile_of(c) for c in payload["configs"]] == list(matmul._TILE_SHAPES)
 
 
@@ -111,4 +111,4 @@ def test_a_broken_table_is_an_error_naming_file_and_fix(tmp_path, content, messa
     with pytest.raises(ValueError, match=message) as err:
         measured_tile(SM90, "int8", "bfloat16", 1500, 64, 128, table_dir=tmp_path)
     assert str(tmp_path / "sm90.json") in str(err.value)
-    assert "bench_gemm_configs.py" in str(err.value) or "entry 0" in str(err.value)
+    assert "bench_linear.py" in str(err.value) or "entry 0" in str(err.value)

@@ -5,7 +5,8 @@ What `SwitchBackConfig(min_tokens=None)` (the default) uses for CUDA tensors und
 current GPU, so a layer whose 8-bit path does not pay at its call's token count stays 16-bit.
 
 The tables are this folder's `sm<major><minor>.json` (e.g. sm90.json for Hopper), written by
-`benchmarks/bench_crossover.py --write_table` on that GPU: per precision ("int8", "fp8") and (K, N), the times
+`benchmarks/bench_linear.py --mode crossover --write_table` on that GPU: per precision ("int8", "fp8") and
+(K, N), the times
 of one forward + backward of bf16 `nn.Linear` and of SwitchBack (library defaults: tensor-wise weight scale,
 grad_precision="auto", default KernelOptions) over a grid of token counts, and `crossover`: the smallest grid M
 from which SwitchBack was at least the table's `margin` faster at that M and every larger one, or null (never
@@ -74,9 +75,8 @@ def load_table(path: Path) -> dict[tuple[str, int, int], int] | None:
 
     A file that exists but is not a table is an error: a shipped table must never be silently ignored.
     """
-    data = read_table(
-        path, "crossover table", FORMAT, "precisions", dict, "benchmarks/bench_crossover.py --write_table"
-    )
+    writer = "benchmarks/bench_linear.py --mode crossover --write_table"
+    data = read_table(path, "crossover table", FORMAT, "precisions", dict, writer)
     if data is None:
         return None
     table: dict[tuple[str, int, int], int] = {}

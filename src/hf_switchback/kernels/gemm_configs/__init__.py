@@ -6,8 +6,8 @@ names the fastest config for the shape, kernels/matmul.py launches it directly; 
 shape, dtype or operand layout) the autotuner runs as before, with its result kept in Triton's on-disk cache
 (eager) or Inductor's (compiled; carried to other machines by compile_cache.save_compile_artifacts).
 
-Tables are this folder's `sm<major><minor>.json`, written by `benchmarks/bench_gemm_configs.py --write_table`
-from its per-shape timings of every config: for each (operand dtype, output dtype, N, K, M bucket) measured,
+Tables are this folder's `sm<major><minor>.json`, written by
+`benchmarks/bench_linear.py --mode gemm_configs --write_table` from its per-shape timings of every config: for each (operand dtype, output dtype, N, K, M bucket) measured,
 the config with the smallest worst ratio to the fastest one over the timed shapes of that key. M is bucketed to
 the next power of two (as the autotuner's key is): one config serves every token count of a bucket, so a run
 whose batch or sequence length varies still launches one kernel specialization per (N, K) and bucket. The
@@ -58,9 +58,8 @@ def load_table(path: Path) -> dict[tuple[str, str, int, int, int], Tile] | None:
 
     A file that exists but is not a table is an error: a shipped table must never be silently ignored.
     """
-    data = read_table(
-        path, "GEMM config table", FORMAT, "entries", list, "benchmarks/bench_gemm_configs.py --write_table"
-    )
+    writer = "benchmarks/bench_linear.py --mode gemm_configs --write_table"
+    data = read_table(path, "GEMM config table", FORMAT, "entries", list, writer)
     if data is None:
         return None
     table = {}
