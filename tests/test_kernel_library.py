@@ -40,6 +40,12 @@ def _sample_args(name: str) -> list[tuple]:
         "quantize_rowwise_transposed": [(w, torch.int8), (x, torch.float8_e4m3fn)],
         "quantize_tensorwise_transposed": [(w, torch.int8)],
         "dequantize_rowwise": [(a_q, a_s, torch.bfloat16), (fa_q, fa_s, torch.float32)],
+        # 5 tokens padded to 16, and unpadded; a zero token
+        "quantize_over_tokens": [(zero_row, torch.float8_e5m2, 16), (w, torch.int8, 1)],
+        "requantize_over_tokens": [
+            (a_q, a_s, torch.bfloat16, torch.float8_e4m3fn, 16),
+            (fa_q, fa_s, torch.float32, torch.int8, 1),
+        ],
         "scaled_matmul": [
             (a_q, b_q, a_s, b_s, torch.randn(7), torch.bfloat16, False, "auto"),
             (fa_q, fb_q, fa_s, fb_s.amax(), None, torch.float32, True, "triton"),
