@@ -106,7 +106,11 @@ def dequantize_rowwise(
 
 
 def quantize_over_tokens(
-    x: torch.Tensor, qdtype: torch.dtype = torch.int8, pad_to: int = 1, *, options: KernelOptions | None = None
+    x: torch.Tensor,
+    qdtype: torch.dtype = torch.int8,
+    pad_to: int = 1,
+    *,
+    options: KernelOptions | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(M, C) -> (q (C, M_pad) contiguous, scale (C,) float32) = quantize_rowwise(x.T), q's M tokens then
     zero tokens up to M_pad, the next multiple of pad_to: an operand of the fp8 grad-weight GEMM dW = Gᵀ X
@@ -285,11 +289,11 @@ __all__ = [
     "dequantize_rowwise",
     "dequantize_tensorwise",
     "int8_matmul_int32",
+    "quantize_over_tokens",
     "quantize_rowwise",
     "quantize_rowwise_colsum",
     "quantize_rowwise_transposed",
     "quantize_tensorwise",
-    "quantize_over_tokens",
     "quantize_tensorwise_transposed",
     "requantize_over_tokens",
     "scaled_matmul",

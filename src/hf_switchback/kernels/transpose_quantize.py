@@ -131,7 +131,9 @@ def _launch(x, row_scale, round_to: int, qdtype: torch.dtype, pad_to: int, wrap)
     if pad_to < 1:
         raise ValueError(f"quantize_over_tokens: pad_to must be a positive number of tokens, got {pad_to}")
     if x.dim() != 2:
-        raise ValueError(f"quantize_over_tokens: x must be 2-D (tokens, features), got shape {tuple(x.shape)}")
+        raise ValueError(
+            f"quantize_over_tokens: x must be 2-D (tokens, features), got shape {tuple(x.shape)}"
+        )
     m, c = x.shape
     m_pad = m + (-m % pad_to)
     q = torch.empty((c, m_pad), dtype=qdtype, device=x.device)
