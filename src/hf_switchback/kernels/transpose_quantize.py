@@ -5,7 +5,8 @@
 dW = Gᵀ X reduces over the M tokens, so each operand is scaled per feature (column) and handed to cuBLAS
 token-major: the transpose of the input's layout. Two launches:
 1. column absmax: each program walks a run of rows of one column block, keeps a running max in registers and
-   folds it into absmax[C] with an atomic max (exact and order-free for non-negative floats, NaN kept);
+   folds it into absmax[C] with an atomic max on the float32 bit patterns (for non-negative floats, NaN
+   included, integer order is float order: exact, order-free, and a NaN wins as in torch's amax);
 2. quantize: a (BLOCK_M tokens x BLOCK_C features) tile per program, read along C and written along M (the
    store's pointers are contiguous along M, so Triton converts the tile's layout in shared memory and both the
    load and the store are coalesced). Tiles past M write the zero tokens of the padding up to M_pad, the
@@ -79,7 +80,8 @@ def _column_absmax_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_C: tl.constexpr,
 ):
-    # absmax[c] = max over rows of |x[:, c]|; absmax starts at 0. rows_per_program is a multiple of BLOCK_M.
+    # absmax[c] = max over rows of |x[:, c]|, as float32 bits in an int32 array that starts at 0.
+    # rows_per_program is a multiple of BLOCK_M.
     pid_c = tl.program_id(0)
     start = tl.program_id(1) * rows_per_program
     cols = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -88,7 +90,8 @@ def _column_absmax_kernel(
         rows = m0 + tl.arange(0, BLOCK_M)
         x = _load_tokens(x_ptr, rs_ptr, rows, cols, M, C, stride_m, stride_c, ROUND_TO)
         running = _max_keep_nan(running, tl.abs(x))
-    tl.atomic_max(absmax_ptr + cols, tl.reduce(running, 0, _max_keep_nan), mask=cols < C)
+    absmax = tl.reduce(running, 0, _max_keep_nan)
+    tl.atomic_max(absmax_ptr + cols, absmax.to(tl.int32, bitcast=True), mask=cols < C)
 
 
 @triton.jit
@@ -115,7 +118,8 @@ def _quantize_transposed_kernel(
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
     cmask = cols < C
-    scale = tl.div_rn(tl.load(absmax_ptr + cols, mask=cmask, other=0.0), QMAX_C)
+    absmax = tl.load(absmax_ptr + cols, mask=cmask, other=0).to(tl.float32, bitcast=True)
+    scale = tl.div_rn(absmax, QMAX_C)
     if pid_m == 0:
         tl.store(s_ptr + cols, scale, mask=cmask)
     safe = tl.where(scale == 0.0, 1.0, scale)[None, :]
@@ -142,7 +146,7 @@ def _launch(x, row_scale, round_to: int, qdtype: torch.dtype, pad_to: int, wrap)
         return q, scale
     if m == 0:  # only padding: no scale to take, q is all zero tokens
         return q.zero_(), scale
-    absmax = torch.zeros((c,), dtype=torch.float32, device=x.device)
+    absmax = torch.zeros((c,), dtype=torch.int32, device=x.device)  # float32 bits, see the module docstring
     col_blocks = triton.cdiv(c, _BLOCK_C)
     splits = max(1, min(triton.cdiv(m, _BLOCK_M), _ABSMAX_PROGRAMS // col_blocks))
     rows_per_program = triton.cdiv(triton.cdiv(m, splits), _BLOCK_M) * _BLOCK_M
