@@ -40,6 +40,12 @@ def _sample_args(name: str) -> list[tuple]:
         "quantize_rowwise_transposed": [(w, torch.int8), (x, torch.float8_e4m3fn)],
         "quantize_tensorwise_transposed": [(w, torch.int8)],
         "dequantize_rowwise": [(a_q, a_s, torch.bfloat16), (fa_q, fa_s, torch.float32)],
+        # 5 tokens padded to 16, and unpadded; a zero token
+        "quantize_over_tokens": [(zero_row, torch.float8_e5m2, 16), (w, torch.int8, 1)],
+        "requantize_over_tokens": [
+            (a_q, a_s, torch.bfloat16, torch.float8_e4m3fn, 16),
+            (fa_q, fa_s, torch.float32, torch.int8, 1),
+        ],
         "scaled_matmul": [
             (a_q, b_q, a_s, b_s, torch.randn(7), torch.bfloat16, False, "auto"),
             (fa_q, fb_q, fa_s, fb_s.amax(), None, torch.float32, True, "triton"),
@@ -169,7 +175,11 @@ def test_compiled_kernel_set_traces_in_one_graph_on_cpu():
         back = kernels.scaled_matmul_act_backward(
             g_q, wt_q, g_s, wt_s, x, torch.int8, "gelu", True, options=options
         )
-        return out, colsum, grad_x, *act, *back
+        wgrad_g = kernels.quantize_over_tokens(grad, torch.float8_e5m2, 16, options=options)
+        wgrad_x = kernels.requantize_over_tokens(
+            x_q, x_s, torch.bfloat16, torch.float8_e4m3fn, 16, options=options
+        )
+        return out, colsum, grad_x, *act, *back, *wgrad_g, *wgrad_x
 
     torch.manual_seed(0)
     x, w, grad = torch.randn(6, 16), torch.randn(8, 16), torch.randn(6, 8)
@@ -181,4 +191,4 @@ def test_compiled_kernel_set_traces_in_one_graph_on_cpu():
         got = torch.compile(step, fullgraph=True, backend="aot_eager")(x, w, grad, compiled.KERNELS, options)
         want = step(x, w, grad, library.REFERENCE, options)
         for a, b in zip(got, want, strict=True):
-            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+            torch.testing.assert_close(_bits(a), _bits(b), rtol=1e-6, atol=1e-6)

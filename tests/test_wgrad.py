@@ -218,10 +218,11 @@ def test_autocast_with_float32_weights_gives_float32_weight_grad():
     reason="Inductor's CPU code gives zero fp8 weight gradients on torch 2.11 (seen on 2.11.0; CUDA is tested by "
     "test_gpu_compiled_layer_matches_eager)",
 )
-def test_torch_compile_backward_matches_eager():
+@pytest.mark.parametrize("memory_efficient", [False, True])  # True: the saved input is row-quantized
+def test_torch_compile_backward_matches_eager(memory_efficient):
     def model():
         torch.manual_seed(0)
-        cfg = SwitchBackConfig(**FP8)
+        cfg = SwitchBackConfig(memory_efficient=memory_efficient, **FP8)
         return nn.Sequential(
             SwitchBackLinear(32, 64, config=cfg), nn.GELU(), SwitchBackLinear(64, 16, config=cfg)
         )

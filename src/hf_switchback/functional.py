@@ -23,7 +23,7 @@ from .kernels.backends import KernelSet, get_kernels
 from .kernels.cublas import has_fp8_tensor_cores
 from .kernels.options import KernelOptions
 from .kernels.reference import ACTIVATIONS, apply_activation
-from .kernels.wgrad import check_device, weight_grad
+from .kernels.wgrad import RowQuantized, check_device, weight_grad
 
 FP8_FORMATS = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
@@ -180,8 +180,8 @@ class _SwitchBackLinearFn(torch.autograd.Function):
 
         if ctx.needs_input_grad[1]:
             if memory_efficient:
-                x = kernels.dequantize_rowwise(x_q, x_scale, x_dtype, options=options)
-            grad_w = weight_grad(grad_out, x, weight.dtype, ctx.wgrad)
+                x = RowQuantized(x_q, x_scale, x_dtype)
+            grad_w = weight_grad(grad_out, x, weight.dtype, ctx.wgrad, kernels, options)
 
         if needs_grad_b:
             if g_colsum is None:
@@ -276,7 +276,7 @@ class _SwitchBackMLPFn(torch.autograd.Function):
         if need_b2 and grad_b2 is None:
             grad_b2 = g.sum(dim=0, dtype=torch.float32).to(b2_dtype)
         if need_w2:
-            grad_w2 = weight_grad(g, a, w2.dtype, ctx.wgrad)
+            grad_w2 = weight_grad(g, a, w2.dtype, ctx.wgrad, kernels, options)
         del a
 
         if need_x:
@@ -284,8 +284,8 @@ class _SwitchBackMLPFn(torch.autograd.Function):
             grad_x = kernels.scaled_matmul(gh_q, w1t_q, gh_scale, w1t_scale, None, x_dtype, options=options)
         if need_w1:
             if memory_efficient:
-                x = kernels.dequantize_rowwise(x_q, x_scale, x_dtype, options=options)
-            grad_w1 = weight_grad(grad_h, x, w1.dtype, ctx.wgrad)
+                x = RowQuantized(x_q, x_scale, x_dtype)
+            grad_w1 = weight_grad(grad_h, x, w1.dtype, ctx.wgrad, kernels, options)
         if need_b1:
             grad_b1 = gh_colsum.to(b1_dtype)
         return grad_x, grad_w1, grad_b1, grad_w2, grad_b2, None, None, None, None, None, None, None, None

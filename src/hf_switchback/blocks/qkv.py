@@ -21,7 +21,7 @@ import torch
 from ..config import SwitchBackConfig
 from ..functional import _autocast_off, _flatten_input, quantize_weight, quantized_dtypes, switchback_linear
 from ..kernels.backends import get_kernels
-from ..kernels.wgrad import weight_grad
+from ..kernels.wgrad import RowQuantized, weight_grad
 
 
 def _stacked_weight_scale(scale: torch.Tensor, rows: int) -> torch.Tensor:
@@ -93,9 +93,9 @@ class _SwitchBackQKVFn(torch.autograd.Function):
 
         if any(need_w):
             if memory_efficient:
-                x = kernels.dequantize_rowwise(x_q, x_scale, x_dtype, options=options)
+                x = RowQuantized(x_q, x_scale, x_dtype)
             # per-output-feature gradient scales: the stacked GEMM equals the three separate ones in any precision
-            stacked = weight_grad(g, x, g.dtype, ctx.wgrad)
+            stacked = weight_grad(g, x, g.dtype, ctx.wgrad, kernels, options)
             grad_w = [
                 part.to(w.dtype) if need else None
                 for part, w, need in zip(stacked.split(rows), weights, need_w, strict=True)

@@ -9,7 +9,7 @@ separate quantize pass and no Python launch overhead for them. The 8-bit GEMM st
 With KernelOptions.use_tma (or trace_gemm off) it is the opaque operator instead: the TMA kernel's host-side
 setup is not traceable. With KernelOptions.fuse_quantize_under_compile off, every quantize is our operator.
 
-Three passes stay ours too, as traced triton_ops, where Inductor's code was measured slower:
+Four passes stay ours too, as traced triton_ops, where Inductor's code was measured slower:
 - the output gradient's quantize (with the bias gradient's column sum). That tensor is written in 16 bits
   anyway (the grad-weight GEMM reads it), so fusing its quantize into the op that produced it saves nothing;
   Inductor's version re-read the producer's inputs instead (GELU backward: grad and h) in a slow persistent
@@ -19,6 +19,12 @@ Three passes stay ours too, as traced triton_ops, where Inductor's code was meas
   activation backward + quantize + column sum in backward: their input is a GEMM's output, with nothing for
   Inductor to fuse them into, and its code for them was slower than ours (BENCHMARKS.md, Memory).
   KernelOptions.triton_act_quantize.
+- the fp8 grad-weight operands (wgrad_precision="fp8", kernels/wgrad.py: quantize_over_tokens and, from a
+  memory_efficient saved input, requantize_over_tokens): a reduction over every token of each feature, written
+  transposed and zero-padded. With the torch twin left to Inductor (a column reduction over a transposed view,
+  a transposed copy, a padding copy of the 16-bit input) the quantize and casts took 59 ms of a 129 ms GPU
+  step (ViT-B/16 b256, per-layer compile, H100) and left it host-bound; the input is a 16-bit tensor that
+  backward holds anyway, so there is no producer for Inductor to fuse the pass into.
 
 Known limit: Inductor tunes our GEMM's configs without its autotune key, so when Dynamo makes the token count
 dynamic (a second shape, e.g. a short last batch), one tuned config serves every M. The layer-wise compile
@@ -76,7 +82,8 @@ def _policy(op: KernelOp, options: KernelOptions, args: tuple) -> Callable:
             library.BY_NAME["act_backward_quantize_colsum"]
         )
         return ops.gemm_then_act_backward(KERNELS.scaled_matmul, act_backward)
-    # dequantize_rowwise and scaled_matmul_recompute: the operator itself
+    # dequantize_rowwise, scaled_matmul_recompute and the fp8 grad-weight operands (quantize_over_tokens,
+    # requantize_over_tokens: our traced kernels, see the module docstring): the operator itself
     return call_operator(op)
 
 

@@ -62,6 +62,15 @@ def _tensor_transposed(w, qdtype=torch.int8, **_):
     return w.new_empty((k, n), dtype=qdtype), w.new_empty((), dtype=torch.float32)
 
 
+def _over_tokens(x, qdtype=torch.int8, pad_to=1, **_):
+    m, c = x.shape
+    return x.new_empty((c, m + (-m % pad_to)), dtype=qdtype), x.new_empty((c,), dtype=torch.float32)
+
+
+def _requantized_over_tokens(x_q, x_scale, dtype, qdtype, pad_to=1, **_):
+    return _over_tokens(x_q, qdtype, pad_to)
+
+
 def _dequantized(q, scale, dtype=torch.float32, **_):
     return q.new_empty(q.shape, dtype=dtype)
 
@@ -171,6 +180,9 @@ OPS: tuple[KernelOp, ...] = (
     KernelOp("quantize_rowwise_transposed", _rows_transposed),
     KernelOp("quantize_tensorwise_transposed", _tensor_transposed),
     KernelOp("dequantize_rowwise", _dequantized),
+    # fp8 grad-weight operands (kernels/wgrad.py): scales per feature over all tokens, written token-major
+    KernelOp("quantize_over_tokens", _over_tokens, traceable=True),
+    KernelOp("requantize_over_tokens", _requantized_over_tokens, traceable=True),
     KernelOp("scaled_matmul", _gemm, _GEMM_OPTIONS, traceable=True),
     # The same GEMM as an opaque operator: backward's recompute of a forward GEMM must be a different node from
     # forward's, or the joint graph's common-subexpression pass merges them and saves the output after all;

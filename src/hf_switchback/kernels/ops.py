@@ -24,6 +24,7 @@ from . import cublas as _cublas
 from . import library, reference
 from . import matmul as _matmul
 from . import quantize as _quantize
+from . import transpose_quantize as _transpose_quantize
 from .library import KernelOp, KernelSet, call_operator
 from .options import KernelOptions
 
@@ -62,6 +63,8 @@ CUDA: dict[str, Callable] = {
     "quantize_rowwise_transposed": _quantize.quantize_rowwise_transposed,
     "quantize_tensorwise_transposed": _quantize.quantize_tensorwise_transposed,
     "dequantize_rowwise": _quantize.dequantize_rowwise,
+    "quantize_over_tokens": _transpose_quantize.quantize_over_tokens,
+    "requantize_over_tokens": _transpose_quantize.requantize_over_tokens,
     "scaled_matmul": _scaled_matmul,
     "scaled_matmul_recompute": _scaled_matmul,
     "act_quantize_rowwise": _quantize.act_quantize_rowwise,

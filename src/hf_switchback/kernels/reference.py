@@ -105,6 +105,40 @@ def dequantize_rowwise(
     return (q.float() * scale[:, None]).to(dtype)
 
 
+def quantize_over_tokens(
+    x: torch.Tensor,
+    qdtype: torch.dtype = torch.int8,
+    pad_to: int = 1,
+    *,
+    options: KernelOptions | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(M, C) -> (q (C, M_pad) contiguous, scale (C,) float32) = quantize_rowwise(x.T), q's M tokens then
+    zero tokens up to M_pad, the next multiple of pad_to: an operand of the fp8 grad-weight GEMM dW = Gᵀ X
+    (kernels/wgrad.py), whose scales run along its features and whose sum runs over the tokens. Zero tokens
+    change no scale and add nothing to the sum; cuBLAS's fp8 GEMM needs the token count aligned."""
+    q, scale = quantize_rowwise(x.t(), qdtype)
+    m = x.shape[0]
+    if m % pad_to == 0:
+        return q.contiguous(), scale
+    padded = q.new_zeros((q.shape[0], m + (-m % pad_to)))
+    padded[:, :m] = q
+    return padded, scale
+
+
+def requantize_over_tokens(
+    x_q: torch.Tensor,
+    x_scale: torch.Tensor,
+    dtype: torch.dtype,
+    qdtype: torch.dtype,
+    pad_to: int = 1,
+    *,
+    options: KernelOptions | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """quantize_over_tokens of an input saved row-quantized (memory_efficient: x_q (M, C), x_scale (M,)),
+    dequantized to `dtype` first. The Triton twin never writes the dequantized tensor."""
+    return quantize_over_tokens(dequantize_rowwise(x_q, x_scale, dtype), qdtype, pad_to)
+
+
 def dequantize_tensorwise(
     q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32
 ) -> torch.Tensor:
@@ -255,11 +289,13 @@ __all__ = [
     "dequantize_rowwise",
     "dequantize_tensorwise",
     "int8_matmul_int32",
+    "quantize_over_tokens",
     "quantize_rowwise",
     "quantize_rowwise_colsum",
     "quantize_rowwise_transposed",
     "quantize_tensorwise",
     "quantize_tensorwise_transposed",
+    "requantize_over_tokens",
     "scaled_matmul",
     "scaled_matmul_act_backward",
     "scaled_matmul_recompute",

@@ -21,27 +21,41 @@ fp8 numerics (`reference_weight_grad` states them, `cublas_weight_grad` runs the
 
 Where: CUDA GPUs with fp8 tensor cores (compute capability 8.9+) run cuBLAS when the shapes fit its alignment
 (K a multiple of 16; tokens are zero-padded to a multiple of 16, which adds nothing to the sum); CPU and
-unaligned shapes run the reference. GPUs without fp8 are refused (`check_device`): the reference there would
+unaligned shapes run the reference. The operands come from the layer's kernel set (operators
+quantize_over_tokens, requantize_over_tokens): with the Triton backend, two passes each
+(kernels/transpose_quantize.py) that write the transposed, padded fp8 operand straight from the 16-bit (or
+memory_efficient's row-quantized) input. GPUs without fp8 are refused (`check_device`): the reference there would
 be slower than the 16-bit GEMM it replaces.
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
-import torch.nn.functional as F
 
 from . import cublas
-from .reference import quantize_rowwise
+from .library import REFERENCE, KernelSet
+from .options import KernelOptions
+from .reference import quantize_over_tokens
 
 WGRAD_PRECISIONS = ("16bit", "fp8")
 X_DTYPE = torch.float8_e4m3fn
 G_DTYPE = torch.float8_e5m2
 
 
+class RowQuantized(NamedTuple):
+    """A layer input saved row-quantized (memory_efficient): q (M, K) 8-bit, scale (M,) float32, and the dtype
+    it is dequantized to (the input's)."""
+
+    q: torch.Tensor
+    scale: torch.Tensor
+    dtype: torch.dtype
+
+
 def _quantize_over_tokens(t: torch.Tensor, qdtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """(M, C) -> (q (C, M) contiguous, scale (C,) float32): one absmax scale per column, over the M tokens."""
-    q, scale = quantize_rowwise(t.t(), qdtype)
-    return q.contiguous(), scale
+    return quantize_over_tokens(t, qdtype)
 
 
 def reference_weight_grad(grad_out: torch.Tensor, x: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
@@ -53,13 +67,31 @@ def reference_weight_grad(grad_out: torch.Tensor, x: torch.Tensor, out_dtype: to
     return (acc * g_scale[:, None] * x_scale[None, :]).to(out_dtype)
 
 
-def cublas_weight_grad(grad_out: torch.Tensor, x: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-    """reference_weight_grad on torch._scaled_mm (CUDA sm89+, or CPU for the tests). x's K a multiple of 16."""
-    pad = -grad_out.shape[0] % cublas.ALIGN
-    if pad:  # zero tokens: no effect on the absmax scales or on the sum
-        grad_out, x = F.pad(grad_out, (0, 0, 0, pad)), F.pad(x, (0, 0, 0, pad))
-    g_q, g_scale = _quantize_over_tokens(grad_out, G_DTYPE)  # A = Gᵀ (N, M) row-major
-    x_q, x_scale = _quantize_over_tokens(x, X_DTYPE)  # (K, M) row-major: B = its .t(), column-major
+def _dequantized(x: torch.Tensor | RowQuantized, kernels: KernelSet, options: KernelOptions | None):
+    if isinstance(x, RowQuantized):
+        return kernels.dequantize_rowwise(x.q, x.scale, x.dtype, options=options)
+    return x
+
+
+def cublas_weight_grad(
+    grad_out: torch.Tensor,
+    x: torch.Tensor | RowQuantized,
+    out_dtype: torch.dtype,
+    kernels: KernelSet = REFERENCE,
+    options: KernelOptions | None = None,
+) -> torch.Tensor:
+    """reference_weight_grad on torch._scaled_mm (CUDA sm89+, or CPU for the tests). x's K a multiple of 16.
+
+    The operands come from `kernels` (the caller's kernel set: Triton on CUDA); tokens are zero-padded to a
+    multiple of 16 inside the quantize, which adds nothing to the sum.
+    """
+    pad_to = cublas.ALIGN
+    # A = Gᵀ (N, M_pad) row-major; B = x_q.t() with x_q (K, M_pad) row-major: column-major, as cuBLAS wants
+    g_q, g_scale = kernels.quantize_over_tokens(grad_out, G_DTYPE, pad_to, options=options)
+    if isinstance(x, RowQuantized):
+        x_q, x_scale = kernels.requantize_over_tokens(x.q, x.scale, x.dtype, X_DTYPE, pad_to, options=options)
+    else:
+        x_q, x_scale = kernels.quantize_over_tokens(x, X_DTYPE, pad_to, options=options)
     out = torch._scaled_mm(
         g_q,
         x_q.t(),
@@ -85,25 +117,34 @@ def check_device(precision: str, device: torch.device) -> None:
 
 
 def weight_grad(
-    grad_out: torch.Tensor, x: torch.Tensor, out_dtype: torch.dtype, precision: str = "16bit"
+    grad_out: torch.Tensor,
+    x: torch.Tensor | RowQuantized,
+    out_dtype: torch.dtype,
+    precision: str = "16bit",
+    kernels: KernelSet = REFERENCE,
+    options: KernelOptions | None = None,
 ) -> torch.Tensor:
-    """dW = grad_out.T @ x: grad_out (M, N), x (M, K) float -> (N, K) out_dtype, in `precision` (WGRAD_PRECISIONS).
+    """dW = grad_out.T @ x: grad_out (M, N), x (M, K) float or RowQuantized -> (N, K) out_dtype, in `precision`
+    (WGRAD_PRECISIONS). kernels, options: the layer's kernel set (backends.get_kernels) and KernelOptions.
 
-    "16bit": the paper's GEMM in grad_out's dtype. "fp8": see the module docstring.
+    "16bit": the paper's GEMM in grad_out's dtype. "fp8": see the module docstring. A RowQuantized x is what
+    dequantize_rowwise makes of it, in both; fp8 on cuBLAS reads it without writing that 16-bit tensor.
     """
     if precision == "16bit":
-        return (grad_out.t() @ x.to(grad_out.dtype)).to(out_dtype)
+        return (grad_out.t() @ _dequantized(x, kernels, options).to(grad_out.dtype)).to(out_dtype)
     if precision != "fp8":
         raise ValueError(f"weight_grad: precision must be one of {WGRAD_PRECISIONS}, got {precision!r}")
-    if grad_out.device.type == "cuda" and x.shape[1] % cublas.ALIGN == 0 and grad_out.shape[0] > 0:
-        return cublas_weight_grad(grad_out, x, out_dtype)
-    return reference_weight_grad(grad_out, x, out_dtype)
+    k = (x.q if isinstance(x, RowQuantized) else x).shape[1]
+    if grad_out.device.type == "cuda" and k % cublas.ALIGN == 0 and grad_out.shape[0] > 0:
+        return cublas_weight_grad(grad_out, x, out_dtype, kernels, options)
+    return reference_weight_grad(grad_out, _dequantized(x, kernels, options), out_dtype)
 
 
 __all__ = [
     "G_DTYPE",
     "WGRAD_PRECISIONS",
     "X_DTYPE",
+    "RowQuantized",
     "check_device",
     "cublas_weight_grad",
     "reference_weight_grad",
