@@ -15,6 +15,7 @@ The names are torch internals: both return {} where missing, and tests/test_benc
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
 import math
@@ -156,6 +157,13 @@ def emit(rows: list[dict], env: dict, json_path: str | None) -> None:
     print(json.dumps(rows[-1]), flush=True)
     if json_path:
         Path(json_path).write_text(json.dumps(dict(env=env, rows=rows), indent=1))
+
+
+def parser_of(doc: str, **kwargs) -> argparse.ArgumentParser:
+    """A script's parser: its module docstring as the description, line breaks kept."""
+    return argparse.ArgumentParser(
+        description=doc, formatter_class=argparse.RawDescriptionHelpFormatter, **kwargs
+    )
 
 
 def add_smoke_flags(parser, what: str = "smoke test only") -> None:
