@@ -17,7 +17,6 @@ that reading the libraries from disk does not land on the first row. Flags it do
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
@@ -37,20 +36,10 @@ def run_row(model: str, variant: str, cache: Path, args, extra: list[str]) -> di
     env = dict(
         os.environ, TORCHINDUCTOR_CACHE_DIR=str(cache / "inductor"), TRITON_CACHE_DIR=str(cache / "triton")
     )
-    command = [
-        sys.executable,
-        str(HERE / "bench_train.py"),
-        "--models",
-        model,
-        "--variants",
-        variant,
-        "--json",
-        str(out),
-    ]
-    command += ["--steps", str(args.steps), "--warmup", str(args.warmup), "--device", args.device]
-    command += (
-        (["--batch", str(args.batch)] if args.batch else []) + (["--tiny"] if args.tiny else []) + extra
-    )
+    command = [sys.executable, str(HERE / "bench_train.py"), "--models", model, "--variants", variant]
+    command += ["--json", str(out), "--steps", str(args.steps), "--warmup", str(args.warmup)]
+    command += ["--device", args.device, *(["--batch", str(args.batch)] if args.batch else [])]
+    command += [*(["--tiny"] if args.tiny else []), *extra]
     try:
         proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=args.timeout_s)
     except subprocess.TimeoutExpired:
@@ -79,11 +68,7 @@ def measure(args, extra: list[str]) -> list[dict]:
                         run_row(model, variant, folder, args, extra + more), model=model, variant=variant
                     )
                     rows.append(dict(row, cache=str(folder), repeat=repeat, **{"pass": cache_pass}))
-                    print(json.dumps(rows[-1]), flush=True)
-                    if args.json:
-                        Path(args.json).write_text(
-                            json.dumps(dict(args=vars(args), extra=extra, rows=rows), indent=1)
-                        )
+                    common.emit(rows, dict(args=vars(args), extra=extra), args.json)
     return rows
 
 
@@ -103,25 +88,17 @@ def print_table(rows: list[dict], baseline: str) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = common.parser_of(__doc__)
     parser.add_argument("--models", nargs="+", default=["vit-b-16"], help="bench_train.py model names")
-    parser.add_argument(
-        "--variants", nargs="+", default=["bf16+compile", "int8+compile"], help="bench_train.py rows"
-    )
-    parser.add_argument(
-        "--baseline", default=None, help="the ratio column's reference (default: the first variant)"
-    )
+    parser.add_argument("--variants", nargs="+", default=["bf16+compile", "int8+compile"], help="rows")
+    parser.add_argument("--baseline", help="the ratio column's reference (default: the first variant)")
     parser.add_argument("--batch", type=int, default=None, help="per-step batch (default: bench_train.py's)")
     parser.add_argument("--steps", type=int, default=3, help="timed steps per row (the ms/step column)")
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps after the first")
     parser.add_argument("--cache_root", default=None, help="where the cache folders go (default: a temp dir)")
     parser.add_argument("--repeats", type=int, default=1, help="measure every row this often, on new caches")
     parser.add_argument("--no_prime", action="store_true", help="skip the untimed first (eager) process")
-    parser.add_argument(
-        "--moved", action="store_true", help="a third pass: empty caches + the cold artifacts"
-    )
+    parser.add_argument("--moved", action="store_true", help="a third pass: empty caches + cold's artifacts")
     parser.add_argument("--timeout_s", type=float, default=900, help="per process")
     parser.add_argument("--json", default=None, help="also write the rows here (after every row)")
     common.add_smoke_flags(parser)
