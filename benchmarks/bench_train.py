@@ -256,13 +256,12 @@ def run_row(name: str, variant: str, args, profile: bool = False, batch: int | N
         artifacts = getattr(args, "compile_artifacts", None)
         if artifacts:  # before the first step, where the model compiles
             load_compile_artifacts(artifacts)
-        compile_before, caches_before = common.phase_totals(), common.cache_counts()
+        caches_before = common.cache_counts()
         first_step_s, _ = timed(lambda: finish(forward()), 1, device)
         first_step_s /= 1000
         if artifacts:
             save_compile_artifacts(artifacts)
         row = dict(model=name, variant=variant, batch=batch, first_step_s=first_step_s)
-        row["first_step_split"] = common.first_step_split(compile_before, common.phase_totals(), first_step_s)
         row["first_step_caches"] = common.first_step_caches(caches_before, common.cache_counts())
         timed(lambda: finish(forward()), args.warmup, device)
         if cuda:  # steady state, not the compile / autotune step

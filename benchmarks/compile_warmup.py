@@ -6,8 +6,8 @@ folders (TORCHINDUCTOR_CACHE_DIR, TRITON_CACHE_DIR) and one bench_train.py proce
     warm   the same caches again: a resumed or repeated run
     moved  (--moved) new empty caches plus the compile artifacts the cold process saved
            (hf_switchback.compile_cache): a run on another machine, as train_clip.py --compile_cache_dir does
-Per row: the first step's seconds, its ratio to --baseline (same model, pass and repeat), its split by phase and
-the FX graph cache's hit/miss/bypass (common.py). An untimed eager process runs first (--no_prime skips it), so
+Per row: the first step's seconds, its ratio to --baseline (same model, pass and repeat) and the FX graph
+cache's hit/miss/bypass (common.py). An untimed eager process runs first (--no_prime skips it), so
 that reading the libraries from disk does not land on the first row. Flags it does not know go to bench_train.py.
 
     PYTHONPATH=src python benchmarks/compile_warmup.py --models vit-b-16 --variants bf16+compile int8+compile \\
@@ -75,12 +75,10 @@ def measure(args, extra: list[str]) -> list[dict]:
 def print_table(rows: list[dict], baseline: str) -> None:
     key = lambda r: (r["model"], r["pass"], r["repeat"])  # noqa: E731
     base = {key(r): r["first_step_s"] for r in rows if r["variant"] == baseline and "first_step_s" in r}
-    split = lambda name: lambda r: (r.get("first_step_split") or {}).get(name)  # noqa: E731
     outcomes = ("fx_graph_hit", "fx_graph_miss", "fx_graph_bypass")
     caches = lambda r: "/".join(str(r["first_step_caches"][o]) for o in outcomes)  # noqa: E731
     cols = [("1st step s", lambda r: r["first_step_s"], ".1f")]
     cols += [(f"x {baseline}", lambda r: common.ratio(r["first_step_s"], base.get(key(r))), "")]
-    cols += [(title, split(name), ".1f") for title, name in (("compile fwd", "compile_forward_s"), ("compile bwd", "compile_backward_s"), ("kernel wait", "kernel_compile_wait_s"), ("run s", "run_s"))]  # fmt: skip
     cols += [("ms/step", lambda r: r["ms_per_step"], ".1f")]
     cols += [("graphs hit/miss/bypass", lambda r: caches(r) if r.get("first_step_caches") else "-", "")]
     lead = [("model", "model", 9), ("variant", "variant", 28), ("pass", "pass", 5), ("rep", "repeat", 3)]

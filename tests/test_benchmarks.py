@@ -6,7 +6,6 @@ import math
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import helpers
@@ -447,27 +446,6 @@ def test_bench_memory_budget_context_in_a_fresh_process():
     assert proc.returncode == 0, proc.stderr[-2000:]
 
 
-def test_common_names_compile_phases_this_torch_records():
-    # A real compile (aot_eager: no C++ toolchain needed) on the installed torch: if torch renames its timers,
-    # this fails instead of the split silently reading zeros.
-    split_mod = load_script("common")
-    layer = torch.nn.Linear(8, 8)
-    compiled = torch.compile(layer, backend="aot_eager")
-    torch._dynamo.reset()
-    before = split_mod.phase_totals()
-    start = time.perf_counter()
-    compiled(torch.randn(4, 8)).sum().backward()
-    first_step_s = time.perf_counter() - start
-    split = split_mod.first_step_split(before, split_mod.phase_totals(), first_step_s)
-    torch._dynamo.reset()
-    assert split["compile_forward_s"] > 0 and split["compile_backward_s"] > 0
-    assert split["kernel_compile_wait_s"] == 0  # aot_eager compiles no kernels
-    compiled_s = split["compile_forward_s"] + split["compile_backward_s"]
-    assert compiled_s <= first_step_s + 1e-3
-    assert split["run_s"] == pytest.approx(first_step_s - compiled_s, abs=2e-3)
-    assert split_mod.first_step_split({}, {}, 1.0) == {}  # a torch without the metrics: no split, no crash
-
-
 def test_common_counts_graph_cache_outcomes_this_torch_records(tmp_path, monkeypatch):
     # A real Inductor compile on the installed torch: the counters must move (a renamed one would read zero
     # forever). Inductor builds CPU kernels with a C++ compiler.
@@ -508,11 +486,8 @@ def test_compile_warmup_runs_each_variant_cold_then_warm_in_its_own_caches(tmp_p
     assert {Path(r["cache"]).parent.parent for r in rows} == {cache_root}
     for row in rows:
         assert "error" not in row, row
-        split = row["first_step_split"]
-        # eager rows compile nothing: the whole first step is running it
-        assert split["compile_forward_s"] == 0 and split["run_s"] == pytest.approx(
-            row["first_step_s"], abs=2e-3
-        )
+        # eager rows compile nothing
+        assert row["first_step_s"] > 0 and not any(row["first_step_caches"].values())
     table = [line for line in stdout.splitlines() if line.startswith("vit-b-16")]
     assert len(table) == 4 and all("x" in line for line in table)
     assert "1.00x" in table[0]  # the baseline's own row
@@ -552,7 +527,7 @@ def test_compile_warmup_moved_pass_loads_the_cold_processs_artifacts_on_empty_ca
     # the moved process starts on empty caches, yet finds every graph: the artifacts were loaded
     assert moved["first_step_caches"]["fx_graph_miss"] == 0
     assert moved["first_step_caches"]["fx_graph_hit"] == cold["first_step_caches"]["fx_graph_miss"]
-    assert moved["first_step_split"]["compile_backward_s"] < cold["first_step_split"]["compile_backward_s"]
+    assert moved["first_step_s"] < cold["first_step_s"]
 
 
 def test_compile_warmup_refuses_full_size_models_on_the_cpu(monkeypatch, capsys):
