@@ -277,12 +277,12 @@ def time_shape(layers: dict[str, nn.Module], k: int, n: int, m: int, repeats: in
 
 def git_commit() -> str:
     try:
-        git = ["git", "rev-parse", "--short", "HEAD"]
-        return subprocess.run(
-            git, cwd=Path(__file__).parent, capture_output=True, text=True, check=True
-        ).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
+        out = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=Path(__file__).parent, capture_output=True
+        )
+    except OSError:
         return "unknown"
+    return out.stdout.decode().strip() or "unknown"
 
 
 def write_json(result: dict, path: Path) -> None:
@@ -304,21 +304,15 @@ def crossover_mode(args) -> dict:
         switchback={p: f"SwitchBackConfig(precision={p!r}, min_tokens=0), grad precision here: {grads[p]}" for p in grads},
         precisions={p: {} for p in args.precisions},
     )  # fmt: skip
-    table_path = (
-        args.write_table / crossover.table_name((props.major, props.minor)) if args.write_table else None
-    )
+    table_path = args.write_table and args.write_table / crossover.table_name((props.major, props.minor))
     started, todo = time.perf_counter(), shapes(args.dims)
-    print(
-        f"{result['device']}, {len(todo)} shapes x {len(tokens)} token counts, {args.precisions}", flush=True
-    )
+    print(f"{result['device']}, {len(todo)} shapes x {len(tokens)} token counts, {args.precisions}")
+    backend = "torch" if args.tiny else "auto"
     for i, (k, n, family) in enumerate(todo):
         layers: dict[str, nn.Module] = {"bf16": nn.Linear(k, n, device=device)}
         for precision in args.precisions:
-            twin = copy.deepcopy(layers["bf16"])
-            config = SwitchBackConfig(
-                precision=precision, backend="torch" if args.tiny else "auto", min_tokens=0
-            )
-            layers[precision] = SwitchBackLinear.from_linear(twin, config)
+            config = SwitchBackConfig(precision=precision, backend=backend, min_tokens=0)
+            layers[precision] = SwitchBackLinear.from_linear(copy.deepcopy(layers["bf16"]), config)
         times = {m: time_shape(layers, k, n, m, args.repeats, device) for m in tokens}
         for precision in args.precisions:
             speedups = [times[m]["bf16"] / times[m][precision] for m in tokens]
@@ -328,7 +322,9 @@ def crossover_mode(args) -> dict:
                 switchback_ms={str(m): round(times[m][precision], 4) for m in tokens},
                 speedup={str(m): round(s, 3) for m, s in zip(tokens, speedups, strict=True)},
             )  # fmt: skip
-        print(f"[{i + 1}/{len(todo)}] {k}->{n} done, {time.perf_counter() - started:.0f} s", flush=True)
+        found = {p: result["precisions"][p][f"{k}x{n}"]["crossover"] for p in args.precisions}
+        elapsed = time.perf_counter() - started
+        print(f"[{i + 1}/{len(todo)}] {k}->{n}: crossover {found}, {elapsed:.0f} s", flush=True)
         if args.out is not None:
             write_json(result, args.out)
     result.update(complete=True, seconds=round(time.perf_counter() - started, 1))
@@ -336,12 +332,6 @@ def crossover_mode(args) -> dict:
         if path is not None:
             write_json(result, path)
             print(f"wrote {path}", flush=True)
-    for precision, entries in result["precisions"].items():
-        print(f"\n{precision}: speed-up over bf16 nn.Linear (fwd+bwd), crossover at >= {args.margin}x")
-        print(f"{'K->N':>12} {'family':>6} | " + " ".join(f"{m:>7}" for m in tokens) + " | crossover")
-        for e in entries.values():
-            ups = " ".join(f"{e['speedup'][str(m)]:7.2f}" for m in tokens)
-            print(f"{e['K']:>5}->{e['N']:<5} {e['family']:>6} | {ups} | {json.dumps(e['crossover'])}")
     return result
 
 
@@ -448,10 +438,8 @@ def gemm_configs_mode(args) -> None:
         best = min(t for t in times if t is not None)
         ratios = " ".join(f"{t / best:6.3f}" if t is not None else f"{'-':>6}" for t in times)
         print(f"M={shape[0]:6} N={shape[1]:5} K={shape[2]:5} bias={shape[3]!s:5} {ratios}", flush=True)
-    major, minor = torch.cuda.get_device_capability()
-    payload = dict(
-        device=torch.cuda.get_device_name(), capability=f"sm{major}{minor}", torch=torch.__version__
-    )
+    (major, minor), name = torch.cuda.get_device_capability(), torch.cuda.get_device_name()
+    payload = dict(device=name, capability=f"sm{major}{minor}", torch=torch.__version__)
     payload.update(configs=[str(c) for c in configs], rows=rows)
     if args.json:
         Path(args.json).write_text(json.dumps(payload, indent=1))
@@ -481,7 +469,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     cross("--commit", default=None, help="recorded in the JSON (default: git's HEAD)")
     tiles = parser.add_argument_group("gemm_configs mode").add_argument
     tiles("--models", nargs="+", choices=list(MODELS), default=list(MODELS))
-    tiles("--json", default=None, help="every shape's times and the subsets")
+    tiles("--json", default=None, help="every shape's times per config")
     tiles("--from_json", default=None, help="no timing: the table from an earlier --json file")
     args = parser.parse_args(argv)
     if args.write_table is True:
