@@ -42,7 +42,7 @@ from hf_switchback.kernels import crossover, gemm_configs, ops
 from hf_switchback.modules import SwitchBackLinear
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import add_smoke_flags, check_device, do_bench, parser_of, versions
+from common import add_smoke_flags, check_device, do_bench, parser_of, versions, write_json
 
 # ------------------------------------------------------------------------------------------------ layer mode
 CASES = ("fc1", "fc2", "block")
@@ -285,12 +285,6 @@ def git_commit() -> str:
     return out.stdout.decode().strip() or "unknown"
 
 
-def write_json(result: dict, path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.with_suffix(".tmp").write_text(json.dumps(result, indent=1) + "\n")
-    path.with_suffix(".tmp").replace(path)
-
-
 def crossover_mode(args) -> dict:
     device, tokens, cuda = torch.device(args.device), sorted(set(args.tokens)), args.device == "cuda"
     props = torch.cuda.get_device_properties(device) if cuda else None
@@ -326,11 +320,11 @@ def crossover_mode(args) -> dict:
         elapsed = time.perf_counter() - started
         print(f"[{i + 1}/{len(todo)}] {k}->{n}: crossover {found}, {elapsed:.0f} s", flush=True)
         if args.out is not None:
-            write_json(result, args.out)
+            write_json(args.out, result, indent=1)
     result.update(complete=True, seconds=round(time.perf_counter() - started, 1))
     for path in (args.out, table_path):
         if path is not None:
-            write_json(result, path)
+            write_json(path, result, indent=1)
             print(f"wrote {path}", flush=True)
     return result
 

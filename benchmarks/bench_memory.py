@@ -11,12 +11,8 @@ backward per sample and the largest batch (--fit). Ratios: samples/s over the fa
         --fit_variants bf16+compile@128 int8-memeff+compile --profile $OUT/prof --json $OUT/mem.json
     PYTHONPATH=src python benchmarks/bench_memory.py --device cpu --tiny --variants bf16 int8-memeff  # smoke
 
---fit (for --fit_variants, default all rows):
-  estimate  (default) peak(batch) = fixed + batch x per-sample from the row's own run, fixed = memory between
-            steps + one gradient per parameter; the rest counts as per-sample, so it errs low. No extra runs.
-  search    a run at the estimate, then bisection between the largest batch that fit and the smallest that did
-            not (1.25x the estimate until one fails), at most --fit_tries runs, in multiples of 8. A compiled row
-            recompiles per batch.
+--fit estimate (default): peak(batch) = fixed + batch x per-sample from the row's own run (errs low); --fit
+search: then bisection from that estimate with out-of-memory caught, at most --fit_tries runs per row.
 """
 
 from __future__ import annotations

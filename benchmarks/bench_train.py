@@ -16,8 +16,6 @@ Variants (then the row grammar of common.py: +ckpt, +budgetF, +compile, @B):
                            default (on Hopper the crossover table keeps nearly every CLIP linear 16-bit)
   torchao-float8-RECIPE    torchao float8 training on the encoder linears (tensorwise, rowwise, rowwise_with_gw_hp)
   BASE-lora                PEFT LoRA (rank 16) on every encoder linear of a bf16 / SwitchBack base, rest frozen
---profile DIR: GPU ms per step by kernel family (benchmarks/step_profile.py), in the table, the row's JSON and
-DIR/<model>_<variant>.json.
 """
 
 from __future__ import annotations
@@ -372,7 +370,7 @@ def add_row_flags(parser, variants, steps: int, warmup: int) -> None:
     parser.add_argument("--warmup", type=int, default=warmup, help="untimed steps after the first one")
     parser.add_argument("--time_budget_s", type=float, help="skip runs that would end past this (seconds)")
     parser.add_argument("--json", default=None, help="also write the rows here (after every row)")
-    parser.add_argument("--profile", default=None, metavar="DIR", help="profile each row (see above)")
+    parser.add_argument("--profile", metavar="DIR", help="GPU ms by kernel family per row (step_profile.py)")
     parser.add_argument("--profile_steps", type=int, default=2, help="steps profiled per row with --profile")
     common.add_smoke_flags(parser)
 

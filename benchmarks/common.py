@@ -125,6 +125,14 @@ def print_table(rows: list[dict], lead: list[tuple[str, str, int]], cols: list[t
         print(*cells, *(f"{'-' if v is None else format(v, s):>{w}}" for v, s, w in values))
 
 
+def write_json(path: Path, value, indent: int | None = None) -> None:
+    """Write JSON through a temporary file: a reader polling for the file never sees it half written."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(value, indent=indent) + "\n")
+    tmp.replace(path)
+
+
 def emit(rows: list[dict], env: dict, json_path: str | None) -> None:
     """Print the newest row as one JSON line and rewrite `json_path` with all rows (a killed process keeps
     what it measured)."""

@@ -1,14 +1,10 @@
 """Compile warm-up of a training step: each row in fresh bench_train.py processes with caches of its own.
 
-Rows of one process share Inductor's and Triton's caches, so here every (model, variant) gets its own cache
-folders (TORCHINDUCTOR_CACHE_DIR, TRITON_CACHE_DIR) and one bench_train.py process per pass:
-    cold   empty caches: a first run on a machine
-    warm   the same caches again: a resumed or repeated run
-    moved  (--moved) new empty caches plus the compile artifacts the cold process saved
-           (hf_switchback.compile_cache): a run on another machine, as train_clip.py --compile_cache_dir does
-Per row: the first step's seconds, its ratio to --baseline (same model, pass and repeat) and the FX graph
-cache's hit/miss/bypass (common.py). An untimed eager process runs first (--no_prime skips it), so
-that reading the libraries from disk does not land on the first row. Flags it does not know go to bench_train.py.
+Passes per (model, variant), each its own process on its own Inductor and Triton cache folders: cold (empty
+caches), warm (the same caches again), moved (--moved: empty caches plus the artifacts cold saved, as
+train_clip.py --compile_cache_dir on another machine). Per row: the first step's seconds, its ratio to
+--baseline and the FX graph cache's hit/miss/bypass. An untimed eager process runs first (--no_prime skips it), so that
+reading the libraries from disk does not land on the first row. Flags it does not know go to bench_train.py.
 
     PYTHONPATH=src python benchmarks/compile_warmup.py --models vit-b-16 --variants bf16+compile int8+compile \\
         --compile layers --moved --json $OUT/warmup.json

@@ -31,7 +31,7 @@ SCRIPT = Path(__file__).resolve()
 ROOT = SCRIPT.parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))  # `accuracy` and `common`, however this file is loaded
 import common  # noqa: E402
-from accuracy.graded_run import ARCHS, SWITCHBACK_FIELDS, train_graded, write_atomic  # noqa: E402
+from accuracy.graded_run import ARCHS, SWITCHBACK_FIELDS, train_graded  # noqa: E402
 from accuracy.sim_switchback import QUANTIZER  # noqa: E402
 from accuracy.summary import write_outputs  # noqa: E402
 
@@ -207,7 +207,7 @@ def main() -> None:
     args = parse_args()
     if args.one_run:  # a child process: its runs one after another, each record to the spec's progress_to
         for spec in json.loads(Path(args.one_run).read_text()):
-            write_atomic(Path(spec["progress_to"]), train_graded(spec))
+            common.write_json(Path(spec["progress_to"]), train_graded(spec))
         return
     if args.merge:
         merge(args.merge, Path(args.out_dir))
