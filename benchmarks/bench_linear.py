@@ -2,18 +2,16 @@
 
 layer (default): fwd+bwd of a d->4d linear ("fc1"), 4d->d ("fc2") and transformers' CLIPMLP ("block"), at
   `tokens` rows of bf16 input; median of triton's do_bench. Columns: ms, x bf16 (over eager nn.Linear), saved MiB
-  (storages autograd keeps for backward, parameters and input excluded), quant ms (the row's quantize kernels
-  timed alone). A/B flags add rows of the same layers with one KernelOptions field changed; --gemm times the
-  bare 8-bit GEMMs (ours portable / TMA, cuBLAS fp8) against cuBLAS bf16, --kernels the (tokens, 4d) row passes.
+  (storages autograd keeps for backward, parameters and input excluded). --gemm times the bare 8-bit GEMMs (ours
+  portable / TMA, cuBLAS fp8) against cuBLAS bf16, --kernels the (tokens, 4d) row passes.
 crossover: per linear family (K, N) of widths --dims, one training step of bf16 vs SwitchBack (library defaults,
   min_tokens=0; float32 parameters under bf16 autocast) at each M of --tokens, interleaved, median of --repeats
   CUDA-event samples. Crossover = the smallest M from which SwitchBack is >= --margin at that and every larger M
   (null: never). --write_table [DIR] writes the table that SwitchBackConfig(min_tokens=None) reads.
-gemm_configs: every tile config of the portable int8 GEMM at each per-call shape of ViT-B/L/H steps, and the
-  smallest config subsets within reach of every shape's best; --write_table [DIR] writes the GPU's
-  kernels/gemm_configs table (measured shapes launch their tile without autotuning).
+gemm_configs: every tile config of the portable int8 GEMM at each per-call shape of ViT-B/L/H steps; --write_table
+  [DIR] writes the GPU's kernels/gemm_configs table (measured shapes launch their tile without autotuning).
 
-    PYTHONPATH=src python benchmarks/bench_linear.py --dims 1280 --tokens 65536 --cases block --mlp-ab --gemm
+    PYTHONPATH=src python benchmarks/bench_linear.py --dims 1280 --tokens 65536 --cases block --compile-cases --gemm
     PYTHONPATH=src python benchmarks/bench_linear.py --mode crossover --write_table   # into the package
     PYTHONPATH=src python benchmarks/bench_linear.py --mode gemm_configs --json $OUT/gemm_configs.json
     PYTHONPATH=src python benchmarks/bench_linear.py --mode gemm_configs --from_json F --write_table DIR  # no GPU
@@ -39,46 +37,36 @@ import torch
 from torch import nn
 
 from hf_switchback import KernelOptions, SwitchBackConfig, apply_switchback
-from hf_switchback.functional import AUTO_MIN_TOKENS_CUDA, grad_precision, quantized_dtypes
+from hf_switchback.functional import AUTO_MIN_TOKENS_CUDA, grad_precision
 from hf_switchback.kernels import crossover, gemm_configs, ops
-from hf_switchback.mlp import is_fused_mlp
 from hf_switchback.modules import SwitchBackLinear
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import add_smoke_flags, check_device, do_bench, versions
+from common import add_smoke_flags, check_device, do_bench, parser_of, versions, write_json
 
 # ------------------------------------------------------------------------------------------------ layer mode
 CASES = ("fc1", "fc2", "block")
-ACT_KIND = {"gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu", "quick_gelu": "quick_gelu"}  # -> fused kernels'
-# A/B row tags: the same layers with one KernelOptions field changed
-UNFUSED, WITH_TMA = " [unfused bias grad]", " [tma]"
-ACT_BWD = {f" [act-bwd {impl}]": KernelOptions(act_backward_impl=impl) for impl in ("tiles", "rows")}
 
 
-def build_case(case: str, d: int, hidden_act: str = "gelu_pytorch_tanh") -> nn.Module:
-    """bf16 reference module of a case; the block is transformers' CLIPMLP, which apply_switchback can fuse."""
+def build_case(case: str, d: int) -> nn.Module:
+    """bf16 reference module of a case; the block is transformers' CLIPMLP (GELU tanh)."""
     if case != "block":
         return nn.Sequential(nn.Linear(d, 4 * d) if case == "fc1" else nn.Linear(4 * d, d))
     from transformers import CLIPVisionConfig
     from transformers.models.clip.modeling_clip import CLIPMLP
 
     heads = 16 if d % 16 == 0 else 1
-    config = CLIPVisionConfig(hidden_size=d, intermediate_size=4 * d, num_attention_heads=heads)
-    config.hidden_act = hidden_act
-    return CLIPMLP(config)
+    return CLIPMLP(CLIPVisionConfig(hidden_size=d, intermediate_size=4 * d, num_attention_heads=heads))
 
 
 def switchback(model: nn.Module, cfg: SwitchBackConfig) -> nn.Module:
-    if cfg.min_tokens is None:  # the 8-bit path above the floor (Hopper's crossover table would pick 16-bit)
-        cfg = cfg.replace(min_tokens=AUTO_MIN_TOKENS_CUDA)
+    cfg = cfg.replace(
+        min_tokens=AUTO_MIN_TOKENS_CUDA
+    )  # the 8-bit path (Hopper's crossover table picks 16-bit)
     if isinstance(model, nn.Sequential):
         model[0] = SwitchBackLinear.from_linear(model[0], cfg)
         return model
     return apply_switchback(model, cfg.replace(target_modules=["fc1", "fc2"]))
-
-
-def first_config(model: nn.Module) -> SwitchBackConfig:
-    return next(m.switchback_config for m in model.modules() if isinstance(m, SwitchBackLinear))
 
 
 def torchao_variant(model: nn.Module, recipe: str) -> nn.Module:
@@ -94,28 +82,14 @@ def torchao_variant(model: nn.Module, recipe: str) -> nn.Module:
     return model
 
 
-def variants(compiled: bool, tokens: int, bias_grad_ab=False, mlp_ab=False, tma_ab=False, bwd_ab=False):
-    """(name, make(model) -> model, compile?) of every row."""
-    precisions = ("int8", "fp8")
-    grid = itertools.product(precisions, ("tensor", "row"), (False, True))
-    grid = [dict(precision=p, weight_scaling=s, memory_efficient=m) for p, s, m in grid]
-    specs = [("", fields) for fields in grid]  # (name tag, SwitchBackConfig fields)
-    for p in precisions if bwd_ab else ():
-        specs += [(tag, dict(precision=p, fuse_mlp=True, kernel_options=o)) for tag, o in ACT_BWD.items()]
-    tma = KernelOptions(use_tma=True)  # the persistent TMA GEMM on Hopper (the portable one is the default)
-    for p, fuse, mem in itertools.product(precisions, (False, True), (False, True)) if tma_ab else ():
-        specs.append((WITH_TMA, dict(precision=p, fuse_mlp=fuse, memory_efficient=mem, kernel_options=tma)))
-    specs += [("", dict(fields, fuse_mlp=True)) for fields in grid] if mlp_ab else []  # the block as one op
-    separate = KernelOptions(fused_bias_grad=False)  # the bias gradient as its own column-sum pass
-    for p, scaling in (("int8", "tensor"), ("int8", "row"), ("fp8", "row")) if bias_grad_ab else ():
-        specs.append((UNFUSED, dict(precision=p, weight_scaling=scaling, kernel_options=separate)))
-    if tokens < AUTO_MIN_TOKENS_CUDA:  # what forcing the 8-bit kernels below the floor would cost
-        specs += [(" backend=triton", dict(precision=p, backend="triton")) for p in precisions]
+def variants(compiled: bool):
+    """(name, make(model) -> model, compile?) of every row: bf16, each SwitchBack precision x weight scaling x
+    memory_efficient, and with `compiled` the compiled rows and torchao's."""
+    grid = itertools.product(("int8", "fp8"), ("tensor", "row"), (False, True))
     out = [("bf16 nn.Linear", lambda m: m, False)]
-    for tag, fields in specs:
-        cfg = SwitchBackConfig(**fields)
-        fused = " [fuse_mlp=True]" if "fuse_mlp" in fields and cfg.fuses_mlp else ""
-        out.append((f"switchback {cfg.variant}{fused}{tag}", lambda m, cfg=cfg: switchback(m, cfg), False))
+    for p, scaling, memeff in grid:
+        cfg = SwitchBackConfig(precision=p, weight_scaling=scaling, memory_efficient=memeff)
+        out.append((f"switchback {cfg.variant}", lambda m, cfg=cfg: switchback(m, cfg), False))
     if compiled:
         out.append(("bf16 nn.Linear + compile", lambda m: m, True))
         for precision in ("int8", "fp8"):
@@ -142,51 +116,17 @@ def saved_activation_mib(model: nn.Module, x: torch.Tensor) -> float:
     return sum(seen.values()) / 2**20
 
 
-def quant_ms(case: str, d: int, tokens: int, cfg: SwitchBackConfig, act: str | None = None) -> float:
-    """The quantize kernels one fwd+bwd of the case launches, each timed alone, summed; `act` (a fused block):
-    its kernels instead, whose activation-fused passes also do the activation's forward and backward."""
-    qf, qg = quantized_dtypes(cfg, torch.device("cuda"))
-    tensorwise = cfg.weight_scaling == "tensor"
-    wq = ops.quantize_tensorwise if tensorwise else ops.quantize_rowwise
-    wtq = ops.quantize_tensorwise_transposed if tensorwise else ops.quantize_rowwise_transposed
-    bf = dict(device="cuda", dtype=torch.bfloat16)
-    fns = []
-    shapes = {"fc1": [(d, 4 * d)], "fc2": [(4 * d, d)], "block": [(d, 4 * d), (4 * d, d)]}[case]
-    for k, n in shapes:
-        x, g, w = torch.randn(tokens, k, **bf), torch.randn(tokens, n, **bf), torch.randn(n, k, **bf)
-        fns += [lambda w=w: wq(w, qf), lambda w=w: wtq(w, qg)]
-        own_input = act is None or k == d  # the fused block's act passes quantize fc2's input, fc1's gradient
-        if own_input:
-            fns += [lambda x=x: ops.quantize_rowwise(x, qf)]
-        if act is None:
-            fns += [lambda g=g: ops.quantize_rowwise(g, qg)]
-        elif k == d:
-            h, gh, opts = torch.randn(tokens, n, **bf), torch.randn(tokens, n, **bf), cfg.kernel_options
-            fns += [
-                lambda h=h: ops.act_quantize_rowwise(h, qf, act),
-                lambda g=g: ops.quantize_rowwise_colsum(g, qg),
-            ]
-            fns += [lambda a=(gh, h, qg, act, True), o=opts: ops.act_backward_quantize_colsum(*a, options=o)]
-        if cfg.memory_efficient and own_input:
-            xq, xs = ops.quantize_rowwise(x, qf)
-            fns += [lambda xq=xq, xs=xs: ops.dequantize_rowwise(xq, xs, torch.bfloat16)]
-    return sum(do_bench(fn, rep=20) for fn in fns)
-
-
 def run_case(case: str, d: int, tokens: int, args) -> None:
     """Print one table row per variant of one case."""
     torch.manual_seed(0)
-    ref = build_case(case, d, args.act).to(args.device, torch.bfloat16)
+    ref = build_case(case, d).to(args.device, torch.bfloat16)
     bf = dict(device=args.device, dtype=torch.bfloat16)
     x = torch.randn(tokens, 4 * d if case == "fc2" else d, **bf, requires_grad=True)
     grad, base_ms = torch.randn(tokens, 4 * d if case == "fc1" else d, **bf), None
-    ab = (args.bias_grad_ab, args.mlp_ab and case == "block", args.tma_ab, args.bwd_ab)
-    for name, make, compiled in variants(case in args.compile_cases, tokens, *ab):
-        short = name.removeprefix("switchback ")
-        selected = short in args.only if args.exact else any(o in name for o in args.only or ())
-        if args.only and name != "bf16 nn.Linear" and not selected:
+    for name, make, compiled in variants(case in args.compile_cases):
+        if args.only and name != "bf16 nn.Linear" and not any(o in name for o in args.only):
             continue
-        ms = saved = quant = None
+        ms = saved = None
         note = ""
         try:
             model = make(copy.deepcopy(ref))
@@ -199,15 +139,11 @@ def run_case(case: str, d: int, tokens: int, args) -> None:
                 run_model(x).backward(grad)
 
             ms, saved = do_bench(step, warmup=25, rep=100), saved_activation_mib(run_model, x)
-            if name.startswith("switchback") and not compiled and args.device == "cuda":
-                act = ACT_KIND[args.act] if is_fused_mlp(model) else None
-                quant = quant_ms(case, d, tokens, first_config(model), act)
-                name += " [fused mlp]" if act else ""
         except Exception as err:  # a peer that fails must not end the run; the table says why
             note = f"{type(err).__name__}: {str(err).splitlines()[0][:90]}"
         base_ms = base_ms or ms
         ratio = base_ms / ms if ms and base_ms else None
-        values = zip((ms, ratio, saved, quant), (".3f", ".2f", ".0f", ".3f"), strict=True)
+        values = zip((ms, ratio, saved), (".3f", ".2f", ".0f"), strict=True)
         cells = [
             f"{case} d={d} tokens={tokens}",
             name,
@@ -235,37 +171,36 @@ def bench_gemms(d: int, tokens: int) -> None:
         print(f"| gemm {name} d={d} M={tokens} | " + " | ".join(cells) + " |", flush=True)
 
 
-def bench_row_kernels(d: int, tokens: int, act: str) -> None:
+def bench_row_kernels(d: int, tokens: int) -> None:
     """The (tokens, 4d) passes of a block, each alone: the fused kernels vs the torch ops they replace."""
     bf = dict(device="cuda", dtype=torch.bfloat16)
     h, g = torch.randn(tokens, 4 * d, **bf), torch.randn(tokens, 4 * d, **bf)
-    approximate = "tanh" if act == "gelu_tanh" else "none"
     timings = {
-        "torch gelu fwd": lambda: nn.functional.gelu(h, approximate=approximate),
-        "torch gelu bwd": lambda: torch.ops.aten.gelu_backward(g, h, approximate=approximate),
+        "torch gelu fwd": lambda: nn.functional.gelu(h, approximate="tanh"),
+        "torch gelu bwd": lambda: torch.ops.aten.gelu_backward(g, h, approximate="tanh"),
         "quantize_rowwise": lambda: ops.quantize_rowwise(h, torch.int8),
-        "act_quantize_rowwise": lambda: ops.act_quantize_rowwise(h, torch.int8, act),
+        "act_quantize_rowwise": lambda: ops.act_quantize_rowwise(h, torch.int8, "gelu_tanh"),
     }
-    for o in ACT_BWD.values():
-        bwd = lambda o=o: ops.act_backward_quantize_colsum(g, h, torch.int8, act, True, options=o)  # noqa: E731
-        timings[f"act_backward_quantize_colsum ({o.act_backward_impl})"] = bwd
+    for impl in ("tiles", "rows"):
+        o = KernelOptions(act_backward_impl=impl)
+        bwd = lambda o=o: ops.act_backward_quantize_colsum(g, h, torch.int8, "gelu_tanh", True, options=o)  # noqa: E731
+        timings[f"act_backward_quantize_colsum ({impl})"] = bwd
     for width in (d, 4 * d):  # the output-gradient quantize + column sum (d: q/k/v/out_proj, fc2; 4d: fc1)
         grad = torch.randn(tokens, width, **bf)
-        timings[f"quantize_rowwise_colsum (tokens, {width})"] = lambda g=grad: ops.quantize_rowwise_colsum(
-            g, torch.int8
-        )
+        quantize = lambda g=grad: ops.quantize_rowwise_colsum(g, torch.int8)  # noqa: E731
+        timings[f"quantize_rowwise_colsum (tokens, {width})"] = quantize
     cells = [f"{name} {do_bench(fn, rep=50):.3f} ms" for name, fn in timings.items()]
     print(f"| row kernels ({tokens}, {4 * d}) bf16 | " + " | ".join(cells) + " |", flush=True)
 
 
 def layer_mode(args) -> None:
     print(" | ".join(f"{k} {v}" for k, v in versions(args.device).items()))
-    print("| case | variant | ms | x bf16 | saved MiB | quant ms | note |\n|---|---|---:|---:|---:|---:|---|")
+    print("| case | variant | ms | x bf16 | saved MiB | note |\n|---|---|---:|---:|---:|---|")
     for d, tokens in itertools.product(args.dims, args.tokens):
         for case in args.cases:
             run_case(case, d, tokens, args)
         if args.kernels:
-            bench_row_kernels(d, tokens, ACT_KIND[args.act])
+            bench_row_kernels(d, tokens)
         if args.gemm:
             bench_gemms(d, tokens)
 
@@ -342,18 +277,12 @@ def time_shape(layers: dict[str, nn.Module], k: int, n: int, m: int, repeats: in
 
 def git_commit() -> str:
     try:
-        git = ["git", "rev-parse", "--short", "HEAD"]
-        return subprocess.run(
-            git, cwd=Path(__file__).parent, capture_output=True, text=True, check=True
-        ).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
+        out = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=Path(__file__).parent, capture_output=True
+        )
+    except OSError:
         return "unknown"
-
-
-def write_json(result: dict, path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.with_suffix(".tmp").write_text(json.dumps(result, indent=1) + "\n")
-    path.with_suffix(".tmp").replace(path)
+    return out.stdout.decode().strip() or "unknown"
 
 
 def crossover_mode(args) -> dict:
@@ -369,21 +298,15 @@ def crossover_mode(args) -> dict:
         switchback={p: f"SwitchBackConfig(precision={p!r}, min_tokens=0), grad precision here: {grads[p]}" for p in grads},
         precisions={p: {} for p in args.precisions},
     )  # fmt: skip
-    table_path = (
-        args.write_table / crossover.table_name((props.major, props.minor)) if args.write_table else None
-    )
+    table_path = args.write_table and args.write_table / crossover.table_name((props.major, props.minor))
     started, todo = time.perf_counter(), shapes(args.dims)
-    print(
-        f"{result['device']}, {len(todo)} shapes x {len(tokens)} token counts, {args.precisions}", flush=True
-    )
+    print(f"{result['device']}, {len(todo)} shapes x {len(tokens)} token counts, {args.precisions}")
+    backend = "torch" if args.tiny else "auto"
     for i, (k, n, family) in enumerate(todo):
         layers: dict[str, nn.Module] = {"bf16": nn.Linear(k, n, device=device)}
         for precision in args.precisions:
-            twin = copy.deepcopy(layers["bf16"])
-            config = SwitchBackConfig(
-                precision=precision, backend="torch" if args.tiny else "auto", min_tokens=0
-            )
-            layers[precision] = SwitchBackLinear.from_linear(twin, config)
+            config = SwitchBackConfig(precision=precision, backend=backend, min_tokens=0)
+            layers[precision] = SwitchBackLinear.from_linear(copy.deepcopy(layers["bf16"]), config)
         times = {m: time_shape(layers, k, n, m, args.repeats, device) for m in tokens}
         for precision in args.precisions:
             speedups = [times[m]["bf16"] / times[m][precision] for m in tokens]
@@ -393,20 +316,16 @@ def crossover_mode(args) -> dict:
                 switchback_ms={str(m): round(times[m][precision], 4) for m in tokens},
                 speedup={str(m): round(s, 3) for m, s in zip(tokens, speedups, strict=True)},
             )  # fmt: skip
-        print(f"[{i + 1}/{len(todo)}] {k}->{n} done, {time.perf_counter() - started:.0f} s", flush=True)
+        found = {p: result["precisions"][p][f"{k}x{n}"]["crossover"] for p in args.precisions}
+        elapsed = time.perf_counter() - started
+        print(f"[{i + 1}/{len(todo)}] {k}->{n}: crossover {found}, {elapsed:.0f} s", flush=True)
         if args.out is not None:
-            write_json(result, args.out)
+            write_json(args.out, result, indent=1)
     result.update(complete=True, seconds=round(time.perf_counter() - started, 1))
     for path in (args.out, table_path):
         if path is not None:
-            write_json(result, path)
+            write_json(path, result, indent=1)
             print(f"wrote {path}", flush=True)
-    for precision, entries in result["precisions"].items():
-        print(f"\n{precision}: speed-up over bf16 nn.Linear (fwd+bwd), crossover at >= {args.margin}x")
-        print(f"{'K->N':>12} {'family':>6} | " + " ".join(f"{m:>7}" for m in tokens) + " | crossover")
-        for e in entries.values():
-            ups = " ".join(f"{e['speedup'][str(m)]:7.2f}" for m in tokens)
-            print(f"{e['K']:>5}->{e['N']:<5} {e['family']:>6} | {ups} | {json.dumps(e['crossover'])}")
     return result
 
 
@@ -436,15 +355,6 @@ def worst_ratio(rows: list[dict], subset: tuple[int, ...]) -> float:
         kept = [row["ms"][i] for i in subset if row["ms"][i] is not None]
         worst = max(worst, (min(kept) if kept else float("inf")) / min(t for t in row["ms"] if t is not None))
     return worst
-
-
-def covering_subsets(rows: list[dict], max_size: int = 4) -> list[dict]:
-    """For each size, the config subset whose worst_ratio is lowest (ties: the earlier configs)."""
-    best, n_configs = [], len(rows[0]["ms"])
-    for size in range(1, min(max_size, n_configs) + 1):
-        ratio, subset = min((worst_ratio(rows, s), s) for s in itertools.combinations(range(n_configs), size))
-        best.append(dict(size=size, configs=list(subset), worst_ratio=round(ratio, 4)))
-    return best
 
 
 def tile_of(config: str) -> tuple[int, int, int, int, int]:
@@ -522,14 +432,9 @@ def gemm_configs_mode(args) -> None:
         best = min(t for t in times if t is not None)
         ratios = " ".join(f"{t / best:6.3f}" if t is not None else f"{'-':>6}" for t in times)
         print(f"M={shape[0]:6} N={shape[1]:5} K={shape[2]:5} bias={shape[3]!s:5} {ratios}", flush=True)
-    subsets = covering_subsets(rows, args.max_subset)
-    for subset in subsets:
-        print(f"{subset['size']} config(s) {subset['configs']}: worst {subset['worst_ratio']:.3f}x the best")
-    major, minor = torch.cuda.get_device_capability()
-    payload = dict(
-        device=torch.cuda.get_device_name(), capability=f"sm{major}{minor}", torch=torch.__version__
-    )
-    payload.update(configs=[str(c) for c in configs], rows=rows, subsets=subsets)
+    (major, minor), name = torch.cuda.get_device_capability(), torch.cuda.get_device_name()
+    payload = dict(device=name, capability=f"sm{major}{minor}", torch=torch.__version__)
+    payload.update(configs=[str(c) for c in configs], rows=rows)
     if args.json:
         Path(args.json).write_text(json.dumps(payload, indent=1))
     if args.write_table:
@@ -538,9 +443,7 @@ def gemm_configs_mode(args) -> None:
 
 # ------------------------------------------------------------------------------------------------------ main
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = parser_of(__doc__)
     parser.add_argument("--mode", choices=("layer", "crossover", "gemm_configs"), default="layer")
     parser.add_argument("--dims", type=int, nargs="+", help="widths d (default: per mode)")
     parser.add_argument("--tokens", type=int, nargs="+", help="rows M (default: per mode)")
@@ -550,14 +453,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     layer("--cases", nargs="*", default=list(CASES), choices=CASES, help="none: only --kernels / --gemm")
     layer("--compile-cases", nargs="*", default=["block"], choices=CASES, help="add compiled, torchao rows")
     layer("--only", nargs="*", help="only variants whose name contains one of these")
-    layer("--exact", action="store_true", help="--only names equal a variant (without 'switchback ')")
-    layer("--mlp-ab", action="store_true", help="add fused-MLP block rows (fuse_mlp=True)")
-    layer("--tma-ab", action="store_true", help="add rows on the Hopper TMA GEMM (use_tma=True)")
-    layer("--bwd-ab", action="store_true", help="add fused-block rows per activation-backward impl")
-    layer("--bias-grad-ab", action="store_true", help="add rows with a separate bias-gradient pass")
     layer("--gemm", action="store_true", help="also time the bare GEMMs of each d x tokens")
     layer("--kernels", action="store_true", help="also time the (tokens, 4d) row kernels one by one")
-    layer("--act", default="gelu_pytorch_tanh", choices=sorted(ACT_KIND), help="the block's hidden_act")
     cross = parser.add_argument_group("crossover mode").add_argument
     cross("--precisions", nargs="+", default=["int8", "fp8"], choices=("int8", "fp8"))
     cross("--repeats", type=int, default=7, help="interleaved timed samples per variant")
@@ -566,8 +463,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     cross("--commit", default=None, help="recorded in the JSON (default: git's HEAD)")
     tiles = parser.add_argument_group("gemm_configs mode").add_argument
     tiles("--models", nargs="+", choices=list(MODELS), default=list(MODELS))
-    tiles("--json", default=None, help="every shape's times and the subsets")
-    tiles("--max_subset", type=int, default=4, help="largest config subset to report")
+    tiles("--json", default=None, help="every shape's times per config")
     tiles("--from_json", default=None, help="no timing: the table from an earlier --json file")
     args = parser.parse_args(argv)
     if args.write_table is True:

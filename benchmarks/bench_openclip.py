@@ -42,17 +42,16 @@ def build(variant: str, base: torch.nn.Module, device: torch.device) -> torch.nn
     return model.to(device)
 
 
-def step_ms(model, images, texts, steps: int, warmup: int, compile_: bool) -> float:
+def step_ms(model, images, texts, steps: int, warmup: int) -> float:
     """Median milliseconds of one training step over `steps` timed steps after `warmup` untimed ones."""
     device = images.device
-    fwd = torch.compile(model) if compile_ else model
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
     labels = torch.arange(len(images), device=device)
     times = []
     for i in range(warmup + steps):
         start = time.perf_counter()
         with torch.autocast(device.type, torch.bfloat16):
-            image_features, text_features, logit_scale = fwd(images, texts)[:3]
+            image_features, text_features, logit_scale = model(images, texts)[:3]
             logits = logit_scale * image_features @ text_features.t()
             loss = (F.cross_entropy(logits, labels) + F.cross_entropy(logits.t(), labels)) / 2
         loss.backward()
@@ -66,17 +65,12 @@ def step_ms(model, images, texts, steps: int, warmup: int, compile_: bool) -> fl
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     parser.add_argument("--model", default="ViT-B-32", help="open_clip model name, or 'tiny' (CPU smoke run)")
     parser.add_argument("--batch", type=int, default=256, help="images (and captions) per step")
     parser.add_argument("--steps", type=int, default=20, help="timed steps per variant (median reported)")
     parser.add_argument("--warmup", type=int, default=5, help="untimed steps first (autotuning, compile)")
-    parser.add_argument(
-        "--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS), help="what to time"
-    )
-    parser.add_argument("--compile", action="store_true", help="torch.compile the model (every variant)")
+    parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS), help="rows")
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="cpu: smoke runs only")
     args = parser.parse_args()
 
@@ -99,15 +93,15 @@ def main() -> None:
         model = build(variant, base, device)
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
-        ms = step_ms(model, images, texts, args.steps, args.warmup, args.compile)
+        ms = step_ms(model, images, texts, args.steps, args.warmup)
         peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan")
         results[variant] = ms
-        row = {"model": args.model, "batch": args.batch, "compile": args.compile, "variant": variant}
+        row = {"model": args.model, "batch": args.batch, "variant": variant}
         print(json.dumps({**row, "step_ms": round(ms, 2), "peak_gib": round(peak, 2)}), flush=True)
         del model
     if "bf16" in results:
         cells = " | ".join(f"{v} {results[v]:.1f} ms ({results['bf16'] / results[v]:.2f}x)" for v in results)
-        print(f"| {args.model} b{args.batch}{' +compile' if args.compile else ''} | {cells} |")
+        print(f"| {args.model} b{args.batch} | {cells} |")
 
 
 if __name__ == "__main__":

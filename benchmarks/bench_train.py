@@ -1,4 +1,4 @@
-"""Speed of a CLIP / SigLIP step: bf16 vs SwitchBack vs torchao float8, training (default) or eval (--inference).
+"""Speed of a CLIP / SigLIP training step: bf16 vs SwitchBack vs torchao float8.
 
 Each row is an HF CLIPModel (SiglipModel for siglip-*) from examples/configs/<model>.json, random init and random
 data: forward with the model's own loss, backward, AdamW (fused on CUDA), bf16 autocast, SDPA. Ratios are over
@@ -7,7 +7,6 @@ line and rewritten to --json at once, so a killed process keeps what it measured
 
     PYTHONPATH=src python benchmarks/bench_train.py --models vit-b-16 --compile layers \\
         --variants bf16+compile int8+compile --steps 10 --profile $OUT/prof --json $OUT/train.json
-    PYTHONPATH=src python benchmarks/bench_train.py --inference --models vit-b-16 --batch 256
     PYTHONPATH=src python benchmarks/bench_train.py --device cpu --tiny --variants bf16 int8 --steps 1  # smoke
 
 Variants (then the row grammar of common.py: +ckpt, +budgetF, +compile, @B):
@@ -17,16 +16,11 @@ Variants (then the row grammar of common.py: +ckpt, +budgetF, +compile, @B):
                            default (on Hopper the crossover table keeps nearly every CLIP linear 16-bit)
   torchao-float8-RECIPE    torchao float8 training on the encoder linears (tensorwise, rowwise, rowwise_with_gw_hp)
   BASE-lora                PEFT LoRA (rank 16) on every encoder linear of a bf16 / SwitchBack base, rest frozen
---inference: eval throughput of get_image_features / get_text_features (bf16 weights, prepare_for_inference),
-images/s, texts/s and the worst per-sample cosine to the first row's embeddings (bf16 first).
---profile DIR: GPU ms per step by kernel family (benchmarks/step_profile.py), in the table, the row's JSON and
-DIR/<model>_<variant>.{txt,json}.
 """
 
 from __future__ import annotations
 
 import argparse
-import functools
 import gc
 import importlib.util
 import json
@@ -64,7 +58,6 @@ TOKENS = {
     "fused": (dict(fuse_mlp=True), "each CLIP MLP as one fused op"),
     "unfused": (dict(fuse_mlp=False), "separate MLP layers (with memeff)"),
     "qkv": (dict(fuse_qkv=True), "q/k/v as one N = 3d GEMM with one input quantize"),
-    "triton": (dict(backend="triton"), "every call 8-bit, whatever its token count"),
     "row": (dict(weight_scaling="row"), "row-wise weight scales"),
     "memeff": (dict(memory_efficient=True), "the memory switch: 8-bit saved inputs, MLPs fused"),
     "mlp": (dict(target_modules=("fc1", "fc2")), "only the MLP linears 8-bit"),
@@ -73,17 +66,13 @@ TOKENS = {
     "inductor-act": (dict(kernel_changes=dict(triton_act_quantize=False)), "fused MLP's act passes by Inductor"),
 }  # fmt: skip
 TOKENS_HELP = "TOKENs:\n" + "\n".join(f"  -{name:13} {text}" for name, (_, text) in TOKENS.items())
-RAW = argparse.RawDescriptionHelpFormatter
 TORCHAO_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
 LORA_TARGETS = (*ATTENTION, "fc1", "fc2")
 BASES_HELP = "bf16, int8/fp8[-TOKEN...] (see --help), torchao-float8-RECIPE, BASE-lora"
 # A/B flag -> (KernelOptions field, value, help): each flips one default
 KERNEL_FLAGS = {
     "tma": ("use_tma", True, "the Hopper TMA 8-bit GEMM instead of the portable one"),
-    "custom_op_eager": ("direct_eager", False, "eager calls through the torch.library custom ops"),
-    "triton_quantize_under_compile": ("fuse_quantize_under_compile", False, "our quantize kernels, not Inductor's"),
     "opaque_gemm_under_compile": ("trace_gemm", False, "the 8-bit GEMM as an opaque op under compile"),
-    "inductor_grad_quantize": ("triton_grad_quantize", False, "Inductor quantizes the output gradients"),
 }  # fmt: skip
 
 
@@ -175,16 +164,12 @@ def convert(model, base: str, device: str, kernel_opts=None):
     return model
 
 
-def model_class(config):
-    from transformers import CLIPModel, SiglipModel
-
-    return SiglipModel if config.model_type == "siglip" else CLIPModel
-
-
 def build_model(config, variant, grad_ckpt, compile_mode, device, inductor_mode="default", kernel_opts=None):
     """The CLIPModel / SiglipModel of one row (variant: BASE[+compile]), converted, compiled, in training mode."""
+    from transformers import CLIPModel, SiglipModel
+
     with torch.device(device):  # ViT-H/14's random init on the CPU takes tens of seconds
-        model = model_class(config)(config).train()
+        model = (SiglipModel if config.model_type == "siglip" else CLIPModel)(config).train()
     if grad_ckpt:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     base = variant.removesuffix("+compile")
@@ -252,28 +237,29 @@ def row_batch(name: str, spec: common.Variant, args) -> int:
     return spec.batch or args.batch or (TINY_BATCH if args.tiny else MODELS[name]["batch"])
 
 
-def run_row(name: str, variant: str, grad_ckpt: bool, args, profile: bool = False, batch: int | None = None):
+def run_row(name: str, variant: str, args, profile: bool = False, batch: int | None = None):
     """One training row: first step (compile + autotune), --warmup steps, one step split to read the memory its
     forward saves, --steps timed steps; with `profile`, --profile_steps more under torch.profiler."""
     spec, device = parse_variant(variant), args.device
-    cuda, grad_ckpt = device == "cuda", grad_ckpt or spec.grad_ckpt
+    cuda = device == "cuda"
     batch = batch or row_batch(name, spec, args)
     with common.recompute_budget(spec.budget):
         config = clip_config(name, tiny=args.tiny)
         inductor_mode, options = getattr(args, "compile_mode", "default"), kernel_options(args)
         model_variant = spec.base + ("+compile" if spec.compiled else "")
-        model = build_model(config, model_variant, grad_ckpt, args.compile, device, inductor_mode, options)
+        model = build_model(
+            config, model_variant, spec.grad_ckpt, args.compile, device, inductor_mode, options
+        )
         forward, finish = training_step(model, config, batch, device)
         artifacts = getattr(args, "compile_artifacts", None)
         if artifacts:  # before the first step, where the model compiles
             load_compile_artifacts(artifacts)
-        compile_before, caches_before = common.phase_totals(), common.cache_counts()
+        caches_before = common.cache_counts()
         first_step_s, _ = timed(lambda: finish(forward()), 1, device)
         first_step_s /= 1000
         if artifacts:
             save_compile_artifacts(artifacts)
-        row = dict(model=name, variant=variant, grad_ckpt=grad_ckpt, batch=batch, first_step_s=first_step_s)
-        row["first_step_split"] = common.first_step_split(compile_before, common.phase_totals(), first_step_s)
+        row = dict(model=name, variant=variant, batch=batch, first_step_s=first_step_s)
         row["first_step_caches"] = common.first_step_caches(caches_before, common.cache_counts())
         timed(lambda: finish(forward()), args.warmup, device)
         if cuda:  # steady state, not the compile / autotune step
@@ -294,43 +280,13 @@ def run_row(name: str, variant: str, grad_ckpt: bool, args, profile: bool = Fals
             per_sample = dict(saved_mib_per_sample=saved, peak_mib_per_sample=peak - fixed)
             row.update({key: value / batch / 2**20 for key, value in per_sample.items()})
         if profile:  # after the row's figures, so the profiled steps do not enter its peak memory
-            path = Path(args.profile) / f"{name}_{variant.replace('+', '_').replace('@', '_b')}.txt"
+            path = Path(args.profile) / f"{name}_{variant.replace('+', '_').replace('@', '_b')}.json"
             title = f"{name} {variant} batch {batch}: {args.profile_steps} steps profiled, {ms:.1f} ms/step"
             try:
                 steps = args.profile_steps
                 row["profile"] = step_profile.profile_row(forward, finish, steps, device, path, title)
             except Exception as err:  # a profiler failure must not lose the row's figures
                 row["profile_error"] = repr(err)[:300]
-    return row
-
-
-def inference_row(name: str, variant: str, args, reference: dict) -> dict:
-    """Eval rows: images/s and texts/s of the prepared model, worst cosine to `reference` (filled by row one)."""
-    from hf_switchback import prepare_for_inference
-
-    spec = parse_variant(variant)
-    config, batch = clip_config(name, tiny=args.tiny), row_batch(name, spec, args)
-    torch.manual_seed(0)  # the same weights and inputs in every row
-    with torch.device(args.device):
-        model = model_class(config)(config).to(torch.bfloat16).eval()
-    if spec.base != "bf16":
-        prepare_for_inference(convert(model, spec.base, args.device))
-    ids, pixels = random_batch(config, batch, args.device)
-    pixels = pixels.bfloat16()
-    row = dict(model=name, variant=variant, batch=batch)
-    for tower, fn, inputs in (
-        ("image", model.get_image_features, pixels),
-        ("text", model.get_text_features, ids),
-    ):
-        fn = torch.compile(fn) if spec.compiled else fn
-        with torch.inference_mode():
-            call = functools.partial(fn, inputs)
-            timed(call, args.warmup, args.device)
-            ms, out = timed(call, args.steps, args.device)
-        emb = getattr(out, "pooler_output", out).float()
-        reference.setdefault(tower, emb)
-        row[f"{tower}s_per_s"] = batch * 1000 / ms
-        row[f"min_cos_{tower}"] = torch.cosine_similarity(emb, reference[tower], dim=-1).min().item()
     return row
 
 
@@ -366,17 +322,12 @@ def attempt(key: dict, device: str, clock: common.Clock | None, run, *run_args) 
 
 
 def print_table(rows: list[dict]) -> None:
-    if any("images_per_s" in r for r in rows):
-        cols = [(f"{t}s/s", lambda r, t=t: r[f"{t}s_per_s"], ".1f") for t in ("image", "text")]
-        cols += [(f"min cos {t}", lambda r, t=t: r[f"min_cos_{t}"], ".5f") for t in ("image", "text")]
-        lead = [("model", "model", 11), ("variant", "variant", 24), ("batch", "batch", 5)]
-        return common.print_table(rows, lead, cols, "images_per_s")
     eager, best = {}, {}  # bf16 eager and the fastest bf16 row of any kind, per (model, batch)
     for r in rows:
         if "ms_per_step" in r and parse_variant(r["variant"]).base == "bf16":
             key = (r["model"], r["batch"])
             best[key] = min(best.get(key, math.inf), r["ms_per_step"])
-            if r["variant"].partition("@")[0] == "bf16" and not r["grad_ckpt"]:
+            if r["variant"].partition("@")[0] == "bf16":
                 eager[key] = r["ms_per_step"]
     cols = [("batch", lambda r: r["batch"], "d"), ("ms/step", lambda r: r["ms_per_step"], ".1f")]
     cols += [("samples/s", lambda r: r["samples_per_s"], ".0f")]
@@ -387,27 +338,21 @@ def print_table(rows: list[dict]) -> None:
         ("peak GiB", lambda r: r["peak_mem_gib"], ".1f"),
         ("1st step s", lambda r: r["first_step_s"], ".1f"),
     ]
-    lead = [("model", "model", 11), ("ckpt", "grad_ckpt", 5), ("variant", "variant", 42)]
+    lead = [("model", "model", 11), ("variant", "variant", 42)]
     common.print_table(rows, lead, cols, "ms_per_step")
     step_profile.print_profiles(rows)
 
 
 def run(args: argparse.Namespace) -> list[dict]:
-    """Every (model, grad_ckpt, variant) row in order; prints and saves each as it finishes."""
+    """Every (model, variant) row in order; prints and saves each as it finishes."""
     env = dict(common.versions(args.device), args=vars(args))
     print(json.dumps(env), flush=True)
-    clock, rows, reference = common.Clock(args.time_budget_s), [], {}
+    clock, rows = common.Clock(args.time_budget_s), []
     for name in args.models:
-        reference.clear()
-        for grad_ckpt in {"off": [False], "on": [True], "both": [False, True]}[args.grad_ckpt]:
-            for variant in args.variants:
-                key = dict(model=name, variant=variant, grad_ckpt=grad_ckpt)
-                if args.inference:
-                    run_args = (inference_row, name, variant, args, reference)
-                else:
-                    run_args = (run_row, name, variant, grad_ckpt, args, bool(args.profile))
-                rows.append(attempt(key, args.device, clock, *run_args))
-                common.emit(rows, env, args.json)
+        for variant in args.variants:
+            key = dict(model=name, variant=variant)
+            rows.append(attempt(key, args.device, clock, run_row, name, variant, args, bool(args.profile)))
+            common.emit(rows, env, args.json)
     print_table(rows)
     return rows
 
@@ -425,16 +370,14 @@ def add_row_flags(parser, variants, steps: int, warmup: int) -> None:
     parser.add_argument("--warmup", type=int, default=warmup, help="untimed steps after the first one")
     parser.add_argument("--time_budget_s", type=float, help="skip runs that would end past this (seconds)")
     parser.add_argument("--json", default=None, help="also write the rows here (after every row)")
-    parser.add_argument("--profile", default=None, metavar="DIR", help="profile each row (see above)")
+    parser.add_argument("--profile", metavar="DIR", help="GPU ms by kernel family per row (step_profile.py)")
     parser.add_argument("--profile_steps", type=int, default=2, help="steps profiled per row with --profile")
     common.add_smoke_flags(parser)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, epilog=TOKENS_HELP, formatter_class=RAW)
+    parser = common.parser_of(__doc__, epilog=TOKENS_HELP)
     add_row_flags(parser, VARIANTS, steps=10, warmup=3)
-    parser.add_argument("--inference", action="store_true", help="eval throughput instead of training steps")
-    parser.add_argument("--grad_ckpt", choices=("off", "on", "both"), default="off", help="of both towers")
     modes = ("default", "reduce-overhead", "max-autotune-no-cudagraphs")
     parser.add_argument("--compile_mode", choices=modes, default="default", help="of the +compile rows")
     for flag, (field, value, text) in KERNEL_FLAGS.items():
@@ -442,17 +385,16 @@ def main() -> None:
     # one row per process: a second save of one process reads back as only what it added
     parser.add_argument("--compile_artifacts", metavar="FILE", help="torch.compile's caches: load, then save")
     args = parser.parse_args()
-    if args.compile_artifacts and (len(args.models) * len(args.variants) > 1 or args.grad_ckpt == "both"):
+    if args.compile_artifacts and len(args.models) * len(args.variants) > 1:
         parser.error("--compile_artifacts measures one row per process: pass one model and one variant")
-    if args.compile_mode == "reduce-overhead" and args.compile == "layers" and args.grad_ckpt != "off":
+    if (
+        args.compile_mode == "reduce-overhead"
+        and args.compile == "layers"
+        and any("+ckpt" in v for v in args.variants)
+    ):
         # the checkpoint recompute replays a layer's CUDA graph while its first outputs are still needed
-        parser.error("--compile_mode reduce-overhead with --grad_ckpt on/both needs --compile model")
-    if args.inference and args.variants == list(VARIANTS):
-        args.variants = ["bf16", "int8", "fp8"]
-    if not args.inference:  # eval embeddings at real sizes are a numerics check the CPU can run
-        common.check_device(parser, args)
-    elif args.device == "cuda" and not torch.cuda.is_available():
-        parser.error("--device cuda needs a GPU")
+        parser.error("--compile_mode reduce-overhead with +ckpt rows needs --compile model")
+    common.check_device(parser, args)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     run(args)
 

@@ -1,4 +1,4 @@
-"""What the benchmark scripts share: row grammar, compile-time accounting, time budget, tables, statistics.
+"""What the benchmark scripts share: row grammar, compile cache counts, time budget, tables, statistics.
 
 Row grammar (bench_train.py, bench_memory.py, compile_warmup.py): BASE[+ckpt][+budgetF][+compile][@B]
   +ckpt      full gradient checkpointing of every encoder layer
@@ -7,14 +7,13 @@ Row grammar (bench_train.py, bench_memory.py, compile_warmup.py): BASE[+ckpt][+b
   +compile   torch.compile (the whole model, or each encoder layer with --compile layers)
   @B         this row's batch
 
-Compile-time accounting: torch.compile's own timers (`compilation_time_metrics`) and cache counters, read before
-and after the first step, split it into compiling forward / backward graphs (of which waiting for Inductor's
-kernel compiles), the rest (`run_s`: running, autotuning), and FX graph / AOT autograd cache hit/miss/bypass.
-The names are torch internals: both return {} where missing, and tests/test_benchmarks.py checks them.
+Compile caches: torch.compile's counters, read before and after the first step, give its FX graph and AOT
+autograd cache hits, misses and bypasses. The names are torch internals: {} where missing; the tests check them.
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
 import math
@@ -66,36 +65,12 @@ def recompute_budget(budget: float | None):
     return torch._functorch.config.patch(activation_memory_budget=budget)
 
 
-# (our name, the torch.compile timer it sums)
-PHASES = (
-    ("compile_forward_s", "_compile.compile_inner"),
-    ("compile_backward_s", "backward._backward_impl"),
-    ("kernel_compile_wait_s", "async_compile.wait"),
-)
 # (our name, torch._dynamo.utils.counters group, counter)
 CACHE_COUNTERS = tuple(
     (f"{short}_{outcome}", group, f"{prefix}_{outcome}")
     for short, group, prefix in (("fx_graph", "inductor", "fxgraph_cache"), ("aot_autograd", "aot_autograd", "autograd_cache"))
     for outcome in ("hit", "miss", "bypass")
 )  # fmt: skip
-
-
-def phase_totals() -> dict[str, float]:
-    """Seconds spent so far in each phase of PHASES, summed over calls ({} without the metrics)."""
-    try:
-        from torch._dynamo.utils import compilation_time_metrics
-    except ImportError:
-        return {}
-    return {name: float(sum(compilation_time_metrics.get(key, ()))) for name, key in PHASES}
-
-
-def first_step_split(before: dict, after: dict, first_step_s: float) -> dict[str, float]:
-    """The first step's seconds by phase, from `phase_totals()` taken before and after it."""
-    if not before or not after:
-        return {}
-    split = {name: round(after[name] - before[name], 3) for name, _ in PHASES}
-    split["run_s"] = round(first_step_s - split["compile_forward_s"] - split["compile_backward_s"], 3)
-    return split
 
 
 def cache_counts() -> dict[str, int]:
@@ -150,12 +125,27 @@ def print_table(rows: list[dict], lead: list[tuple[str, str, int]], cols: list[t
         print(*cells, *(f"{'-' if v is None else format(v, s):>{w}}" for v, s, w in values))
 
 
+def write_json(path: Path, value, indent: int | None = None) -> None:
+    """Write JSON through a temporary file: a reader polling for the file never sees it half written."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(value, indent=indent) + "\n")
+    tmp.replace(path)
+
+
 def emit(rows: list[dict], env: dict, json_path: str | None) -> None:
     """Print the newest row as one JSON line and rewrite `json_path` with all rows (a killed process keeps
     what it measured)."""
     print(json.dumps(rows[-1]), flush=True)
     if json_path:
         Path(json_path).write_text(json.dumps(dict(env=env, rows=rows), indent=1))
+
+
+def parser_of(doc: str, **kwargs) -> argparse.ArgumentParser:
+    """A script's parser: its module docstring as the description, line breaks kept."""
+    return argparse.ArgumentParser(
+        description=doc, formatter_class=argparse.RawDescriptionHelpFormatter, **kwargs
+    )
 
 
 def add_smoke_flags(parser, what: str = "smoke test only") -> None:

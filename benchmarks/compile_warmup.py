@@ -1,14 +1,10 @@
 """Compile warm-up of a training step: each row in fresh bench_train.py processes with caches of its own.
 
-Rows of one process share Inductor's and Triton's caches, so here every (model, variant) gets its own cache
-folders (TORCHINDUCTOR_CACHE_DIR, TRITON_CACHE_DIR) and one bench_train.py process per pass:
-    cold   empty caches: a first run on a machine
-    warm   the same caches again: a resumed or repeated run
-    moved  (--moved) new empty caches plus the compile artifacts the cold process saved
-           (hf_switchback.compile_cache): a run on another machine, as train_clip.py --compile_cache_dir does
-Per row: the first step's seconds, its ratio to --baseline (same model, pass and repeat), its split by phase and
-the FX graph cache's hit/miss/bypass (common.py). An untimed eager process runs first (--no_prime skips it), so
-that reading the libraries from disk does not land on the first row. Flags it does not know go to bench_train.py.
+Passes per (model, variant), each its own process on its own Inductor and Triton cache folders: cold (empty
+caches), warm (the same caches again), moved (--moved: empty caches plus the artifacts cold saved, as
+train_clip.py --compile_cache_dir on another machine). Per row: the first step's seconds, its ratio to
+--baseline and the FX graph cache's hit/miss/bypass. An untimed eager process runs first (--no_prime skips it), so that
+reading the libraries from disk does not land on the first row. Flags it does not know go to bench_train.py.
 
     PYTHONPATH=src python benchmarks/compile_warmup.py --models vit-b-16 --variants bf16+compile int8+compile \\
         --compile layers --moved --json $OUT/warmup.json
@@ -17,7 +13,6 @@ that reading the libraries from disk does not land on the first row. Flags it do
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
@@ -37,20 +32,10 @@ def run_row(model: str, variant: str, cache: Path, args, extra: list[str]) -> di
     env = dict(
         os.environ, TORCHINDUCTOR_CACHE_DIR=str(cache / "inductor"), TRITON_CACHE_DIR=str(cache / "triton")
     )
-    command = [
-        sys.executable,
-        str(HERE / "bench_train.py"),
-        "--models",
-        model,
-        "--variants",
-        variant,
-        "--json",
-        str(out),
-    ]
-    command += ["--steps", str(args.steps), "--warmup", str(args.warmup), "--device", args.device]
-    command += (
-        (["--batch", str(args.batch)] if args.batch else []) + (["--tiny"] if args.tiny else []) + extra
-    )
+    command = [sys.executable, str(HERE / "bench_train.py"), "--models", model, "--variants", variant]
+    command += ["--json", str(out), "--steps", str(args.steps), "--warmup", str(args.warmup)]
+    command += ["--device", args.device, *(["--batch", str(args.batch)] if args.batch else [])]
+    command += [*(["--tiny"] if args.tiny else []), *extra]
     try:
         proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=args.timeout_s)
     except subprocess.TimeoutExpired:
@@ -79,23 +64,17 @@ def measure(args, extra: list[str]) -> list[dict]:
                         run_row(model, variant, folder, args, extra + more), model=model, variant=variant
                     )
                     rows.append(dict(row, cache=str(folder), repeat=repeat, **{"pass": cache_pass}))
-                    print(json.dumps(rows[-1]), flush=True)
-                    if args.json:
-                        Path(args.json).write_text(
-                            json.dumps(dict(args=vars(args), extra=extra, rows=rows), indent=1)
-                        )
+                    common.emit(rows, dict(args=vars(args), extra=extra), args.json)
     return rows
 
 
 def print_table(rows: list[dict], baseline: str) -> None:
     key = lambda r: (r["model"], r["pass"], r["repeat"])  # noqa: E731
     base = {key(r): r["first_step_s"] for r in rows if r["variant"] == baseline and "first_step_s" in r}
-    split = lambda name: lambda r: (r.get("first_step_split") or {}).get(name)  # noqa: E731
     outcomes = ("fx_graph_hit", "fx_graph_miss", "fx_graph_bypass")
     caches = lambda r: "/".join(str(r["first_step_caches"][o]) for o in outcomes)  # noqa: E731
     cols = [("1st step s", lambda r: r["first_step_s"], ".1f")]
     cols += [(f"x {baseline}", lambda r: common.ratio(r["first_step_s"], base.get(key(r))), "")]
-    cols += [(title, split(name), ".1f") for title, name in (("compile fwd", "compile_forward_s"), ("compile bwd", "compile_backward_s"), ("kernel wait", "kernel_compile_wait_s"), ("run s", "run_s"))]  # fmt: skip
     cols += [("ms/step", lambda r: r["ms_per_step"], ".1f")]
     cols += [("graphs hit/miss/bypass", lambda r: caches(r) if r.get("first_step_caches") else "-", "")]
     lead = [("model", "model", 9), ("variant", "variant", 28), ("pass", "pass", 5), ("rep", "repeat", 3)]
@@ -103,25 +82,17 @@ def print_table(rows: list[dict], baseline: str) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = common.parser_of(__doc__)
     parser.add_argument("--models", nargs="+", default=["vit-b-16"], help="bench_train.py model names")
-    parser.add_argument(
-        "--variants", nargs="+", default=["bf16+compile", "int8+compile"], help="bench_train.py rows"
-    )
-    parser.add_argument(
-        "--baseline", default=None, help="the ratio column's reference (default: the first variant)"
-    )
+    parser.add_argument("--variants", nargs="+", default=["bf16+compile", "int8+compile"], help="rows")
+    parser.add_argument("--baseline", help="the ratio column's reference (default: the first variant)")
     parser.add_argument("--batch", type=int, default=None, help="per-step batch (default: bench_train.py's)")
     parser.add_argument("--steps", type=int, default=3, help="timed steps per row (the ms/step column)")
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps after the first")
     parser.add_argument("--cache_root", default=None, help="where the cache folders go (default: a temp dir)")
     parser.add_argument("--repeats", type=int, default=1, help="measure every row this often, on new caches")
     parser.add_argument("--no_prime", action="store_true", help="skip the untimed first (eager) process")
-    parser.add_argument(
-        "--moved", action="store_true", help="a third pass: empty caches + the cold artifacts"
-    )
+    parser.add_argument("--moved", action="store_true", help="a third pass: empty caches + cold's artifacts")
     parser.add_argument("--timeout_s", type=float, default=900, help="per process")
     parser.add_argument("--json", default=None, help="also write the rows here (after every row)")
     common.add_smoke_flags(parser)

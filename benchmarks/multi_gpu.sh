@@ -1,28 +1,18 @@
 #!/usr/bin/env bash
-# Multi-GPU runs of examples/train_clip.py on one 4-GPU host, in under 9 minutes, results aggregated under $OUT:
-#   a. DDP throughput (steady samples/s, peak memory): SwitchBack int8 at 1/2/4 GPUs, bf16 (--switchback off) at
-#      1/4 GPUs, same per-GPU batch -> scaling efficiency.
-#   b. Same loss: 1 GPU x 2B vs 2 GPUs x B, same seed. The synthetic stream gives the same global batch in both
-#      (rank r takes positions r, r+world, ... of one permutation and each dataloader worker whole batches of
-#      those, so 2 ranks x B hold the samples of 1 rank x 2B, augmentation seeded per sample); the loss is
-#      permutation invariant.
-#   c. FSDP2, DeepSpeed ZeRO-2, ZeRO-3 on 2 GPUs: 20 steps with checkpoints at 10 and 20, then a second launch
-#      resumes from step 10 (`latest` after the step-20 checkpoint is removed) and reruns 11..20: losses compared,
-#      final model.safetensors loaded with plain transformers CLIPModel (hf_switchback not imported).
-#   d. Logit-matrix memory: tiny CLIP, 4 GPUs x 8192 pairs, --local_loss vs global loss (n x N vs N x N logits).
+# Multi-GPU runs of examples/train_clip.py on one host, each launch time-limited, aggregated under $OUT
+# (summary.json, summary.md, multi_gpu.log by multi_gpu_summary.py; run folders go to $WORK). PHASES:
+#   ddp     a. DDP throughput: int8 at 1/2/4 GPUs, bf16 (--switchback off) at 1/4, same per-GPU batch
+#   ddp2    a. on a 2-GPU host instead: int8 on 1 GPU, then on 2, one after the other
+#   same    b. same loss: 1 GPU x 2B vs 2 GPUs x B, same seed (the synthetic stream gives both the same samples)
+#   resume  c. FSDP2 and ZeRO-2 on 2 GPUs: 20 steps, checkpoints at 10 and 20; a second launch resumes from 10;
+#           losses compared, the final model loaded with plain transformers (hf_switchback not imported)
+#   zero3   c. the same with ZeRO-3
+#   logits  d. logit memory, tiny CLIP, 8192 pairs per GPU on LOGIT_GPUS: --local_loss vs global loss
 #
 # usage: [OUT=DIR] [PHASES=...] [BUDGET=S] [SMOKE=1] bash benchmarks/multi_gpu.sh [--help]
-#   OUT=/path bash benchmarks/multi_gpu.sh            # the GPU run: summary.json, summary.md, multi_gpu.log
-#   SMOKE=1 OUT=/tmp/smoke bash benchmarks/multi_gpu.sh   # dry run of the same logic on the CPU (tiny, gloo)
-#   PHASES="zero3 logits" LOGIT_GPUS=0,1 OUT=/path bash benchmarks/multi_gpu.sh   # a subset, e.g. on 2 GPUs
+#   OUT=/path bash benchmarks/multi_gpu.sh                # the 4-GPU run (PHASES="ddp resume zero3 same logits")
 #   PHASES="ddp2 zero3 logits" LOGIT_GPUS=0,1 OUT=/path bash benchmarks/multi_gpu.sh   # the 2-GPU host
-# PHASES picks among: ddp (a), ddp2 (a on a 2-GPU host, instead of ddp: int8 on 1 GPU through single_gpu.yaml, then
-# on 2 GPUs, one after the other, so neither shares the host's CPUs), resume (c: FSDP2 + ZeRO-2), zero3
-# (c: ZeRO-3), same (b), logits (d).
-#
-# Parallel phases use disjoint GPUs (CUDA_VISIBLE_DEVICES), so the 1- and 2-GPU throughput runs share the host's
-# CPUs with each other (not the GPUs). Every launch has a timeout, capped by a global deadline; a failure is
-# recorded and the script goes on. Run directories (checkpoints, models) go to $WORK, not $OUT.
+#   SMOKE=1 OUT=/tmp/smoke bash benchmarks/multi_gpu.sh   # dry run of the same logic on the CPU (tiny, gloo)
 set -u
 if [ "${1:-}" = -h ] || [ "${1:-}" = --help ]; then
     sed -n '2,/^set -u/p' "$0" | sed -e '$d' -e 's/^# \{0,1\}//'  # this header

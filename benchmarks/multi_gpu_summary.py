@@ -25,13 +25,8 @@ keys = {k: len(info[k]) for k in ("missing_keys", "unexpected_keys", "mismatched
 print(json.dumps({"loaded": True, "logit_scale_shape": list(model.logit_scale.shape), "class": type(model).__name__, **keys}))
 """
 KEEP = ("train_samples_per_second_steady", "train_samples_per_second", "peak_memory_allocated_gib")
-KEEP += (
-    "peak_memory_reserved_gib",
-    "peak_memory_allocated_gib_per_rank",
-    "global_batch_size",
-    "num_processes",
-)
-KEEP += ("distributed_type", "train_loss", "train_steps")
+KEEP += ("peak_memory_reserved_gib", "peak_memory_allocated_gib_per_rank", "global_batch_size")
+KEEP += ("num_processes", "distributed_type", "train_loss", "train_steps")
 
 
 def losses(path: Path) -> dict[int, float]:
@@ -47,9 +42,8 @@ def max_abs_diff(a: dict, b: dict, steps) -> float | None:
 
 def resumed_step(log: Path) -> int | None:
     """The step of the checkpoint a launch resumed from (its `resuming from .../step_N` line), else None."""
-    found = (
-        re.findall(r"resuming from \S*step_(\d+)", log.read_text(errors="replace")) if log.exists() else []
-    )
+    text = log.read_text(errors="replace") if log.exists() else ""
+    found = re.findall(r"resuming from \S*step_(\d+)", text)
     return int(found[-1]) if found else None
 
 
@@ -59,9 +53,8 @@ def load_check(model_dir: Path) -> dict:
     # plain transformers: our src/ off the path, so a stray import fails loudly
     path = os.pathsep.join(p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if "src" not in p)
     command = [sys.executable, "-c", LOAD_CHECK, str(model_dir)]
-    proc = subprocess.run(
-        command, capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=path), timeout=90
-    )
+    env = dict(os.environ, PYTHONPATH=path)
+    proc = subprocess.run(command, capture_output=True, text=True, env=env, timeout=90)
     if proc.returncode != 0:
         return {"loaded": False, "error": proc.stderr.strip().splitlines()[-1:] or ["?"]}
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -81,41 +74,34 @@ def summarize(work: Path) -> dict:
         for n in (1, 2, 4):
             if (value := steady(f"ddp_{kind}_{n}gpu")) is not None:
                 efficiency = round(value / (n * one), 3) if one else None
-                scaling[f"{kind}_{n}gpu"] = dict(
-                    samples_per_s=round(value, 1), per_gpu=round(value / n, 1), efficiency=efficiency
-                )
+                entry = dict(samples_per_s=round(value, 1), per_gpu=round(value / n, 1))
+                scaling[f"{kind}_{n}gpu"] = dict(entry, efficiency=efficiency)
     for n in (1, 4):
         if steady(f"ddp_int8_{n}gpu") and steady(f"ddp_bf16_{n}gpu"):
-            scaling[f"int8_over_bf16_{n}gpu"] = round(
-                steady(f"ddp_int8_{n}gpu") / steady(f"ddp_bf16_{n}gpu"), 3
-            )
+            ratio = steady(f"ddp_int8_{n}gpu") / steady(f"ddp_bf16_{n}gpu")
+            scaling[f"int8_over_bf16_{n}gpu"] = round(ratio, 3)
     # b. same loss: 1 GPU x 2B vs 2 GPUs x B
     one, two = (losses(work / f"same_loss_{n}gpu" / "train_log.jsonl") for n in (1, 2))
     steps = sorted(set(one) & set(two))
     same = dict(steps_compared=len(steps), loss_step1=[one.get(1), two.get(1)])
-    same.update(
-        max_abs_diff_step1=max_abs_diff(one, two, [1]), max_abs_diff_all=max_abs_diff(one, two, steps)
-    )
+    same.update(max_abs_diff_step1=max_abs_diff(one, two, [1]))
+    same["max_abs_diff_all"] = max_abs_diff(one, two, steps)
     same.update(loss_1gpu=[one[s] for s in steps], loss_2gpu=[two[s] for s in steps])
     resume = {}  # c. checkpoint + resume + plain load
     for name in ("fsdp2", "deepspeed_zero2", "deepspeed_zero3"):
         first, second = losses(work / name / "train_log_first.jsonl"), losses(work / name / "train_log.jsonl")
         ckpt = resumed_step(work / f"{name}_resumed.log")
         rerun = [s for s in second if ckpt is not None and s > ckpt and s in first]
-        entry = dict(
-            first_rc=runs.get(name, {}).get("rc"), resumed_rc=runs.get(f"{name}_resumed", {}).get("rc")
-        )
-        entry.update(
-            losses_first=[first[s] for s in sorted(first)], resumed_from_step=ckpt, steps_rerun=len(rerun)
-        )
+        entry = dict(first_rc=runs.get(name, {}).get("rc"), losses_first=[first[s] for s in sorted(first)])
+        entry.update(resumed_rc=runs.get(f"{name}_resumed", {}).get("rc"), resumed_from_step=ckpt)
+        entry["steps_rerun"] = len(rerun)
         entry["max_abs_loss_diff_after_resume"] = max_abs_diff(first, second, rerun)
         if entry["resumed_rc"] == "0":
             entry["plain_load"] = load_check(work / name)
         resume[name] = entry
     # d. logit memory
-    local, glob = (
-        next((runs[n] for n in runs if n.startswith(f"logits_{k}_")), {}) for k in ("local", "global")
-    )
+    first_of = lambda kind: next((runs[n] for n in runs if n.startswith(f"logits_{kind}_")), {})  # noqa: E731
+    local, glob = first_of("local"), first_of("global")
     local_gib, global_gib = local.get("peak_memory_allocated_gib"), glob.get("peak_memory_allocated_gib")
     ratio = round(global_gib / local_gib, 2) if local_gib and global_gib else None
     logits = dict(local_loss_gib=local_gib, global_loss_gib=global_gib, global_over_local=ratio)
@@ -124,12 +110,8 @@ def summarize(work: Path) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument(
-        "work_dir", type=Path, help="multi_gpu.sh's WORK folder (runs.tsv, one folder per run)"
-    )
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    parser.add_argument("work_dir", type=Path, help="multi_gpu.sh's WORK folder (runs.tsv, a folder per run)")
     parser.add_argument("out_dir", type=Path, help="summary.json and summary.md go here")
     args = parser.parse_args()
     summary = summarize(args.work_dir)
@@ -139,13 +121,7 @@ def main() -> None:
     lines.append("|---|---|---|---|---|---|---|")
     for name, r in summary["runs"].items():
         sps, loss = r.get("train_samples_per_second_steady"), r.get("train_loss")
-        cells = [
-            name,
-            r["rc"],
-            r["seconds"],
-            r.get("global_batch_size", ""),
-            "" if sps is None else f"{sps:.1f}",
-        ]
+        cells = [name, r["rc"], r["seconds"], r.get("global_batch_size", ""), f"{sps:.1f}" if sps else ""]
         cells += [r.get("peak_memory_allocated_gib", ""), "" if loss is None else f"{loss:.4f}"]
         lines.append("| " + " | ".join(map(str, cells)) + " |")
     for key in ("scaling", "same_loss", "resume", "logit_memory"):

@@ -1,14 +1,10 @@
 """Accuracy parity: SwitchBack variants against bf16 in paired runs (same init, same batches), 95% t intervals.
 
-Small CLIP models on the graded-shapes task (accuracy/graded_shapes.py: batches are a function of seed and step)
-    finetune  pretrain once in bf16 on the `pretrain` task (8 colours x 6 shapes), save it (save_pretrained),
-              then fine-tune it per (variant, seed) on the shifted `finetune` task (6 new colours, 4 new shapes)
-    scratch   train per (variant, seed) from a seeded random init on the `all` task (14 colours x 10 shapes)
-Variants: bf16, int8 (the library default), fp8, int8-int8grad (all-int8), int8-memeff (memory_efficient=True),
-fp8-wgrad8 (wgrad_precision="fp8"), sim-row / sim-block<N> (all-int8 simulated in torch, output-gradient scales
-per row or per 1 x N block). Runs pair with the bf16 run of their seed; parity.md gives per variant the mean
-paired difference of zero-shot top-1, image->caption R@1 and final loss, its 95% Student t interval and the
-verdict against +-0.5 pp (from 5 pairs on). Recorded commands and results: BENCHMARKS.md, "Accuracy (parity)".
+Small CLIPs on the graded-shapes task (accuracy/graded_shapes.py): `finetune` pretrains once in bf16, then
+fine-tunes per (variant, seed) on a shifted task; `scratch` trains per (variant, seed) from a seeded init.
+Variants: bf16, graded_run.py's SwitchBack ones, sim-row / sim-block<N> (all-int8 simulated in torch).
+parity.md: per variant the mean paired difference to bf16 (same seed) and its 95% t interval, read against
++-0.5 pp. Recorded commands and results: BENCHMARKS.md, "Accuracy (parity)".
 
     PYTHONPATH=src python benchmarks/parity.py --protocol scratch --arch small --batch_size 512 \
         --eval_samples 5000 --variants bf16 int8 --seeds 0 1 2 3 4 --parallel 5 --runs_per_process 2 \
@@ -35,7 +31,7 @@ SCRIPT = Path(__file__).resolve()
 ROOT = SCRIPT.parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))  # `accuracy` and `common`, however this file is loaded
 import common  # noqa: E402
-from accuracy.graded_run import ARCHS, SWITCHBACK_FIELDS, train_graded, write_atomic  # noqa: E402
+from accuracy.graded_run import ARCHS, SWITCHBACK_FIELDS, train_graded  # noqa: E402
 from accuracy.sim_switchback import QUANTIZER  # noqa: E402
 from accuracy.summary import write_outputs  # noqa: E402
 
@@ -73,9 +69,8 @@ def launch(specs: list[dict], path: Path, timeout_s: float) -> list[dict]:
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT / "src"), env.get("PYTHONPATH")) if p)
     cmd = [sys.executable, str(SCRIPT), "--one_run", str(path), "--out_dir", str(path.parent)]
     t0 = time.perf_counter()
-    proc = subprocess.Popen(
-        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
-    )
+    pipes = dict(stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    proc = subprocess.Popen(cmd, env=env, **pipes)
     try:
         tail, status = proc.communicate(timeout=max(5.0, timeout_s))[0].splitlines()[-30:], "failed"
     except subprocess.TimeoutExpired:
@@ -123,18 +118,13 @@ def make_specs(args, protocol: str, init_from: str | None) -> list[dict]:
     base.update(max_steps=args.max_steps, lr=args.lr, warmup=args.warmup, arch=args.arch)
     base.update(eval_samples=args.eval_samples, log_every=args.log_every, init_from=init_from)
     base["init_id"] = init_from and Path(init_from).name
-    return [
-        dict(base, variant=v, seed=s, name=f"{protocol}_{v}_seed{s}")
-        for s in args.seeds
-        for v in args.variants
-    ]
+    pairs = [(s, v) for s in args.seeds for v in args.variants]
+    return [dict(base, variant=v, seed=s, name=f"{protocol}_{v}_seed{s}") for s, v in pairs]
 
 
 def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--out_dir", required=True, help="parity.json / .md / _loss.png go here")
+    parser = common.parser_of(__doc__)
+    parser.add_argument("--out_dir", required=True, help="parity.json and parity.md go here")
     runs = parser.add_argument_group("runs")
     runs.add_argument("--protocol", choices=("finetune", "scratch"), default="finetune")
     runs.add_argument("--variants", nargs="+", type=variant_arg, default=["bf16", "int8", "fp8"])
@@ -147,24 +137,15 @@ def parse_args() -> argparse.Namespace:
     schedule.add_argument("--steps", type=int, default=300, help="optimizer steps per run")
     schedule.add_argument("--lr", type=float, default=3e-4)
     schedule.add_argument("--warmup", type=int, default=30, help="linear warm-up steps, then cosine decay")
-    schedule.add_argument(
-        "--pretrain_steps", type=steps_arg, default=1500,
-        help="finetune: bf16 pretraining steps, or 'auto': as many as fit in --pretrain_share of the time budget "
-        "at the speed of its first 2 x --warmup steps (at most --max_steps)",
-    )  # fmt: skip
+    auto = "finetune: bf16 steps, or 'auto': what fits in --pretrain_share of the budget (<= --max_steps)"
+    schedule.add_argument("--pretrain_steps", type=steps_arg, default=1500, help=auto)
     schedule.add_argument("--max_steps", type=int, default=3000, help="upper bound for --pretrain_steps auto")
     schedule.add_argument("--pretrain_lr", type=float, default=1e-3)
     device = parser.add_argument_group("sharing the device")
     device.add_argument("--parallel", type=int, default=1, help="child processes running at once")
-    device.add_argument(
-        "--runs_per_process", type=int, default=1,
-        help="consecutive runs (a seed's variants, in --variants order) in one process: one CUDA context and one "
-        "Triton autotune instead of one per run",
-    )  # fmt: skip
+    device.add_argument("--runs_per_process", type=int, default=1, help="consecutive runs sharing a process")
     device.add_argument("--time_budget_s", type=float, default=500, help="runs not finished by then: timeout")
-    device.add_argument(
-        "--pretrain_share", type=float, default=0.4, help="most of the budget pretraining gets"
-    )
+    device.add_argument("--pretrain_share", type=float, default=0.4, help="budget share pretraining may use")
     device.add_argument("--warm", action="store_true", help="fill Triton's kernel cache first (a GPU run)")
     parser.add_argument("--merge", nargs="+", metavar="PARITY_JSON", help="re-summarize these files, no runs")
     parser.add_argument("--one_run", help=argparse.SUPPRESS)  # a child process: the specs file it runs
@@ -190,9 +171,7 @@ def run(args, out_dir: Path) -> None:
     import torch
 
     runs_dir, start, init_from, runs = Path(tempfile.mkdtemp(prefix="parity_")), time.perf_counter(), None, []
-    env = dict(
-        arch=args.arch, batch_size=args.batch_size, eval_samples=args.eval_samples, args=dict(vars(args))
-    )
+    env = dict(arch=args.arch, batch_size=args.batch_size, eval_samples=args.eval_samples, args=vars(args))
     env.update(common.versions("cuda" if torch.cuda.is_available() else "cpu", ("triton", "transformers")))
     # A few steps of each Triton variant beside the pretraining fill Triton's on-disk kernel cache, so that the
     # parallel runs after them do not all compile and autotune the same kernels at once.
@@ -204,10 +183,8 @@ def run(args, out_dir: Path) -> None:
         init_from = str(runs_dir / "pretrained")
         steps = args.pretrain_steps
         warmup = 2 * args.warmup if steps == "auto" else max(args.warmup, steps // 20)
-        pre = dict(
-            make_specs(args, "pretrain", None)[0], variant="bf16", seed=0, name="pretrain", steps=steps
-        )
-        first = [dict(pre, save_to=init_from, lr=args.pretrain_lr, warmup=warmup)]
+        pre = dict(make_specs(args, "pretrain", None)[0], variant="bf16", seed=0, name="pretrain")
+        first = [dict(pre, steps=steps, save_to=init_from, lr=args.pretrain_lr, warmup=warmup)]
     if first or warm:
         done = run_specs(first + warm, runs_dir, len(first + warm), args.pretrain_share * args.time_budget_s)
         runs += [r for r in done if r["spec"]["protocol"] != "warm"]
@@ -221,10 +198,7 @@ def run(args, out_dir: Path) -> None:
     def on_wave(done: list[dict]) -> None:  # a call killed from outside still leaves the table so far
         write_outputs(runs + done, env, out_dir)
 
-    specs, left = (
-        make_specs(args, args.protocol, init_from),
-        args.time_budget_s - (time.perf_counter() - start),
-    )
+    specs, left = make_specs(args, args.protocol, init_from), args.time_budget_s - time.perf_counter() + start
     runs += run_specs(specs, runs_dir, args.parallel, left, on_wave, args.runs_per_process)
     write_outputs(runs, env, out_dir)
 
@@ -233,7 +207,7 @@ def main() -> None:
     args = parse_args()
     if args.one_run:  # a child process: its runs one after another, each record to the spec's progress_to
         for spec in json.loads(Path(args.one_run).read_text()):
-            write_atomic(Path(spec["progress_to"]), train_graded(spec))
+            common.write_json(Path(spec["progress_to"]), train_graded(spec))
         return
     if args.merge:
         merge(args.merge, Path(args.out_dir))

@@ -4,9 +4,7 @@ bench_train.py and bench_memory.py --profile run this on their rows. Each phase 
 that ends with a synchronize, so a kernel's phase is the range its start time falls in. Families: the first rule
 of NAME_RULES that matches a kernel's name, except that kernels launched by 8-bit aten ops (cuBLAS fp8 / int8,
 named like bf16 ones) are 8-bit GEMMs and Inductor kernels that absmax, round, clamp or only cast are quantizes
-(a cast Inductor fused into other pointwise work counts as norm + elementwise). Recompute is reported beside
-the families: attention forward kernels run in backward (exact), and backward GEMM calls beyond two per forward
-GEMM valued at the forward mean (an estimate; recompute fused into backward kernels is not separable).
+(a cast Inductor fused into other pointwise work counts as norm + elementwise).
 """
 
 from __future__ import annotations
@@ -38,12 +36,8 @@ EIGHT_BIT_OPS = ("aten::_scaled_mm", "aten::_int_mm", "hf_switchback::scaled_mat
 # Inductor-generated kernels (named triton_<kind>_fused_<aten ops>_<n>) that quantize: absmax, rounding, clamping
 INDUCTOR_QUANT = ("amax", "round", "clamp")
 INDUCTOR_CAST = re.compile(r"triton_\w+?_fused__to_copy_\d+")  # a kernel whose only op is a dtype cast
-# attention kernels of a backward pass (flash bwd, cuDNN bprop, CUTLASS fmha backward); the others are forward's
-ATTENTION_BACKWARD = ("bwd", "bprop", "cutlassb", "backward")
 # the CPU's GEMM ops, which stand in for kernels when a CPU run is profiled (the smoke test)
 CPU_GEMM_OPS = ("aten::mm", "aten::addmm", "aten::bmm")
-# kernels that are part of a GEMM without being one (split-K reduction): time counted, calls not
-GEMM_HELPERS = ("splitkreduce", "reduce_kernel")
 
 
 class Kernel(NamedTuple):
@@ -71,46 +65,16 @@ def family(name: str, eight_bit: frozenset[str] = frozenset()) -> str:
     return OTHER
 
 
-def is_attention_forward(name: str) -> bool:
-    lowered = name.lower()
-    return family(name) == ATTENTION and not any(mark in lowered for mark in ATTENTION_BACKWARD)
-
-
-def gemm_call(name: str, fam: str) -> bool:
-    return fam in (GEMM_8BIT, GEMM_16BIT) and not any(h in name.lower() for h in GEMM_HELPERS)
-
-
 def summarize(kernels: list[Kernel], steps: int, eight_bit: frozenset[str] = frozenset()) -> dict:
-    """Per step: ms and calls by family x phase, the recompute figures (see the module docstring), GPU busy time."""
+    """Per step: ms and calls by family x phase, and the GPU busy time."""
     phases = lambda: dict.fromkeys((FORWARD, BACKWARD, OUTSIDE), 0.0)  # noqa: E731
     by, calls = {fam: phases() for fam in FAMILIES}, {fam: phases() for fam in FAMILIES}
-    gemm_calls, gemm_ms, rerun = phases(), phases(), dict(ms=0.0, calls=0.0)
     for k in kernels:
         fam = family(k.name, eight_bit)
         by[fam][k.phase] += k.ms / steps
         calls[fam][k.phase] += 1 / steps
-        if gemm_call(k.name, fam):
-            gemm_calls[k.phase] += 1 / steps
-            gemm_ms[k.phase] += k.ms / steps
-        if k.phase == BACKWARD and is_attention_forward(k.name):
-            rerun["ms"] += k.ms / steps
-            rerun["calls"] += 1 / steps
-    extra_gemms = max(0.0, gemm_calls[BACKWARD] - 2 * gemm_calls[FORWARD])
-    mean_fwd_gemm = gemm_ms[FORWARD] / gemm_calls[FORWARD] if gemm_calls[FORWARD] else 0.0
-    recompute = dict(
-        attention_forward_in_backward_ms=rerun["ms"], attention_forward_in_backward_calls=rerun["calls"]
-    )
-    recompute.update(
-        extra_backward_gemm_calls=extra_gemms, extra_backward_gemm_ms_est=extra_gemms * mean_fwd_gemm
-    )
     gpu_ms = sum(ms for phases in by.values() for ms in phases.values())
-    return dict(
-        gpu_ms_per_step=gpu_ms,
-        ms=by,
-        calls_per_step=calls,
-        gemm_calls_per_step=gemm_calls,
-        recompute=recompute,
-    )
+    return dict(gpu_ms_per_step=gpu_ms, ms=by, calls_per_step=calls)
 
 
 def phase_of(start_us: float, ranges: list[tuple[float, float, str]]) -> str:
@@ -169,50 +133,13 @@ def profile(forward, finish, steps: int, device: str) -> tuple[list[Kernel], fro
     return kernels, eight_bit, wall_ms
 
 
-def report(title: str, summary: dict, kernels: list[Kernel], steps: int, eight_bit, top: int = 40) -> str:
-    """The text report: the family x phase table, the recompute figures, the top kernels by total time."""
-    lines = [title, ""]
-    lines.append(
-        f"{'family':22} {'fwd ms':>8} {'calls':>6} {'bwd ms':>8} {'calls':>6} {'total ms':>9} {'share':>6}"
-    )
-    total = summary["gpu_ms_per_step"] or 1.0
-    for fam in FAMILIES:
-        ms, n = summary["ms"][fam], summary["calls_per_step"][fam]
-        fam_total = sum(ms.values())
-        lines.append(
-            f"{fam:22} {ms[FORWARD]:8.1f} {n[FORWARD]:6.0f} {ms[BACKWARD]:8.1f} {n[BACKWARD]:6.0f} "
-            f"{fam_total:9.1f} {fam_total / total:6.1%}"
-        )
-    lines.append(f"{'GPU busy (sum)':22} {'':>8} {'':>6} {'':>8} {'':>6} {summary['gpu_ms_per_step']:9.1f}")
-    rec, g = summary["recompute"], summary["gemm_calls_per_step"]
-    lines += [
-        "",
-        f"recompute: attention forward in backward {rec['attention_forward_in_backward_ms']:.1f} ms "
-        f"({rec['attention_forward_in_backward_calls']:.0f} calls); GEMM calls forward {g[FORWARD]:.0f}, backward "
-        f"{g[BACKWARD]:.0f}: {rec['extra_backward_gemm_calls']:.0f} beyond 2 per forward GEMM, "
-        f"~{rec['extra_backward_gemm_ms_est']:.1f} ms at the forward mean (estimate)",
-        "",
-        f"{'ms/step':>8} {'calls':>6} {'phase':8} {'family':20} kernel",
-    ]
-    totals: dict[tuple[str, str], list[float]] = {}
-    for k in kernels:
-        entry = totals.setdefault((k.name, k.phase), [0.0, 0])
-        entry[0] += k.ms / steps
-        entry[1] += 1 / steps
-    for (name, phase), (ms, n) in sorted(totals.items(), key=lambda kv: -kv[1][0])[:top]:
-        lines.append(f"{ms:8.2f} {n:6.0f} {phase:8} {family(name, eight_bit):20} {name[:150]}")
-    return "\n".join(lines) + "\n"
-
-
 def profile_row(forward, finish, steps: int, device: str, path: Path, title: str) -> dict:
-    """Profile `steps` steps, write the text report to `path`, return the summary (for the row's JSON)."""
+    """Profile `steps` steps, write the summary to `path` (JSON) and return it (for the row's JSON)."""
     kernels, eight_bit, wall_ms = profile(forward, finish, steps, device)
     summary = summarize(kernels, steps, eight_bit)
-    summary["profiled_wall_ms_per_step"] = wall_ms
+    summary.update(profiled_wall_ms_per_step=wall_ms, report=str(path))
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(report(title, summary, kernels, steps, eight_bit))
-    summary["report"] = str(path)
-    path.with_suffix(".json").write_text(json.dumps(dict(title=title, **summary), indent=1))
+    path.write_text(json.dumps(dict(title=title, **summary), indent=1))
     return summary
 
 
@@ -230,10 +157,4 @@ def print_profiles(rows: list[dict]) -> None:
         print(
             f"{r['model'] + ' ' + r['variant']:44} {r['batch']:5} {cells} {prof['gpu_ms_per_step']:7.1f} "
             f"{r['ms_per_step']:7.1f}"
-        )
-        rec = prof["recompute"]
-        print(
-            f"{'':50} recompute: attention forward in backward {rec['attention_forward_in_backward_ms']:.1f} ms, "
-            f"{rec['extra_backward_gemm_calls']:.0f} extra backward GEMMs ~{rec['extra_backward_gemm_ms_est']:.1f} "
-            f"ms (est.); report {prof['report']}"
         )

@@ -7,10 +7,11 @@ The torch-heavy imports stay inside the functions: --merge and --help need none 
 
 from __future__ import annotations
 
-import json
 import math
 import time
 from pathlib import Path
+
+from common import write_json
 
 # model sizes (both towers alike): hidden, layers (vision, text), heads, MLP width, image side, patch
 ARCHS = {
@@ -114,13 +115,6 @@ def decide_steps(spec: dict, done: int, elapsed_s: float, device) -> int:
     return max(done + 1, min(spec["max_steps"], int(done + SPEED_SAFETY * rate * left)))
 
 
-def write_atomic(path: Path, value) -> None:
-    """Write JSON so that a reader polling for the file never sees it half written."""
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(value))
-    tmp.rename(path)
-
-
 def train_graded(spec: dict) -> dict:
     """Train one run as `spec` says; returns its record (losses, evals, timings)."""
     import torch
@@ -165,7 +159,7 @@ def train_graded(spec: dict) -> dict:
             # the learning rate so far did not depend on the step count: decide it now, from the speed so far
             steps = record["steps"] = decide_steps(spec, step, time.perf_counter() - t_train, device)
         if step and step % PROGRESS_EVERY == 0 and spec.get("progress_to"):
-            write_atomic(Path(spec["progress_to"]), dict(record, status="partial"))
+            write_json(Path(spec["progress_to"]), dict(record, status="partial"))
         for group in opt.param_groups:
             group["lr"] = lr_at(step, steps, spec["warmup"], spec["lr"])
         batch = gs.sample(task, spec["batch_size"], image_size, gs.step_generator(device, spec["seed"], step))

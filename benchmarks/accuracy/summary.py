@@ -1,4 +1,4 @@
-"""Runs paired with bf16: 95% t intervals of the differences, verdicts, the tables (parity.md) and the loss plot.
+"""Runs paired with bf16: 95% t intervals of the differences, verdicts and the tables (parity.md).
 
 A run pairs with the finished bf16 run of the same `pair_key`. "Final loss" is the mean over the last 20% of
 logged steps. Per run, the drop steps date when its smoothed loss crossed fractions of its way down, so that
@@ -33,7 +33,7 @@ def final_loss(run: dict) -> float | None:
 
 
 def ema_of(values: list[float], decay: float = 0.8) -> list[float]:
-    """The loss curve smoothed as plotted."""
+    """The loss curve smoothed (an EMA), as drop_step reads it."""
     out, ema = [], values[0]
     for v in values:
         ema = decay * ema + (1 - decay) * v
@@ -205,36 +205,10 @@ def markdown(summary: dict, env: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plot(runs: list[dict], path: Path) -> bool:
-    """Smoothed loss curves, one panel per protocol; False where matplotlib is missing."""
-    try:
-        from matplotlib.figure import Figure
-    except ImportError:
-        return False
-    protocols = list(dict.fromkeys(r["spec"]["protocol"] for r in runs))
-    fig = Figure(figsize=(6.5 * len(protocols), 4.5), layout="tight")
-    colors = {"bf16": "tab:blue", "int8": "tab:orange", "fp8": "tab:green", "int8-int8grad": "tab:red"}
-    for ax, protocol in zip(fig.subplots(1, len(protocols), squeeze=False)[0], protocols, strict=True):
-        seen = set()
-        for r in (r for r in runs if r["spec"]["protocol"] == protocol and r["train"]):
-            v, xs = r["spec"]["variant"], [x["step"] for x in r["train"]]
-            ys = ema_of([x["loss"] for x in r["train"]])
-            ax.plot(xs, ys, color=colors.get(v, "gray"), alpha=0.6, lw=0.9, label=None if v in seen else v)
-            seen.add(v)
-        ax.set(title=f"{protocol}: training loss (EMA 0.8), one line per seed", xlabel="step", ylabel="loss")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.savefig(path, dpi=100)
-    return True
-
-
 def write_outputs(runs: list[dict], env: dict, out_dir: Path) -> dict:
-    """parity.json (env, summary, runs: what --merge reads), parity.md and parity_loss.png in out_dir."""
+    """parity.json (env, summary, runs: what --merge reads) and parity.md in out_dir."""
     out_dir.mkdir(parents=True, exist_ok=True)
     summary = summarize(runs)
     (out_dir / "parity.json").write_text(json.dumps(dict(env=env, summary=summary, runs=runs)))
-    text = markdown(summary, env)
-    if not plot(runs, out_dir / "parity_loss.png"):
-        text += "\n(no plot: matplotlib is not installed here; re-plot with --merge parity.json)\n"
-    (out_dir / "parity.md").write_text(text)
+    (out_dir / "parity.md").write_text(markdown(summary, env))
     return summary
