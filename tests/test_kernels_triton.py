@@ -83,6 +83,26 @@ def test_quantize_rowwise_bitwise_many_magnitudes(qdtype):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("qdtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_quantize_fp8_grid_midpoints_and_negative_zero(qdtype):
+    """Values next to every midpoint of the fp8 grid (normal and subnormal), and -0.0, as torch's cast rounds
+    them: a row whose absmax is the format's max has scale 1, so x / scale is x itself."""
+    qmax = ref.QMAX[qdtype]
+    grid = torch.arange(256, dtype=torch.uint8).view(qdtype).float()
+    grid = grid[torch.isfinite(grid)].unique()
+    mids = (grid[1:] + grid[:-1]) / 2
+    row = torch.cat(
+        [torch.tensor([qmax, -0.0]), mids, torch.nextafter(mids, mids - 1), torch.nextafter(mids, grid[1:])]
+    )
+    x = row[None, :].repeat(3, 1)
+    for name in ("quantize_rowwise", "quantize_rowwise_colsum"):
+        q, s = getattr(_ops(), name)(x.cuda(), qdtype)[:2]
+        q_ref, s_ref = ref.quantize_rowwise(x, qdtype)
+        assert torch.equal(s.cpu(), torch.ones(3)) and torch.equal(s_ref, torch.ones(3))
+        assert torch.equal(_bits(q), _bits(q_ref)), (name, (_bits(q) != _bits(q_ref)).sum())
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("qdtype", QDTYPES)
 def test_quantize_non_contiguous_and_3d_strides(qdtype):
     base = _input((96, 130), torch.bfloat16)
