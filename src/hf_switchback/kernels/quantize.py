@@ -13,6 +13,8 @@ that converts to float32. Empty tensors never reach a kernel. This module import
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -66,41 +68,44 @@ def _div_rn(x, divisor, inv):
     return tl.fma(r, inv, q0)
 
 
-@triton.jit
-def _round_to_fp8_grid(v, sign_of, MANT_BITS: tl.constexpr, MIN_EXP: tl.constexpr):
-    """float32 v (|v| within the format's range) -> the nearest value of the fp8 format, ties to even, with
-    the sign of `sign_of`, still float32 (so the cast that follows is exact on any Triton).
+# Under TRITON_INTERPRET=1 (the CPU runs of the tests) Triton's float32 -> fp8 cast is not correctly rounded,
+# so there the kernels round to the fp8 grid themselves first (_round_to_fp8_grid); on the GPU the cast is
+# exact (measured: H200, triton 3.6, values next to every midpoint of both grids, subnormals) and the extra
+# arithmetic cost the fp8 quantize up to 20% (BENCHMARKS.md, Whole training step).
+_INTERPRETED: tl.constexpr = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
 
-    Two reasons not to leave the rounding to the cast: the correctly rounded division above turns x = -0.0
-    into +0.0 where torch keeps -0.0 (a 16-bit input that underflowed, or an fp8 input saved as -0.0, gave
-    other bits than the torch twin on the GPU); and TRITON_INTERPRET=1's cast from float32 to fp8 is not
-    correctly rounded, so the CPU runs of these kernels could not be checked bit for bit. Triton's GPU cast
-    itself was measured exact (H200, triton 3.6: values next to every midpoint of both grids, subnormals).
-    The grid step at v is 2**(max(exponent(v), MIN_EXP) - MANT_BITS); adding and subtracting 1.5 * 2**23
-    times that step rounds to a multiple of it, ties to even, in plain float32 arithmetic.
-    """
+
+@triton.jit
+def _round_to_fp8_grid(v, MANT_BITS: tl.constexpr, MIN_EXP: tl.constexpr):
+    """float32 v (|v| within the format's range) -> the nearest value of the fp8 format, ties to even, still
+    float32, so the cast that follows is exact. The grid step at v is 2**(max(exponent(v), MIN_EXP) -
+    MANT_BITS); adding and subtracting 1.5 * 2**23 times that step rounds to a multiple of it, ties to even,
+    in plain float32 arithmetic. The sign of v is kept (-0.0 included)."""
     a = tl.abs(v)
     exponent = ((a.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
     step_exp = tl.maximum(exponent, MIN_EXP) - MANT_BITS
     magic = ((step_exp + 23 + 127) << 23 | 0x400000).to(tl.float32, bitcast=True)  # 1.5 * 2**(23 + step_exp)
     rounded = (a + magic) - magic
-    # The sign bit of the unscaled x: the division above turns -0.0 into +0.0, torch's cast keeps it.
-    sign = (sign_of.to(tl.int32, bitcast=True) >> 31) << 31
+    sign = (v.to(tl.int32, bitcast=True) >> 31) << 31
     return (rounded.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
 
 
 @triton.jit
 def _scaled_clamped(x, safe_scale, inv_scale, QMAX_C: tl.constexpr, IS_INT: tl.constexpr):
-    """float32 x -> the value q will hold, still float32: divide (correctly rounded), clamp, round half-even
-    to the target's grid (int8: integers; fp8: see _round_to_fp8_grid)."""
-    scaled = tl.minimum(tl.maximum(_div_rn(x, safe_scale, inv_scale), -QMAX_C), QMAX_C)
+    """float32 x -> the value q will hold, still float32: divide (correctly rounded), clamp; int8: round half
+    to even; fp8: the cast rounds (see _INTERPRETED)."""
+    scaled = _div_rn(x, safe_scale, inv_scale)
+    # The division's correction step turns x = -0.0 into +0.0; torch's x / scale keeps -0.0 (an fp8 q of -0.0).
+    scaled = tl.minimum(tl.maximum(tl.where(x == 0.0, x, scaled), -QMAX_C), QMAX_C)
     if IS_INT:
         # Adding then subtracting 1.5 * 2**23 rounds |v| < 2**22 to an integer, ties to even, in plain fp32
         # arithmetic; unlike libdevice.rint it also runs under TRITON_INTERPRET=1.
         return (scaled + 12582912.0) - 12582912.0
-    if QMAX_C == 448.0:  # float8_e4m3fn: 3 mantissa bits, normal exponents from -6
-        return _round_to_fp8_grid(scaled, x, 3, -6)
-    return _round_to_fp8_grid(scaled, x, 2, -14)  # float8_e5m2: 2 mantissa bits, normal exponents from -14
+    if _INTERPRETED:
+        if QMAX_C == 448.0:  # float8_e4m3fn: 3 mantissa bits, normal exponents from -6
+            return _round_to_fp8_grid(scaled, 3, -6)
+        return _round_to_fp8_grid(scaled, 2, -14)  # float8_e5m2: 2 mantissa bits, normal exponents from -14
+    return scaled
 
 
 @triton.jit
