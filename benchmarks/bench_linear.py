@@ -187,8 +187,12 @@ def bench_row_kernels(d: int, tokens: int) -> None:
         timings[f"act_backward_quantize_colsum ({impl})"] = bwd
     for width in (d, 4 * d):  # the output-gradient quantize + column sum (d: q/k/v/out_proj, fc2; 4d: fc1)
         grad = torch.randn(tokens, width, **bf)
-        quantize = lambda g=grad: ops.quantize_rowwise_colsum(g, torch.int8)  # noqa: E731
-        timings[f"quantize_rowwise_colsum (tokens, {width})"] = quantize
+        for qdtype in (torch.int8, torch.float8_e4m3fn):
+            quantize = lambda g=grad, q=qdtype: ops.quantize_rowwise_colsum(g, q)  # noqa: E731
+            timings[f"quantize_rowwise_colsum {str(qdtype).split('.')[-1]} (tokens, {width})"] = quantize
+        # wgrad_precision="fp8": the output gradient's per-feature e5m2 operand, transposed and padded
+        over_tokens = lambda g=grad: ops.quantize_over_tokens(g, torch.float8_e5m2, 16)  # noqa: E731
+        timings[f"quantize_over_tokens e5m2 (tokens, {width})"] = over_tokens
     cells = [f"{name} {do_bench(fn, rep=50):.3f} ms" for name, fn in timings.items()]
     print(f"| row kernels ({tokens}, {4 * d}) bf16 | " + " | ".join(cells) + " |", flush=True)
 
