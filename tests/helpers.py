@@ -20,6 +20,21 @@ HAS_TRITON = importlib.util.find_spec("triton") is not None
 HAS_GPU = HAS_TRITON and torch.cuda.is_available()
 
 
+def _triton_version() -> tuple[int, ...]:
+    import triton
+
+    return tuple(int(part) for part in triton.__version__.split(".")[:2])
+
+
+# TRITON_INTERPRET=1 runs our kernels on the CPU from triton 3.9 on; older interpreters fail on a runtime loop
+# bound (not a scalar there) and emulate tl.fma unfused. The GPU tests cover the compiled kernels.
+CAN_INTERPRET_KERNELS = HAS_TRITON and _triton_version() >= (3, 9)
+INTERPRETER_SKIP_REASON = (
+    "needs triton >= 3.9 (TRITON_INTERPRET=1 runs the kernels on the CPU; older interpreters cannot run them); "
+    "the GPU tests cover the compiled kernels"
+)
+
+
 def snr_db(exact: torch.Tensor, approx: torch.Tensor) -> float:
     """Signal-to-noise ratio of `approx` against `exact`, 10 log10(|exact|² / |exact - approx|²) in dB, over
     the whole tensor in float64 (inf when equal)."""

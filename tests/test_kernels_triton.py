@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import HAS_TRITON, snr_db
+from helpers import CAN_INTERPRET_KERNELS, HAS_TRITON, INTERPRETER_SKIP_REASON, snr_db
 
 from hf_switchback import KernelOptions
 from hf_switchback.kernels import reference as ref
@@ -688,20 +688,7 @@ def test_fused_mlp_torch_compile_no_graph_breaks():
 INTERPRETER_CHECK = Path(__file__).with_name("_interpreter_check.py")
 
 
-def _triton_version() -> tuple[int, ...]:
-    import triton
-
-    return tuple(int(part) for part in triton.__version__.split(".")[:2])
-
-
-@pytest.mark.skipif(
-    not HAS_TRITON, reason="needs triton installed (TRITON_INTERPRET=1 runs kernels on the CPU)"
-)
-@pytest.mark.skipif(
-    HAS_TRITON and _triton_version() < (3, 9),
-    reason="the interpreter of triton < 3.9 cannot run these kernels (tl.cdiv in a loop bound is not a scalar "
-    "there) and emulates tl.fma unfused; the GPU tests in this file cover the compiled kernels",
-)
+@pytest.mark.skipif(not CAN_INTERPRET_KERNELS, reason=INTERPRETER_SKIP_REASON)
 def test_interpreter_int8_kernels():
     env = dict(os.environ, TRITON_INTERPRET="1")
     proc = subprocess.run(

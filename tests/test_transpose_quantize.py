@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import HAS_TRITON, REPO, snr_db
+from helpers import CAN_INTERPRET_KERNELS, INTERPRETER_SKIP_REASON, REPO, snr_db
 
 from hf_switchback.kernels import reference as ref
 from hf_switchback.kernels import wgrad
@@ -59,20 +59,7 @@ def test_weight_grad_of_a_row_quantized_input_is_that_of_its_dequantized_form(me
         assert torch.equal(got, wgrad.weight_grad(g, plain, torch.float32, precision)), precision
 
 
-def _triton_version() -> tuple[int, ...]:
-    import triton
-
-    return tuple(int(part) for part in triton.__version__.split(".")[:2])
-
-
-@pytest.mark.skipif(
-    not HAS_TRITON, reason="needs triton installed (TRITON_INTERPRET=1 runs kernels on the CPU)"
-)
-@pytest.mark.skipif(
-    HAS_TRITON and _triton_version() < (3, 9),
-    reason="the interpreter of triton < 3.9 cannot run these kernels (a runtime loop bound is not a scalar "
-    "there); the GPU tests in this file cover the compiled kernels",
-)
+@pytest.mark.skipif(not CAN_INTERPRET_KERNELS, reason=INTERPRETER_SKIP_REASON)
 def test_kernels_under_interpreter_match_twins():
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO / "src"))
     script = Path(__file__).with_name("_interpreter_transpose_quantize_check.py")
