@@ -24,12 +24,13 @@ parser = argparse.ArgumentParser()
 parser.add_argument("--out", required=True)
 parser.add_argument("--order", choices=["before", "after"], required=True)
 parser.add_argument("--fuse_qkv", action="store_true", help="q/k/v of each attention block as one op")
+parser.add_argument("--wgrad_precision", default="16bit", help="SwitchBackConfig.wgrad_precision")
 args = parser.parse_args()
 
 dist.init_process_group("gloo")
 rank = dist.get_rank()
 mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-config = SwitchBackConfig(backend="torch", fuse_qkv=args.fuse_qkv)
+config = SwitchBackConfig(backend="torch", fuse_qkv=args.fuse_qkv, wgrad_precision=args.wgrad_precision)
 
 torch.manual_seed(0)
 batch = {
@@ -82,6 +83,9 @@ checks = {
     "all_dtensor": all(isinstance(m.weight, DTensor) and isinstance(m.bias, DTensor) for m in sb),
 }
 loss, grads, params = train_step(model)
+checks["grads_in_param_dtype"] = all(
+    isinstance(p.grad, DTensor) and p.grad.dtype == p.dtype for p in model.parameters() if p.grad is not None
+)
 # a second forward/backward after the step: FSDP must keep re-gathering into the swapped modules
 model.zero_grad()
 model(**batch, return_loss=True).loss.backward()
