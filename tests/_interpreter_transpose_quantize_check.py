@@ -1,10 +1,10 @@
 """kernels/transpose_quantize.py under TRITON_INTERPRET=1 on the CPU, bitwise against the torch twins.
 
 Run by tests/test_transpose_quantize.py in a process of its own (triton reads TRITON_INTERPRET at import);
-prints "interpreter ok" when every check passed. The interpreter of triton 3.9 rounds float32 -> fp8 wrongly
-(a carry into the exponent, subnormals) and float32 -> bfloat16 by truncation, so the kernels' rounding is
-checked here with int8 targets, and fp8 targets with values that need no rounding (the GPU tests cover fp8
-rounding): what this checks is the kernels' logic (tiles, tails, masks, strides, padding, transposed store,
+prints "interpreter ok" when every check passed. The interpreter of triton 3.9 casts float32 -> fp8 without
+correct rounding (the kernels round to the fp8 grid themselves there: quantize._INTERPRETED) and float32 ->
+bfloat16 by truncation (the dequantize of `requantize`), so rounding is checked here with int8 targets, and fp8
+targets with values that need no rounding (the GPU tests cover fp8 and bfloat16 rounding): what this checks is the kernels' logic (tiles, tails, masks, strides, padding, transposed store,
 the column absmax across programs, scales, zeros).
 """
 

@@ -17,6 +17,7 @@ from helpers import snr_db, tiny_clip_config
 from torch import nn
 
 from hf_switchback import SwitchBackConfig, SwitchBackLinear, apply_switchback, functional
+from hf_switchback.kernels import reference as ref
 from hf_switchback.kernels import wgrad
 
 HAS_FP8_GPU = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
@@ -115,8 +116,8 @@ def test_gpu_weight_grad_runs_cublas_and_matches_reference(monkeypatch):
     assert calls, "fp8 wgrad on an sm89+ GPU must run cuBLAS's scaled GEMM"
     # Same fp8 operands. cuBLAS writes bfloat16 (2^-9 relative), and Hopper's fp8 tensor cores do not keep a full
     # float32 sum: measured up to 2^-11.2 of the sum of |products| (kernels/wgrad.py); allowed 2^-10 of it.
-    g_q, g_scale = wgrad._quantize_over_tokens(grad_out, wgrad.G_DTYPE)
-    x_q, x_scale = wgrad._quantize_over_tokens(x, wgrad.X_DTYPE)
+    g_q, g_scale = ref.quantize_over_tokens(grad_out, wgrad.G_DTYPE)
+    x_q, x_scale = ref.quantize_over_tokens(x, wgrad.X_DTYPE)
     products = (g_q.double().abs() @ x_q.double().abs().t()) * g_scale[:, None] * x_scale[None, :]
     err = (got.double() - want.double()).abs()
     excess = err - (2**-9 * want.double().abs() + 2**-10 * products)

@@ -95,12 +95,12 @@ def _scaled_clamped(x, safe_scale, inv_scale, QMAX_C: tl.constexpr, IS_INT: tl.c
     """float32 x -> the value q will hold, still float32: divide (correctly rounded), clamp; int8: round half
     to even; fp8: the cast rounds (see _INTERPRETED)."""
     scaled = _div_rn(x, safe_scale, inv_scale)
-    # The division's correction step turns x = -0.0 into +0.0; torch's x / scale keeps -0.0 (an fp8 q of -0.0).
-    scaled = tl.minimum(tl.maximum(tl.where(x == 0.0, x, scaled), -QMAX_C), QMAX_C)
     if IS_INT:
         # Adding then subtracting 1.5 * 2**23 rounds |v| < 2**22 to an integer, ties to even, in plain fp32
         # arithmetic; unlike libdevice.rint it also runs under TRITON_INTERPRET=1.
-        return (scaled + 12582912.0) - 12582912.0
+        return tl.minimum(tl.maximum((scaled + 12582912.0) - 12582912.0, -QMAX_C), QMAX_C)
+    # The division's correction step turns x = -0.0 into +0.0; torch's x / scale keeps -0.0 (an fp8 q of -0.0).
+    scaled = tl.minimum(tl.maximum(tl.where(x == 0.0, x, scaled), -QMAX_C), QMAX_C)
     if _INTERPRETED:
         if QMAX_C == 448.0:  # float8_e4m3fn: 3 mantissa bits, normal exponents from -6
             return _round_to_fp8_grid(scaled, 3, -6)
@@ -196,7 +196,7 @@ def _row_chunks(x_ptr, rows, rmask, K, stride_xm, stride_xk, CHUNK: tl.constexpr
         cols = c * CHUNK + offs
         mask = rmask[:, None] & (cols < K)[None, :]
         # tuple concatenation: Triton's frontend has no starred expressions
-        chunks = chunks + (tl.load(base + cols[None, :] * stride_xk, mask=mask, other=0.0),)  # noqa: RUF005
+        chunks = chunks + (tl.load(base + cols[None, :].to(tl.int64) * stride_xk, mask=mask, other=0.0),)  # noqa: RUF005
     return chunks
 
 

@@ -17,8 +17,8 @@ and dequantizes it inside both passes (x_q * row_scale, rounded to the dtype the
 so the 16-bit input is never written.
 
 Numerics: the quantize formulas of kernels/quantize.py (scale = absmax / QMAX, correctly rounded division,
-clamp, an all-zero column gets scale 0 and q 0), so q and scale equal the torch twin's bit for bit; the tests
-check that. The 8-bit dtype and the dequantize rounding reach the kernels as a pointer type and an int: the
+clamp, an all-zero column gets scale 0 and q 0), so q and scale equal the torch twin's bit for bit (a NaN
+column: NaN scale in both, q clamped here where the twin keeps NaN; dW is NaN either way); the tests check that. The 8-bit dtype and the dequantize rounding reach the kernels as a pointer type and an int: the
 launches are traced into Inductor's code under torch.compile (kernels/compiled.py), which passes only numbers
 and booleans as constexprs. This module imports triton; only kernels/ops.py imports it.
 """
@@ -49,7 +49,7 @@ def _load_tokens(x_ptr, rs_ptr, rows, cols, M, C, stride_m, stride_c, ROUND_TO: 
     """A (rows, cols) tile of x as float32, 0 outside (M, C); with ROUND_TO, x is 8-bit and dequantized by
     its row scales, then rounded like reference.dequantize_rowwise."""
     mask = (rows[:, None] < M) & (cols[None, :] < C)
-    ptrs = x_ptr + rows[:, None].to(tl.int64) * stride_m + cols[None, :] * stride_c
+    ptrs = x_ptr + rows[:, None].to(tl.int64) * stride_m + cols[None, :].to(tl.int64) * stride_c
     x = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
     if ROUND_TO != 0:
         x = x * tl.load(rs_ptr + rows, mask=rows < M, other=0.0)[:, None]
@@ -141,11 +141,11 @@ def _launch(x, row_scale, round_to: int, qdtype: torch.dtype, pad_to: int, wrap)
     m, c = x.shape
     m_pad = m + (-m % pad_to)
     q = torch.empty((c, m_pad), dtype=qdtype, device=x.device)
-    scale = torch.zeros((c,), dtype=torch.float32, device=x.device)
-    if c == 0 or m_pad == 0:
-        return q, scale
-    if m == 0:  # only padding: no scale to take, q is all zero tokens
-        return q.zero_(), scale
+    if c == 0 or m == 0:  # m == 0 leaves m_pad == 0 too: nothing to quantize
+        return q, torch.zeros((c,), dtype=torch.float32, device=x.device)
+    scale = torch.empty(
+        (c,), dtype=torch.float32, device=x.device
+    )  # every column written by the quantize pass
     absmax = torch.zeros((c,), dtype=torch.int32, device=x.device)  # float32 bits, see the module docstring
     col_blocks = triton.cdiv(c, _BLOCK_C)
     splits = max(1, min(triton.cdiv(m, _BLOCK_M), _ABSMAX_PROGRAMS // col_blocks))

@@ -53,15 +53,10 @@ class RowQuantized(NamedTuple):
     dtype: torch.dtype
 
 
-def _quantize_over_tokens(t: torch.Tensor, qdtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """(M, C) -> (q (C, M) contiguous, scale (C,) float32): one absmax scale per column, over the M tokens."""
-    return quantize_over_tokens(t, qdtype)
-
-
 def reference_weight_grad(grad_out: torch.Tensor, x: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     """fp8 dW = Gᵀ X in plain torch: grad_out (M, N), x (M, K) float -> (N, K) out_dtype (module docstring)."""
-    g_q, g_scale = _quantize_over_tokens(grad_out, G_DTYPE)
-    x_q, x_scale = _quantize_over_tokens(x, X_DTYPE)
+    g_q, g_scale = quantize_over_tokens(grad_out, G_DTYPE)
+    x_q, x_scale = quantize_over_tokens(x, X_DTYPE)
     # Products of e5m2 and e4m3 values are exact in float32; the sum is float32 like cuBLAS's.
     acc = g_q.float() @ x_q.float().t()
     return (acc * g_scale[:, None] * x_scale[None, :]).to(out_dtype)
