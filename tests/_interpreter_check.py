@@ -143,4 +143,37 @@ q, s = ops.act_quantize_rowwise(h, torch.int8, "gelu")
 q_ref, s_ref = ref.act_quantize_rowwise(h, torch.int8, "gelu")
 assert ((s - s_ref).abs() <= 2e-6 * s_ref).all() and (q.int() - q_ref.int()).abs().max() <= 1
 assert ops.act_backward_quantize_colsum(g, x, torch.int8, "gelu", False)[1].numel() == 0
+
+
+# A NaN keeps its row's scale NaN (so the GEMM output of that row is not finite, as in the reference); the
+# other rows are the reference's, bitwise. Triton's tl.max would drop the NaN and give a finite, wrong row.
+def _with_nans(rows, cols, at):
+    x = torch.randn(rows, cols)
+    clean = torch.ones(rows, dtype=torch.bool)
+    for r, c in at:
+        x[r, c], clean[r] = float("nan"), False
+    return x, clean
+
+
+def _nan_rows_kept(clean, q, s, q_ref, s_ref, what):
+    assert s[~clean].isnan().all() and s_ref[~clean].isnan().all(), what
+    assert torch.equal(q[clean], q_ref[clean]) and torch.equal(s[clean], s_ref[clean]), what
+
+
+# one pass with tails; two passes (longer than one pass can hold)
+for nan_x, clean in (_with_nans(40, 70, [(5, 50), (25, 0)]), _with_nans(3, 8200, [(1, 8199)])):
+    _nan_rows_kept(
+        clean, *ops.quantize_rowwise(nan_x, torch.int8), *ref.quantize_rowwise(nan_x, torch.int8), "row"
+    )
+    q, s, _ = ops.quantize_rowwise_colsum(nan_x, torch.int8)
+    _nan_rows_kept(clean, q, s, *ref.quantize_rowwise(nan_x, torch.int8), "colsum")
+    for name in ("quantize_tensorwise", "quantize_tensorwise_transposed"):
+        assert getattr(ops, name)(nan_x, torch.int8)[1].isnan(), name
+nan_x, clean = _with_nans(40, 70, [(5, 50), (25, 0)])
+for impl in ("rows", "tiles"):
+    options = KernelOptions(act_backward_impl=impl)
+    gh, _, q, s, _ = ops.act_backward_quantize_colsum(
+        nan_x, torch.randn(40, 70), torch.int8, "gelu", False, options=options
+    )
+    _nan_rows_kept(clean, q, s, *ref.quantize_rowwise(gh, torch.int8), impl)
 print("interpreter ok")

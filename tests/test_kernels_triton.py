@@ -518,6 +518,40 @@ def test_layer_triton_matches_torch_backend(cfg, dtype, lead):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: "-".join(str(v) for v in c.values()))
+@pytest.mark.parametrize("where", ["input", "output_gradient"])
+def test_a_nan_reaches_its_rows_outputs_and_no_other(cfg, where):
+    """A NaN in one token's input (or output gradient) gives that token a non-finite output (input gradient),
+    as the torch reference does, and leaves every other row as it was: the Triton reductions must not drop it."""
+    from hf_switchback import SwitchBackConfig
+    from hf_switchback.modules import SwitchBackLinear
+
+    torch.manual_seed(0)
+    layer = SwitchBackLinear.from_linear(
+        torch.nn.Linear(1280, 256).cuda().bfloat16(), SwitchBackConfig(backend="triton", **cfg)
+    )
+    x = torch.randn(300, 1280, device="cuda", dtype=torch.bfloat16)
+    grad = torch.randn(300, 256, device="cuda", dtype=torch.bfloat16)
+
+    def run(x, grad):
+        xi = x.clone().requires_grad_(True)
+        out = layer(xi)
+        out.backward(grad)
+        return out.detach(), xi.grad
+
+    out, dx = run(x, grad)
+    if where == "input":
+        x[7, 1000] = float("nan")
+    else:
+        grad[7, 100] = float("nan")
+    out_nan, dx_nan = run(x, grad)
+    hit = (out_nan if where == "input" else dx_nan)[7]
+    assert not torch.isfinite(hit).any()
+    rows = torch.arange(300, device="cuda") != 7
+    assert torch.equal(out_nan[rows], out[rows]) and torch.equal(dx_nan[rows], dx[rows])
+
+
+@pytest.mark.gpu
 def test_auto_backend_falls_back_below_token_floor():
     """backend='auto' on CUDA runs the exact 16-bit matmul below AUTO_MIN_TOKENS_CUDA rows."""
     from hf_switchback import SwitchBackConfig

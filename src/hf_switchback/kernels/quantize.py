@@ -139,6 +139,20 @@ def _act_fwd(x, x_ptr, ACT: tl.constexpr):
 
 
 @triton.jit
+def _max_keep_nan(a, b):
+    # tl.max / tl.maximum return the other operand for a NaN, which would give a NaN row a finite scale and a
+    # finite, wrong q (a silent NaN). Keeping the NaN gives a NaN scale, so the GEMM output is not finite
+    # either, as with torch's amax in the reference path.
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def _absmax(x, axis: tl.constexpr, KEEP_DIMS: tl.constexpr = False):
+    """max |x| along axis, float32, NaN if any element is NaN."""
+    return tl.reduce(tl.abs(x), axis, _max_keep_nan, keep_dims=KEEP_DIMS)
+
+
+@triton.jit
 def _rowwise_kernel(
     x_ptr,
     q_ptr,
@@ -163,14 +177,14 @@ def _rowwise_kernel(
     if SINGLE_PASS:
         mask = offs < K
         x = _act_fwd(tl.load(x_row + offs * stride_xk, mask=mask, other=0.0).to(tl.float32), x_ptr, ACT)
-        absmax = tl.max(tl.abs(x), axis=0)
+        absmax = _absmax(x, 0)
     else:
         running = tl.zeros([BLOCK_K], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             mask = k0 + offs < K
             x = tl.load(x_row + (k0 + offs) * stride_xk, mask=mask, other=0.0).to(tl.float32)
-            running = tl.maximum(running, tl.abs(_act_fwd(x, x_ptr, ACT)))
-        absmax = tl.max(running, axis=0)
+            running = _max_keep_nan(running, tl.abs(_act_fwd(x, x_ptr, ACT)))
+        absmax = tl.reduce(running, 0, _max_keep_nan)
     scale = tl.div_rn(absmax, QMAX_C)
     safe = tl.where(scale == 0.0, 1.0, scale)
     inv = tl.div_rn(1.0, safe)
@@ -254,8 +268,8 @@ def _rowwise_colsum_kernel(
         x_next = _row_chunks(x_ptr, next_rows, next_rmask, K, stride_xm, stride_xk, CHUNK, CHUNKS)
         absx = tl.abs(x[0].to(tl.float32))
         for c in tl.static_range(1, CHUNKS):
-            absx = tl.maximum(absx, tl.abs(x[c].to(tl.float32)))
-        scale = tl.div_rn(tl.max(absx, axis=1, keep_dims=True), QMAX_C)
+            absx = _max_keep_nan(absx, tl.abs(x[c].to(tl.float32)))
+        scale = tl.div_rn(tl.reduce(absx, 1, _max_keep_nan, keep_dims=True), QMAX_C)
         safe = tl.where(scale == 0.0, 1.0, scale)
         inv = tl.div_rn(1.0, safe)
         tl.store(s_ptr + rows[:, None], scale, mask=rmask[:, None])
@@ -319,8 +333,7 @@ def _act_backward_colsum_kernel(
             tl.store(a_ptr + row * K + offs, act.to(a_ptr.dtype.element_ty), mask=kmask)
         x = gh.to(tl.float32)
         colsum += tl.where(row_raw < M, x, 0.0)
-        absmax = tl.max(tl.abs(x), axis=0)
-        scale = tl.div_rn(absmax, QMAX_C)
+        scale = tl.div_rn(_absmax(x, 0), QMAX_C)
         safe = tl.where(scale == 0.0, 1.0, scale)
         inv = tl.div_rn(1.0, safe)
         tl.store(s_ptr + row, scale)
@@ -368,7 +381,9 @@ def _act_backward_tiles_kernel(
     if WRITE_A:
         tl.store(a_ptr + out_offs, act.to(a_ptr.dtype.element_ty), mask=mask)
     x = tl.where(mask, gh.to(tl.float32), 0.0)
-    tl.atomic_max(absmax_ptr + offs_m, tl.max(tl.abs(x), axis=1), mask=mask_m)
+    # as float32 bits in an int32 array that starts at 0: for non-negative floats (NaN included, above inf)
+    # the integer order is the float order, where Triton's float atomic max would skip a NaN
+    tl.atomic_max(absmax_ptr + offs_m, _absmax(x, 1).to(tl.int32, bitcast=True), mask=mask_m)
     tl.store(part_ptr + pid_m.to(tl.int64) * K + offs_k, tl.sum(x, axis=0), mask=kmask)
 
 
@@ -384,7 +399,7 @@ def _col_absmax_kernel(
     mask = (offs_m[:, None] < M) & (offs_k[None, :] < K)
     ptrs = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :] * stride_xk
     x = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(part_ptr + pid_m * K + offs_k, tl.max(tl.abs(x), axis=0), mask=offs_k < K)
+    tl.store(part_ptr + pid_m * K + offs_k, _absmax(x, 0), mask=offs_k < K)
 
 
 @triton.jit
@@ -654,7 +669,7 @@ def _act_backward_tiles(grad, h, qdtype, activation, want_act, wrap=None):
     m, k = grad.shape
     gh = torch.empty((m, k), dtype=grad.dtype, device=grad.device)
     act = torch.empty((m, k) if want_act else (0,), dtype=h.dtype, device=h.device)
-    absmax = torch.zeros((m,), dtype=torch.float32, device=grad.device)
+    absmax_bits = torch.zeros((m,), dtype=torch.int32, device=grad.device)
     grid = (triton.cdiv(m, _BWD_TILE_M), triton.cdiv(k, _BWD_TILE_K))
     part = torch.empty((grid[0], k), dtype=torch.float32, device=grad.device)
     (wrap or launch_directly)(_act_backward_tiles_kernel)[grid](
@@ -662,7 +677,7 @@ def _act_backward_tiles(grad, h, qdtype, activation, want_act, wrap=None):
         h,
         gh,
         act if want_act else gh,
-        absmax,
+        absmax_bits,
         part,
         m,
         k,
@@ -676,7 +691,7 @@ def _act_backward_tiles(grad, h, qdtype, activation, want_act, wrap=None):
         BLOCK_K=_BWD_TILE_K,
         num_warps=8,
     )
-    q, scale = quantize_rowwise_known_absmax(gh, absmax, qdtype, wrap)
+    q, scale = quantize_rowwise_known_absmax(gh, absmax_bits.view(torch.float32), qdtype, wrap)
     return gh, act, q, scale, part.sum(dim=0)
 
 

@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .quantize import _scale_args, _scaled_clamped, launch_directly
+from .quantize import _max_keep_nan, _scale_args, _scaled_clamped, launch_directly
 from .reference import _check_qdtype
 
 # Tile of the quantize pass: 128 tokens (a 128-byte run of q per feature) by 64 features (a 128-byte run of a
@@ -58,12 +58,6 @@ def _load_tokens(x_ptr, rs_ptr, rows, cols, M, C, stride_m, stride_c, ROUND_TO: 
         elif ROUND_TO == 3:
             x = x.to(tl.float16).to(tl.float32)
     return x
-
-
-@triton.jit
-def _max_keep_nan(a, b):
-    # A NaN gradient must give a NaN scale (so dW is not finite and loss scalers see it), as torch's amax does.
-    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
 
 
 @triton.jit
