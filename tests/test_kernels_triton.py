@@ -178,7 +178,12 @@ def test_colsum_launch_tiles_cover_rows_in_one_wave(m, k):
     assert chunks * chunk == k or k not in (768, 1024, 1280, 3072, 4096, 5120, 8192)
     assert rows % block_m == 0 and (grid - 1) * rows < m <= grid * rows
     assert grid * warps <= sms * quantize._CS_WARPS_PER_SM
-    assert block_m * chunk * chunks // (32 * warps) <= 2 * quantize._CS_PER_THREAD  # values per thread
+    per_thread = block_m * chunk * chunks / (32 * warps)  # values of a tile per thread
+    assert (
+        per_thread <= (quantize._CS_ONE_WARP_PER_THREAD if warps == 1 else quantize._CS_ROW_PER_THREAD)
+        or warps == 16
+    )
+    assert block_m == 1 or per_thread <= quantize._CS_MIN_PER_THREAD or block_m >= m
 
 
 @pytest.mark.gpu

@@ -39,10 +39,12 @@ ACT_CODES = {None: 0, "gelu": 1, "gelu_tanh": 2, "quick_gelu": 3}
 _COLSUM_PROGRAMS = 1024
 _COLSUM_MAX_ROWS = 64
 # Launch of the quantize + column-sum kernel (_colsum_launch says why): the most pieces a row is held in,
-# tile values per thread, warps per program, and warps per SM.
+# the most values of a row per thread in one warp and in several, the fewest values of a tile per thread, and
+# warps per SM.
 _CS_MAX_CHUNKS = 5
-_CS_PER_THREAD = 24
-_CS_WARPS = 4
+_CS_ONE_WARP_PER_THREAD = 40
+_CS_ROW_PER_THREAD = 32
+_CS_MIN_PER_THREAD = 16
 _CS_WARPS_PER_SM = 16
 # KernelOptions.act_backward_impl "auto": whole rows per program ("rows": reads less, but a row of 4d values
 # must fit in one program's registers, which limits occupancy) up to this width, 2-D tiles ("tiles") above. On
@@ -541,25 +543,28 @@ def _colsum_launch(m: int, k: int, sms: int) -> dict:
 
     - CHUNK: the smallest power of two (at least 16) that covers a row in at most _CS_MAX_CHUNKS pieces:
       exact for the usual widths (kernel comment), and as many independent loads per thread.
-    - vec: adjacent values per thread in each piece (one vector load and store), _CS_PER_THREAD / CHUNKS
-      rounded down to a power of two, 4 to 16; BLOCK_M rows per tile then give each of _CS_WARPS warps
-      `vec` values of every piece, and rows wider than that take more warps (up to 16) rather than more
-      values per thread. Each thread holds about _CS_PER_THREAD values of the tile (x, its prefetched
-      successor and the column-sum accumulator: about 100 registers at 24).
-    - Programs: _CS_WARPS_PER_SM warps per SM, all resident at once (one wave: every program walks an
-      equal share of rows, so a second partial wave would idle most SMs at the end) whenever a program
-      needs at most 128 registers per thread. 16 warps of 24 prefetched 2-byte values per thread keep
-      about 24 KB of loads in flight per SM, about what covers HBM latency on an H100 (3.35 TB/s x ~0.8 us
-      / 132 SMs). More programs would also write more float32 partial sums (programs x k, written here
-      and read by the final sum): at 528 programs and k = 1280 that is 5 MB against 63 MB of x and q.
+    - Warps: one up to 1,280 columns (40 values per thread: the row maximum is then a warp shuffle, with no
+      trip through shared memory), else the fewest (a power of two, up to 16) with at most
+      _CS_ROW_PER_THREAD values per thread: 2 at 2,048, 4 at 3,072, 8 at 5,120. Each thread holds about
+      three times that (x, its prefetched successor and the column-sum accumulator).
+    - BLOCK_M: one row per tile, more only for narrow rows (at least _CS_MIN_PER_THREAD values per thread).
+    - Programs: _CS_WARPS_PER_SM warps per SM, one wave, each program walking an equal share of rows.
+    Measured on an H200 against tiles of several rows over 4 warps (BENCHMARKS.md, Whole training step):
+    small programs of one row per warp were 1.1-1.8x faster from 4,928 to 50,432 rows at widths 512 to
+    2,048, and as fast at 3,072 and 5,120 (the float32 partial sums they write, programs x k, stay far
+    below the bytes of x and q).
     """
     chunk = 16
     while triton.cdiv(k, chunk) > _CS_MAX_CHUNKS:
         chunk *= 2
     chunks = triton.cdiv(k, chunk)
-    vec = max(4, min(16, 1 << ((_CS_PER_THREAD // chunks).bit_length() - 1)))
-    block_m = max(1, min(32 * _CS_WARPS * vec // chunk, triton.next_power_of_2(m)))
-    num_warps = max(1, min(16, block_m * chunk // (32 * vec)))
+    num_warps = 1
+    if chunk * chunks > 32 * _CS_ONE_WARP_PER_THREAD:
+        while num_warps < 16 and chunk * chunks > 32 * num_warps * _CS_ROW_PER_THREAD:
+            num_warps *= 2
+    block_m = 1
+    while block_m < m and 2 * block_m * chunk * chunks <= 32 * num_warps * _CS_MIN_PER_THREAD:
+        block_m *= 2
     programs = max(1, sms * _CS_WARPS_PER_SM // num_warps)
     rows_per_program = block_m * triton.cdiv(triton.cdiv(m, block_m), programs)
     return dict(
