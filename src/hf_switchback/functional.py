@@ -107,24 +107,14 @@ def _autocast_off(device_type: str):
 
 class _SwitchBackLinearFn(torch.autograd.Function):
     """2-D core. x (M, K) and out (M, N) share a float dtype; weight (N, K) and bias (N,) any float dtype.
-    `shared`: None, or a slot of _shared_input_slot holding (or to hold) x's 8-bit form.
-    `wgrad`: config.wgrad_precision, the format of the grad-weight GEMM (kernels/wgrad.py)."""
+    `spec`: the constant arguments, one tuple (weight_scaling, memory_efficient, forward qdtype, gradient
+    qdtype, backend, KernelOptions, wgrad = config.wgrad_precision, the format of the grad-weight GEMM in
+    kernels/wgrad.py). One argument, not seven: torch.compile checks each argument of `apply` for tensors.
+    `shared`: None, or a slot of _shared_input_slot holding (or to hold) x's 8-bit form."""
 
     @staticmethod
-    def forward(
-        ctx,
-        x,
-        weight,
-        bias,
-        weight_scaling,
-        memory_efficient,
-        fwd_qdtype,
-        grad_qdtype,
-        backend,
-        options,
-        shared=None,
-        wgrad="16bit",
-    ):
+    def forward(ctx, x, weight, bias, spec, shared=None):
+        weight_scaling, memory_efficient, fwd_qdtype, _, backend, options, _ = spec
         kernels = get_kernels(backend, x.device, options)
         if shared:
             x_q, x_scale = shared
@@ -140,21 +130,13 @@ class _SwitchBackLinearFn(torch.autograd.Function):
             ctx.save_for_backward(x_q, x_scale, weight)
         else:
             ctx.save_for_backward(x, weight)
-        ctx.config = (
-            weight_scaling,
-            memory_efficient,
-            grad_qdtype,
-            backend,
-            options,
-            x.dtype,
-            None if bias is None else bias.dtype,
-        )
-        ctx.wgrad = wgrad
+        ctx.config = (spec, x.dtype, None if bias is None else bias.dtype)
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        weight_scaling, memory_efficient, grad_qdtype, backend, options, x_dtype, bias_dtype = ctx.config
+        spec, x_dtype, bias_dtype = ctx.config
+        weight_scaling, memory_efficient, _, grad_qdtype, backend, options, wgrad = spec
         if memory_efficient:
             x_q, x_scale, weight = ctx.saved_tensors
         else:
@@ -181,14 +163,14 @@ class _SwitchBackLinearFn(torch.autograd.Function):
         if ctx.needs_input_grad[1]:
             if memory_efficient:
                 x = RowQuantized(x_q, x_scale, x_dtype)
-            grad_w = weight_grad(grad_out, x, weight.dtype, ctx.wgrad, kernels, options)
+            grad_w = weight_grad(grad_out, x, weight.dtype, wgrad, kernels, options)
 
         if needs_grad_b:
             if g_colsum is None:
                 g_colsum = grad_out.sum(dim=0, dtype=torch.float32)
             grad_b = g_colsum.to(bias_dtype)
 
-        return grad_x, grad_w, grad_b, None, None, None, None, None, None, None, None
+        return grad_x, grad_w, grad_b, None, None
 
 
 class _SwitchBackMLPFn(torch.autograd.Function):
@@ -374,19 +356,16 @@ def switchback_linear(
     fwd_qdtype, grad_qdtype = quantized_dtypes(config, x2d.device)
     shared = _shared_input_slot(x, (fwd_qdtype, config.backend, x2d.dtype, x2d.shape))
     with _autocast_off(device_type):
-        out = _SwitchBackLinearFn.apply(
-            x2d.contiguous(),
-            weight,
-            bias,
+        spec = (
             config.weight_scaling,
             config.memory_efficient,
             fwd_qdtype,
             grad_qdtype,
             config.backend,
             config.kernel_options,
-            shared,
             config.wgrad_precision,
         )
+        out = _SwitchBackLinearFn.apply(x2d.contiguous(), weight, bias, spec, shared)
     return out.reshape(*leading, weight.shape[0])
 
 
