@@ -39,7 +39,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from . import cublas, library, ops
+from . import cublas, library, ops, reference
 from .library import KernelOp, KernelSet, Route, call_operator, call_twin, fixed
 from .options import KernelOptions
 from .quantize import colsum_in_one_pass
@@ -63,23 +63,29 @@ def _gemm_traced(options: KernelOptions, a_q, b_q, out_dtype) -> bool:
 
 
 def _policy(op: KernelOp) -> Route:
-    # "ours" below: every pass our operator (options.fuse_quantize_under_compile off)
-    twin, operator = call_twin(op), call_operator(op)
-    if op.name in _INDUCTOR_FUSES:
-        return lambda options, args: twin if options.fuse_quantize_under_compile else operator
+    # "ours" below: every pass our operator (options.fuse_quantize_under_compile off). A route returns the twin
+    # itself, looked up per call (so a patched twin is the one that runs), not call_twin's wrapper: one frame
+    # less for Dynamo to trace per quantize.
+    name, operator = op.name, call_operator(op)
+    if name in _INDUCTOR_FUSES:
+        return lambda options, args: (
+            getattr(reference, name) if options.fuse_quantize_under_compile else operator
+        )
 
-    if op.name == "quantize_rowwise_colsum":
+    if name == "quantize_rowwise_colsum":
 
         def colsum(options: KernelOptions, args: tuple) -> Callable:
             ours = not options.fuse_quantize_under_compile
             use_op = ours or (options.triton_grad_quantize and colsum_in_one_pass(args[0]))
-            return operator if use_op else twin
+            return operator if use_op else getattr(reference, name)
 
         return colsum
 
-    if op.name == "act_quantize_rowwise":
+    if name == "act_quantize_rowwise":
         return lambda options, args: (
-            operator if not options.fuse_quantize_under_compile or options.triton_act_quantize else twin
+            operator
+            if not options.fuse_quantize_under_compile or options.triton_act_quantize
+            else getattr(reference, name)
         )
 
     if op.name == "scaled_matmul":
