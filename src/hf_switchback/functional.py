@@ -184,12 +184,12 @@ class _SwitchBackMLPFn(torch.autograd.Function):
     8-bit GEMM, the same operands as forward, so h is bit-identical (no numerics cost beyond dW1 from the 8-bit
     x): one more (M, d) x (d, 4d) 8-bit GEMM per block in exchange for the block's largest saved tensor.
     Backward: act' runs inside the quantize + column sum of fc1's output gradient.
+    `spec`: the constant arguments as one tuple, as in _SwitchBackLinearFn, the activation first.
     """
 
     @staticmethod
-    def forward(
-        ctx, x, w1, b1, w2, b2, activation, weight_scaling, memory_efficient, fq, gq, backend, options, wgrad
-    ):
+    def forward(ctx, x, w1, b1, w2, b2, spec):
+        activation, weight_scaling, memory_efficient, fq, _, backend, options, _ = spec
         kernels = get_kernels(backend, x.device, options)
         x_q, x_scale = kernels.quantize_rowwise(x, fq, options=options)
         w1_q, w1_scale = quantize_weight(kernels, w1, weight_scaling, fq, options)
@@ -203,25 +203,13 @@ class _SwitchBackMLPFn(torch.autograd.Function):
             ctx.save_for_backward(x_q, x_scale, w1, b1, w2)
         else:
             ctx.save_for_backward(x, h, w1, w2)
-        ctx.config = (
-            activation,
-            weight_scaling,
-            memory_efficient,
-            gq,
-            backend,
-            options,
-            x.dtype,
-            None if b1 is None else b1.dtype,
-            None if b2 is None else b2.dtype,
-        )
-        ctx.wgrad = wgrad
+        ctx.config = (spec, x.dtype, None if b1 is None else b1.dtype, None if b2 is None else b2.dtype)
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        activation, weight_scaling, memory_efficient, gq, backend, options, x_dtype, b1_dtype, b2_dtype = (
-            ctx.config
-        )
+        spec, x_dtype, b1_dtype, b2_dtype = ctx.config
+        activation, weight_scaling, memory_efficient, _, gq, backend, options, wgrad = spec
         kernels = get_kernels(backend, grad_out.device, options)
         if memory_efficient:
             x_q, x_scale, w1, b1, w2 = ctx.saved_tensors
@@ -258,7 +246,7 @@ class _SwitchBackMLPFn(torch.autograd.Function):
         if need_b2 and grad_b2 is None:
             grad_b2 = g.sum(dim=0, dtype=torch.float32).to(b2_dtype)
         if need_w2:
-            grad_w2 = weight_grad(g, a, w2.dtype, ctx.wgrad, kernels, options)
+            grad_w2 = weight_grad(g, a, w2.dtype, wgrad, kernels, options)
         del a
 
         if need_x:
@@ -267,10 +255,10 @@ class _SwitchBackMLPFn(torch.autograd.Function):
         if need_w1:
             if memory_efficient:
                 x = RowQuantized(x_q, x_scale, x_dtype)
-            grad_w1 = weight_grad(grad_h, x, w1.dtype, ctx.wgrad, kernels, options)
+            grad_w1 = weight_grad(grad_h, x, w1.dtype, wgrad, kernels, options)
         if need_b1:
             grad_b1 = gh_colsum.to(b1_dtype)
-        return grad_x, grad_w1, grad_b1, grad_w2, grad_b2, None, None, None, None, None, None, None, None
+        return grad_x, grad_w1, grad_b1, grad_w2, grad_b2, None
 
 
 def check_input(x: torch.Tensor, weight: torch.Tensor) -> None:
@@ -404,12 +392,7 @@ def switchback_mlp(
 
     fwd_qdtype, grad_qdtype = quantized_dtypes(config, x2d.device)
     with _autocast_off(device_type):
-        out = _SwitchBackMLPFn.apply(
-            x2d.contiguous(),
-            fc1_weight,
-            fc1_bias,
-            fc2_weight,
-            fc2_bias,
+        spec = (
             activation,
             config.weight_scaling,
             config.memory_efficient,
@@ -419,6 +402,7 @@ def switchback_mlp(
             config.kernel_options,
             config.wgrad_precision,
         )
+        out = _SwitchBackMLPFn.apply(x2d.contiguous(), fc1_weight, fc1_bias, fc2_weight, fc2_bias, spec)
     return out.reshape(*leading, n_out)
 
 
