@@ -88,11 +88,11 @@ def _policy(op: KernelOp) -> Route:
             else getattr(reference, name)
         )
 
-    if op.name == "scaled_matmul":
+    if name == "scaled_matmul":
         opaque = call_operator(library.BY_NAME["scaled_matmul_recompute"])
         return lambda options, args: operator if _gemm_traced(options, args[0], args[1], args[5]) else opaque
 
-    if op.name == "scaled_matmul_act_backward":
+    if name == "scaled_matmul_act_backward":
 
         def gemm_act_backward(options: KernelOptions, args: tuple) -> Callable:
             ours_act = not options.fuse_quantize_under_compile or options.triton_act_quantize
