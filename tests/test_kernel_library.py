@@ -192,3 +192,29 @@ def test_compiled_kernel_set_traces_in_one_graph_on_cpu():
         want = step(x, w, grad, library.REFERENCE, options)
         for a, b in zip(got, want, strict=True):
             torch.testing.assert_close(_bits(a), _bits(b), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("use_tma", [False, True])
+def test_eager_triton_set_through_the_operators_equals_the_reference_set(use_tma):
+    """With direct_eager off, the eager Triton set's routes send every call through torch.ops.hf_switchback
+    (use_tma: the GEMMs through the opaque operator, the fused GEMM + activation backward in two steps); on the
+    CPU those run the twins, so each result equals the reference set's bitwise."""
+    pytest.importorskip("triton")
+    from hf_switchback.kernels import ops
+
+    torch.manual_seed(0)
+    x, w, h = torch.randn(6, 16), torch.randn(8, 16), torch.randn(6, 8)
+    options = KernelOptions(direct_eager=False, use_tma=use_tma)
+
+    def step(kernels):
+        x_q, x_s = kernels.quantize_rowwise(x, torch.int8, options=options)
+        w_q, w_s = kernels.quantize_tensorwise(w, torch.float8_e4m3fn, options=options)
+        fw_q, fw_s = kernels.quantize_rowwise(w, torch.int8, options=options)
+        out = kernels.scaled_matmul(x_q, fw_q, x_s, fw_s, None, torch.float32, options=options)
+        back = kernels.scaled_matmul_act_backward(
+            x_q, fw_q, x_s, fw_s, h, torch.int8, "gelu", True, options=options
+        )
+        return out, w_q, w_s, *back
+
+    for got, want in zip(step(ops.KERNELS), step(library.REFERENCE), strict=True):
+        assert torch.equal(_bits(got), _bits(want))

@@ -107,24 +107,14 @@ def _autocast_off(device_type: str):
 
 class _SwitchBackLinearFn(torch.autograd.Function):
     """2-D core. x (M, K) and out (M, N) share a float dtype; weight (N, K) and bias (N,) any float dtype.
-    `shared`: None, or a slot of _shared_input_slot holding (or to hold) x's 8-bit form.
-    `wgrad`: config.wgrad_precision, the format of the grad-weight GEMM (kernels/wgrad.py)."""
+    `spec`: the constant arguments, one tuple (weight_scaling, memory_efficient, forward qdtype, gradient
+    qdtype, backend, KernelOptions, wgrad = config.wgrad_precision, the format of the grad-weight GEMM in
+    kernels/wgrad.py). One argument, not seven: torch.compile checks each argument of `apply` for tensors.
+    `shared`: None, or a slot of _shared_input_slot holding (or to hold) x's 8-bit form."""
 
     @staticmethod
-    def forward(
-        ctx,
-        x,
-        weight,
-        bias,
-        weight_scaling,
-        memory_efficient,
-        fwd_qdtype,
-        grad_qdtype,
-        backend,
-        options,
-        shared=None,
-        wgrad="16bit",
-    ):
+    def forward(ctx, x, weight, bias, spec, shared=None):
+        weight_scaling, memory_efficient, fwd_qdtype, _, backend, options, _ = spec
         kernels = get_kernels(backend, x.device, options)
         if shared:
             x_q, x_scale = shared
@@ -140,21 +130,13 @@ class _SwitchBackLinearFn(torch.autograd.Function):
             ctx.save_for_backward(x_q, x_scale, weight)
         else:
             ctx.save_for_backward(x, weight)
-        ctx.config = (
-            weight_scaling,
-            memory_efficient,
-            grad_qdtype,
-            backend,
-            options,
-            x.dtype,
-            None if bias is None else bias.dtype,
-        )
-        ctx.wgrad = wgrad
+        ctx.config = (spec, x.dtype, None if bias is None else bias.dtype)
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        weight_scaling, memory_efficient, grad_qdtype, backend, options, x_dtype, bias_dtype = ctx.config
+        spec, x_dtype, bias_dtype = ctx.config
+        weight_scaling, memory_efficient, _, grad_qdtype, backend, options, wgrad = spec
         if memory_efficient:
             x_q, x_scale, weight = ctx.saved_tensors
         else:
@@ -181,14 +163,14 @@ class _SwitchBackLinearFn(torch.autograd.Function):
         if ctx.needs_input_grad[1]:
             if memory_efficient:
                 x = RowQuantized(x_q, x_scale, x_dtype)
-            grad_w = weight_grad(grad_out, x, weight.dtype, ctx.wgrad, kernels, options)
+            grad_w = weight_grad(grad_out, x, weight.dtype, wgrad, kernels, options)
 
         if needs_grad_b:
             if g_colsum is None:
                 g_colsum = grad_out.sum(dim=0, dtype=torch.float32)
             grad_b = g_colsum.to(bias_dtype)
 
-        return grad_x, grad_w, grad_b, None, None, None, None, None, None, None, None
+        return grad_x, grad_w, grad_b, None, None
 
 
 class _SwitchBackMLPFn(torch.autograd.Function):
@@ -202,12 +184,12 @@ class _SwitchBackMLPFn(torch.autograd.Function):
     8-bit GEMM, the same operands as forward, so h is bit-identical (no numerics cost beyond dW1 from the 8-bit
     x): one more (M, d) x (d, 4d) 8-bit GEMM per block in exchange for the block's largest saved tensor.
     Backward: act' runs inside the quantize + column sum of fc1's output gradient.
+    `spec`: the constant arguments as one tuple, as in _SwitchBackLinearFn, the activation first.
     """
 
     @staticmethod
-    def forward(
-        ctx, x, w1, b1, w2, b2, activation, weight_scaling, memory_efficient, fq, gq, backend, options, wgrad
-    ):
+    def forward(ctx, x, w1, b1, w2, b2, spec):
+        activation, weight_scaling, memory_efficient, fq, _, backend, options, _ = spec
         kernels = get_kernels(backend, x.device, options)
         x_q, x_scale = kernels.quantize_rowwise(x, fq, options=options)
         w1_q, w1_scale = quantize_weight(kernels, w1, weight_scaling, fq, options)
@@ -221,25 +203,13 @@ class _SwitchBackMLPFn(torch.autograd.Function):
             ctx.save_for_backward(x_q, x_scale, w1, b1, w2)
         else:
             ctx.save_for_backward(x, h, w1, w2)
-        ctx.config = (
-            activation,
-            weight_scaling,
-            memory_efficient,
-            gq,
-            backend,
-            options,
-            x.dtype,
-            None if b1 is None else b1.dtype,
-            None if b2 is None else b2.dtype,
-        )
-        ctx.wgrad = wgrad
+        ctx.config = (spec, x.dtype, None if b1 is None else b1.dtype, None if b2 is None else b2.dtype)
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        activation, weight_scaling, memory_efficient, gq, backend, options, x_dtype, b1_dtype, b2_dtype = (
-            ctx.config
-        )
+        spec, x_dtype, b1_dtype, b2_dtype = ctx.config
+        activation, weight_scaling, memory_efficient, _, gq, backend, options, wgrad = spec
         kernels = get_kernels(backend, grad_out.device, options)
         if memory_efficient:
             x_q, x_scale, w1, b1, w2 = ctx.saved_tensors
@@ -276,7 +246,7 @@ class _SwitchBackMLPFn(torch.autograd.Function):
         if need_b2 and grad_b2 is None:
             grad_b2 = g.sum(dim=0, dtype=torch.float32).to(b2_dtype)
         if need_w2:
-            grad_w2 = weight_grad(g, a, w2.dtype, ctx.wgrad, kernels, options)
+            grad_w2 = weight_grad(g, a, w2.dtype, wgrad, kernels, options)
         del a
 
         if need_x:
@@ -285,10 +255,10 @@ class _SwitchBackMLPFn(torch.autograd.Function):
         if need_w1:
             if memory_efficient:
                 x = RowQuantized(x_q, x_scale, x_dtype)
-            grad_w1 = weight_grad(grad_h, x, w1.dtype, ctx.wgrad, kernels, options)
+            grad_w1 = weight_grad(grad_h, x, w1.dtype, wgrad, kernels, options)
         if need_b1:
             grad_b1 = gh_colsum.to(b1_dtype)
-        return grad_x, grad_w1, grad_b1, grad_w2, grad_b2, None, None, None, None, None, None, None, None
+        return grad_x, grad_w1, grad_b1, grad_w2, grad_b2, None
 
 
 def check_input(x: torch.Tensor, weight: torch.Tensor) -> None:
@@ -374,19 +344,16 @@ def switchback_linear(
     fwd_qdtype, grad_qdtype = quantized_dtypes(config, x2d.device)
     shared = _shared_input_slot(x, (fwd_qdtype, config.backend, x2d.dtype, x2d.shape))
     with _autocast_off(device_type):
-        out = _SwitchBackLinearFn.apply(
-            x2d.contiguous(),
-            weight,
-            bias,
+        spec = (
             config.weight_scaling,
             config.memory_efficient,
             fwd_qdtype,
             grad_qdtype,
             config.backend,
             config.kernel_options,
-            shared,
             config.wgrad_precision,
         )
+        out = _SwitchBackLinearFn.apply(x2d.contiguous(), weight, bias, spec, shared)
     return out.reshape(*leading, weight.shape[0])
 
 
@@ -425,12 +392,7 @@ def switchback_mlp(
 
     fwd_qdtype, grad_qdtype = quantized_dtypes(config, x2d.device)
     with _autocast_off(device_type):
-        out = _SwitchBackMLPFn.apply(
-            x2d.contiguous(),
-            fc1_weight,
-            fc1_bias,
-            fc2_weight,
-            fc2_bias,
+        spec = (
             activation,
             config.weight_scaling,
             config.memory_efficient,
@@ -440,6 +402,7 @@ def switchback_mlp(
             config.kernel_options,
             config.wgrad_precision,
         )
+        out = _SwitchBackMLPFn.apply(x2d.contiguous(), fc1_weight, fc1_bias, fc2_weight, fc2_bias, spec)
     return out.reshape(*leading, n_out)
 
 

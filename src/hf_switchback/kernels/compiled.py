@@ -39,8 +39,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from . import cublas, library, ops
-from .library import KernelOp, KernelSet, call_operator, call_twin
+from . import cublas, library, ops, reference
+from .library import KernelOp, KernelSet, Route, call_operator, call_twin, fixed
 from .options import KernelOptions
 from .quantize import colsum_in_one_pass
 
@@ -55,39 +55,67 @@ _INDUCTOR_FUSES = {
 
 
 def _gemm_traced(options: KernelOptions, a_q, b_q, out_dtype) -> bool:
-    # cuBLAS's GEMM is traced as aten._scaled_mm whatever the Triton options say
-    return cublas.use_cublas(a_q, b_q, out_dtype, options.fp8_gemm) or (
-        options.trace_gemm and not options.use_tma
+    # cuBLAS's GEMM is traced as aten._scaled_mm whatever the Triton options say. The option test comes first:
+    # it settles the default options without use_cublas's checks, which Dynamo would trace per GEMM.
+    return (options.trace_gemm and not options.use_tma) or cublas.use_cublas(
+        a_q, b_q, out_dtype, options.fp8_gemm
     )
 
 
-def _policy(op: KernelOp, options: KernelOptions, args: tuple) -> Callable:
-    ours = not options.fuse_quantize_under_compile  # every pass our operator
-    if op.name in _INDUCTOR_FUSES:
-        return call_operator(op) if ours else call_twin(op)
-    if op.name == "quantize_rowwise_colsum":
-        use_op = ours or (options.triton_grad_quantize and colsum_in_one_pass(args[0]))
-        return call_operator(op) if use_op else call_twin(op)
-    if op.name == "act_quantize_rowwise":
-        return call_operator(op) if ours or options.triton_act_quantize else call_twin(op)
-    if op.name == "scaled_matmul":
-        if _gemm_traced(options, args[0], args[1], args[5]):
-            return call_operator(op)
-        return call_operator(library.BY_NAME["scaled_matmul_recompute"])
-    if op.name == "scaled_matmul_act_backward":
-        ours_act = ours or options.triton_act_quantize
-        if ours_act and _gemm_traced(options, args[0], args[1], args[4].dtype):
-            return call_operator(op)
-        act_backward = (call_operator if ours_act else call_twin)(
-            library.BY_NAME["act_backward_quantize_colsum"]
+def _policy(op: KernelOp) -> Route:
+    # "ours" below: every pass our operator (options.fuse_quantize_under_compile off). A route returns the twin
+    # itself, looked up per call (so a patched twin is the one that runs), not call_twin's wrapper: one frame
+    # less for Dynamo to trace per quantize.
+    name, operator = op.name, call_operator(op)
+    if name in _INDUCTOR_FUSES:
+        return lambda options, args: (
+            getattr(reference, name) if options.fuse_quantize_under_compile else operator
         )
-        return ops.gemm_then_act_backward(KERNELS.scaled_matmul, act_backward)
+
+    if name == "quantize_rowwise_colsum":
+
+        def colsum(options: KernelOptions, args: tuple) -> Callable:
+            ours = not options.fuse_quantize_under_compile
+            use_op = ours or (options.triton_grad_quantize and colsum_in_one_pass(args[0]))
+            return operator if use_op else getattr(reference, name)
+
+        return colsum
+
+    if name == "act_quantize_rowwise":
+        return lambda options, args: (
+            operator
+            if not options.fuse_quantize_under_compile or options.triton_act_quantize
+            else getattr(reference, name)
+        )
+
+    if name == "scaled_matmul":
+        opaque = call_operator(library.BY_NAME["scaled_matmul_recompute"])
+        return lambda options, args: operator if _gemm_traced(options, args[0], args[1], args[5]) else opaque
+
+    if name == "scaled_matmul_act_backward":
+
+        def gemm_act_backward(options: KernelOptions, args: tuple) -> Callable:
+            ours_act = not options.fuse_quantize_under_compile or options.triton_act_quantize
+            if ours_act and _gemm_traced(options, args[0], args[1], args[4].dtype):
+                return operator
+            return _SPLIT_ACT_BACKWARD[ours_act]
+
+        return gemm_act_backward
+
     # dequantize_rowwise, scaled_matmul_recompute and the fp8 grad-weight operands (quantize_over_tokens,
     # requantize_over_tokens: our traced kernels, see the module docstring): the operator itself
-    return call_operator(op)
+    return fixed(operator)
 
 
 KERNELS = KernelSet("compiled", _policy)
+
+# scaled_matmul_act_backward as the GEMM then the activation backward (ours or left to Inductor), where the
+# GEMM cannot be traced into one operator with it
+_ACT_BACKWARD = library.BY_NAME["act_backward_quantize_colsum"]
+_SPLIT_ACT_BACKWARD = {
+    True: ops.gemm_then_act_backward(KERNELS.scaled_matmul, call_operator(_ACT_BACKWARD)),
+    False: ops.gemm_then_act_backward(KERNELS.scaled_matmul, call_twin(_ACT_BACKWARD)),
+}
 
 
 def __getattr__(name: str):

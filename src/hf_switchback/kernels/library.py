@@ -13,8 +13,9 @@ Every step a SwitchBack layer runs (quantize, 8-bit GEMM, the fused MLP's activa
   Python call per step.
 
 A kernel set (what `backends.get_kernels` returns) is built from this table by `kernel_set`: one function per
-operator, taking the twin's arguments and the caller's `options`, and a policy that picks, per call, which
-implementation runs. Adding a kernel is one entry here, its twin in reference.py and its CUDA implementation.
+operator, taking the twin's arguments and the caller's `options`, and a policy that picks which implementation
+runs: once per operator, and per call only where the choice depends on the call. Adding a kernel is one entry
+here, its twin in reference.py and its CUDA implementation.
 
 This module never imports triton: the CPU path declares the operators with their torch twins only.
 """
@@ -31,7 +32,7 @@ import torch
 
 from . import reference
 from .cublas import MIXED_FP8_PAIRS
-from .options import KernelOptions, resolve
+from .options import KernelOptions
 
 LIBRARY = "hf_switchback"
 
@@ -273,36 +274,58 @@ def declared() -> dict[str, object]:
     return dict(_declared)
 
 
-# A policy picks, per call, the implementation that runs: (op, options, twin arguments) -> a callable taking
-# (*twin arguments, options).
-Policy = Callable[[KernelOp, KernelOptions, tuple], Callable]
+# A policy is asked once per operator, when a kernel set is built: policy(op) -> route. The route picks, per call,
+# the implementation that runs: route(options, twin arguments) -> a callable taking (*twin arguments, options=).
+# torch.compile traces every call of a route and of what it returns (tens per layer, in forward and backward),
+# so whatever does not depend on the call (the callables, which options matter) is settled once, here.
+Route = Callable[[KernelOptions, tuple], Callable]
+Policy = Callable[[KernelOp], Route]
 
 
-# Plain closures, not cached: torch.compile traces these calls, and it inlines a plain function best.
 def call_twin(op: KernelOp) -> Callable:
-    return lambda *args, options: op.reference(*args, options=options)
+    name = op.name
+    # looked up per call, so a patched twin is the one that runs
+    return lambda *args, options: getattr(reference, name)(*args, options=options)
 
 
 def call_operator(op: KernelOp) -> Callable:
     packet = getattr(torch.ops.hf_switchback, op.name)
-    return lambda *args, options: packet(*args, *op.option_values(options))
+    fields = op.options
+    if not fields:
+        return lambda *args, options: packet(*args)
+    # map over a tuple, not op.option_values' generator: a generator is one more frame for Dynamo to trace
+    return lambda *args, options: packet(*args, *map(getattr, (options,) * len(fields), fields))
+
+
+def fixed(implementation: Callable) -> Route:
+    """The route of an operator whose implementation does not depend on the call."""
+    return lambda options, args: implementation
 
 
 class KernelSet:
     """One function per operator of OPS (same name, the twin's arguments plus keyword `options`, the caller's
-    KernelOptions; None means the defaults), each running what `policy` picks for the call."""
+    KernelOptions; None means the defaults), each running what `policy`'s route picks for the call, or the
+    torch twin when `policy` is None."""
 
-    def __init__(self, name: str, policy: Policy) -> None:
+    def __init__(self, name: str, policy: Policy | None) -> None:
         self.name = name
         for op in OPS:
-            setattr(self, op.name, self._function(op, policy))
+            setattr(self, op.name, self._function(op, None if policy is None else policy(op)))
 
     @staticmethod
-    def _function(op: KernelOp, policy: Policy) -> Callable:
+    def _function(op: KernelOp, route: Route | None) -> Callable:
+        arity, name = op.arity, op.name
+
         def function(*args, options: KernelOptions | None = None, **kwargs):
-            options = resolve(options)
-            args = op.arguments(args, kwargs)
-            return policy(op, options, args)(*args, options=options)
+            # the layers pass every twin argument positionally: nothing to bind or fill in
+            if kwargs or len(args) < arity:
+                args = op.arguments(args, kwargs)
+            if route is None:
+                # looked up per call, so a patched twin is the one that runs; the twins ignore `options`
+                return getattr(reference, name)(*args, options=options)
+            if options is None:  # resolve(options), without a frame more to trace per call
+                options = KernelOptions()
+            return route(options, args)(*args, options=options)
 
         function.__name__ = function.__qualname__ = op.name
         function.__doc__ = op.reference.__doc__
@@ -314,7 +337,7 @@ class KernelSet:
 
 
 # The torch twins on any device: the CPU path and backend="torch".
-REFERENCE = KernelSet("reference", lambda op, options, args: call_twin(op))
+REFERENCE = KernelSet("reference", None)
 
 __all__ = [
     "BY_NAME",

@@ -25,7 +25,7 @@ from . import library, reference
 from . import matmul as _matmul
 from . import quantize as _quantize
 from . import transpose_quantize as _transpose_quantize
-from .library import KernelOp, KernelSet, call_operator
+from .library import KernelOp, KernelSet, Route, call_operator
 from .options import KernelOptions
 
 
@@ -96,11 +96,9 @@ _OPAQUE_GEMM = library.BY_NAME["scaled_matmul_recompute"]
 _ACT_BACKWARD = library.BY_NAME["act_backward_quantize_colsum"]
 
 
-def _opaque_gemm(op: KernelOp, options: KernelOptions) -> Callable | None:
-    """The opaque GEMM operator where the traceable one would skip the TMA kernel (options.use_tma); None
-    where this op needs no such detour."""
-    if not options.use_tma:
-        return None
+def _opaque_gemm(op: KernelOp) -> Callable | None:
+    """What runs instead of `op` where its traceable operator would skip the TMA kernel (with options.use_tma):
+    the opaque GEMM operator; None where this op needs no such detour."""
     if op is _GEMM:
         return call_operator(_OPAQUE_GEMM)
     if op.name == "scaled_matmul_act_backward":
@@ -108,13 +106,21 @@ def _opaque_gemm(op: KernelOp, options: KernelOptions) -> Callable | None:
     return None
 
 
-def _eager_policy(op: KernelOp, options: KernelOptions, args: tuple) -> Callable:
-    compiling = torch.compiler.is_compiling()
-    if options.direct_eager and not compiling:
-        return call_direct(op)
-    if op is _GEMM and compiling and not options.trace_gemm:
-        return call_operator(_OPAQUE_GEMM)
-    return _opaque_gemm(op, options) or call_operator(op)
+def _eager_policy(op: KernelOp) -> Route:
+    direct, operator, tma_detour = call_direct(op), call_operator(op), _opaque_gemm(op)
+    opaque = call_operator(_OPAQUE_GEMM)
+
+    def route(options: KernelOptions, args: tuple) -> Callable:
+        compiling = torch.compiler.is_compiling()
+        if options.direct_eager and not compiling:
+            return direct
+        if op is _GEMM and compiling and not options.trace_gemm:
+            return opaque
+        if options.use_tma and tma_detour is not None:
+            return tma_detour
+        return operator
+
+    return route
 
 
 KERNELS = KernelSet("triton", _eager_policy)

@@ -48,7 +48,7 @@ def quantize_rowwise(
     qmax = _check_qdtype(qdtype)
     xf = x.float()
     scale = xf.abs().amax(dim=1) / qmax if xf.shape[1] > 0 else xf.new_zeros(xf.shape[0])
-    safe = torch.where(scale == 0, torch.ones_like(scale), scale)
+    safe = torch.where(scale == 0, 1.0, scale)
     return _to_qdtype(xf / safe[:, None], qdtype, qmax), scale
 
 
@@ -70,7 +70,7 @@ def quantize_tensorwise(
     qmax = _check_qdtype(qdtype)
     xf = x.float()
     scale = xf.abs().amax() / qmax if xf.numel() > 0 else xf.new_zeros(())
-    safe = torch.where(scale == 0, torch.ones_like(scale), scale)
+    safe = torch.where(scale == 0, 1.0, scale)
     return _to_qdtype(xf / safe, qdtype, qmax), scale
 
 
