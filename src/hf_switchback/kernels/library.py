@@ -323,7 +323,7 @@ class KernelSet:
             if route is None:
                 # looked up per call, so a patched twin is the one that runs; the twins ignore `options`
                 return getattr(reference, name)(*args, options=options)
-            if options is None:  # resolve(options), without a frame more to trace per call
+            if options is None:  # the defaults (a kernel called directly, outside a SwitchBack layer)
                 options = KernelOptions()
             return route(options, args)(*args, options=options)
 

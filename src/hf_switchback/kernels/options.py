@@ -102,9 +102,4 @@ class KernelOptions:
         return dataclasses.replace(self, **changes)
 
 
-def resolve(options: KernelOptions | None) -> KernelOptions:
-    """`options`, or the defaults when None (a kernel called directly, outside a SwitchBack layer)."""
-    return KernelOptions() if options is None else options
-
-
-__all__ = ["ACT_BACKWARD_IMPLS", "FP8_GEMMS", "FP8_GEMM_ENV", "TMA_ENV", "KernelOptions", "resolve"]
+__all__ = ["ACT_BACKWARD_IMPLS", "FP8_GEMMS", "FP8_GEMM_ENV", "TMA_ENV", "KernelOptions"]
