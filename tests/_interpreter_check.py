@@ -45,6 +45,16 @@ for shape in ((37, 70), (301, 100), (45, 768), (29, 1280), (13, 3072), (11, 5120
         q_ref, s_ref, cs_ref = ref.quantize_rowwise_colsum(inp, torch.int8)
         assert torch.equal(q, q_ref) and torch.equal(s, s_ref), shape
         torch.testing.assert_close(cs, cs_ref, rtol=1e-5, atol=1e-4 * shape[0] ** 0.5)
+        # the same row tiles without the column sum: quantize_rowwise, and of act(x) (fc2's input)
+        q, s = ops.quantize_rowwise(inp, torch.int8)
+        assert torch.equal(q, q_ref) and torch.equal(s, s_ref), shape
+        if shape[1] <= 1280:
+            q, s = ops.act_quantize_rowwise(inp, torch.int8, "quick_gelu")
+            q_ref, s_ref = ref.act_quantize_rowwise(inp, torch.int8, "quick_gelu")
+            tol = 1.5e-5 if inp.dtype == torch.float32 else 2**-7
+            assert ((s - s_ref).abs() <= tol * s_ref).all() and (q.int() - q_ref.int()).abs().max() <= 1, (
+                shape
+            )
 quantize._sm_count = sm_count
 q, s = ops.quantize_rowwise(x, torch.int8)
 assert torch.equal(ops.dequantize_rowwise(q, s, torch.float32), ref.dequantize_rowwise(q, s, torch.float32))

@@ -147,7 +147,7 @@ def test_quantize_rowwise_colsum_many_tiles_per_program(monkeypatch, k, qdtype):
 
     monkeypatch.setattr(quantize, "_sm_count", lambda device: 3)
     m = 2003
-    launch = quantize._colsum_launch(m, k, 3)
+    launch = quantize._row_tiles_launch(m, k, 3)
     assert launch["rows_per_program"] >= 4 * launch["BLOCK_M"] and m % launch["rows_per_program"] != 0
     x = _input((m, k), torch.bfloat16)
     x[m - 2] = 0
@@ -161,13 +161,13 @@ def test_quantize_rowwise_colsum_many_tiles_per_program(monkeypatch, k, qdtype):
 @pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
 @pytest.mark.parametrize("m", [1, 37, 16448, 50432])
 @pytest.mark.parametrize("k", [1, 70, 100, 768, 1024, 1152, 1280, 3072, 4096, 5120, 8192])
-def test_colsum_launch_tiles_cover_rows_in_one_wave(m, k):
+def test_row_tiles_launch_tiles_cover_rows_in_one_wave(m, k):
     """The quantize + column-sum launch: pieces cover a row (exactly at the ViT widths), programs cover M
     with whole tiles, and the grid fits one wave of the warps per SM it aims at."""
     from hf_switchback.kernels import quantize
 
     sms = 132
-    launch = quantize._colsum_launch(m, k, sms)
+    launch = quantize._row_tiles_launch(m, k, sms)
     block_m, chunk, chunks = launch["BLOCK_M"], launch["CHUNK"], launch["CHUNKS"]
     rows, (grid,), warps = launch["rows_per_program"], launch["grid"], launch["num_warps"]
     for size in (block_m, chunk, warps):

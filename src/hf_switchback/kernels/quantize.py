@@ -38,7 +38,7 @@ ACT_CODES = {None: 0, "gelu": 1, "gelu_tanh": 2, "quick_gelu": 3}
 # float32 partial sums (cdiv(M, ROWS) x K) that writing and reducing them costs far less than re-reading x.
 _COLSUM_PROGRAMS = 1024
 _COLSUM_MAX_ROWS = 64
-# Launch of the quantize + column-sum kernel (_colsum_launch says why): the most pieces a row is held in,
+# Launch of the quantize + column-sum kernel (_row_tiles_launch says why): the most pieces a row is held in,
 # the most values of a row per thread in one warp and in several, the fewest values of a tile per thread, and
 # warps per SM.
 _CS_MAX_CHUNKS = 5
@@ -155,7 +155,7 @@ def _absmax(x, axis: tl.constexpr, KEEP_DIMS: tl.constexpr = False):
 
 
 @triton.jit
-def _rowwise_kernel(
+def _rowwise_long_kernel(
     x_ptr,
     q_ptr,
     s_ptr,
@@ -167,38 +167,28 @@ def _rowwise_kernel(
     IS_INT: tl.constexpr,
     Q_DTYPE: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    SINGLE_PASS: tl.constexpr,
     ACT: tl.constexpr = 0,
 ):
-    # One program per row: absmax, scale and q in one launch, the row read once when it fits in registers.
+    # Rows longer than the one-pass limit, one program per row: a pass for the absmax, a second for q.
     # ACT != 0 quantizes act(x) instead of x (the input of fc2 in a fused MLP), never writing act(x).
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * stride_xm
     q_row = q_ptr + row * stride_qm
     offs = tl.arange(0, BLOCK_K)
-    if SINGLE_PASS:
-        mask = offs < K
-        x = _act_fwd(tl.load(x_row + offs * stride_xk, mask=mask, other=0.0).to(tl.float32), x_ptr, ACT)
-        absmax = _absmax(x, 0)
-    else:
-        running = tl.zeros([BLOCK_K], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            mask = k0 + offs < K
-            x = tl.load(x_row + (k0 + offs) * stride_xk, mask=mask, other=0.0).to(tl.float32)
-            running = _max_keep_nan(running, tl.abs(_act_fwd(x, x_ptr, ACT)))
-        absmax = tl.reduce(running, 0, _max_keep_nan)
-    scale = tl.div_rn(absmax, QMAX_C)
+    running = tl.zeros([BLOCK_K], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        mask = k0 + offs < K
+        x = tl.load(x_row + (k0 + offs) * stride_xk, mask=mask, other=0.0).to(tl.float32)
+        running = _max_keep_nan(running, tl.abs(_act_fwd(x, x_ptr, ACT)))
+    scale = tl.div_rn(tl.reduce(running, 0, _max_keep_nan), QMAX_C)
     safe = tl.where(scale == 0.0, 1.0, scale)
     inv = tl.div_rn(1.0, safe)
     tl.store(s_ptr + row, scale)
-    if SINGLE_PASS:
-        tl.store(q_row + offs, _to_q(x, safe, inv, QMAX_C, IS_INT, Q_DTYPE), mask=mask)
-    else:
-        for k0 in range(0, K, BLOCK_K):
-            mask = k0 + offs < K
-            x = tl.load(x_row + (k0 + offs) * stride_xk, mask=mask, other=0.0).to(tl.float32)
-            x = _act_fwd(x, x_ptr, ACT)
-            tl.store(q_row + k0 + offs, _to_q(x, safe, inv, QMAX_C, IS_INT, Q_DTYPE), mask=mask)
+    for k0 in range(0, K, BLOCK_K):
+        mask = k0 + offs < K
+        x = tl.load(x_row + (k0 + offs) * stride_xk, mask=mask, other=0.0).to(tl.float32)
+        x = _act_fwd(x, x_ptr, ACT)
+        tl.store(q_row + k0 + offs, _to_q(x, safe, inv, QMAX_C, IS_INT, Q_DTYPE), mask=mask)
 
 
 @triton.jit
@@ -217,7 +207,7 @@ def _row_chunks(x_ptr, rows, rmask, K, stride_xm, stride_xk, CHUNK: tl.constexpr
 
 
 @triton.jit
-def _rowwise_colsum_kernel(
+def _quantize_row_tiles(
     x_ptr,
     q_ptr,
     s_ptr,
@@ -233,10 +223,13 @@ def _rowwise_colsum_kernel(
     BLOCK_M: tl.constexpr,
     CHUNK: tl.constexpr,
     CHUNKS: tl.constexpr,
+    ACT: tl.constexpr,
+    COLSUM: tl.constexpr,
 ):
-    # Row-wise quantize of the rows [pid * rows_per_program, ...) that also sums them: part[pid, :] = their
-    # float32 column sum, so the bias gradient needs no second pass over x. rows_per_program is a multiple
-    # of BLOCK_M; the program walks its rows one tile of BLOCK_M whole rows at a time.
+    # Row-wise quantize of the rows [pid * rows_per_program, ...) (of act(x) when ACT != 0, act(x) never
+    # written). COLSUM also sums them: part[pid, :] = their float32 column sum, so the bias gradient needs no
+    # second pass over x. rows_per_program is a multiple of BLOCK_M; the program walks its rows one tile of
+    # BLOCK_M whole rows at a time.
     #
     # Whole rows stay in registers, so x is read from memory once and never re-read from L2 (a row's absmax
     # is needed before any of its values can be quantized). A row is held as CHUNKS pieces of CHUNK columns
@@ -261,13 +254,19 @@ def _rowwise_colsum_kernel(
     offs = tl.arange(0, CHUNK)
     x_next = _row_chunks(x_ptr, rows, rmask, K, stride_xm, stride_xk, CHUNK, CHUNKS)
     acc = ()
-    for _c in tl.static_range(CHUNKS):
-        acc = acc + (tl.zeros([BLOCK_M, CHUNK], dtype=tl.float32),)  # noqa: RUF005
+    if COLSUM:
+        for _c in tl.static_range(CHUNKS):
+            acc = acc + (tl.zeros([BLOCK_M, CHUNK], dtype=tl.float32),)  # noqa: RUF005
     for _ in range(0, rows_per_program, BLOCK_M):
         x = x_next
         next_rows = rows + BLOCK_M
         next_rmask = next_rows < row_end
         x_next = _row_chunks(x_ptr, next_rows, next_rmask, K, stride_xm, stride_xk, CHUNK, CHUNKS)
+        if ACT != 0:  # act(x) once per value, held as float32 pieces (zero stays zero in padded lanes)
+            activated = ()
+            for c in tl.static_range(CHUNKS):
+                activated = activated + (_act_fwd(x[c].to(tl.float32), x_ptr, ACT),)  # noqa: RUF005
+            x = activated
         absx = tl.abs(x[0].to(tl.float32))
         for c in tl.static_range(1, CHUNKS):
             absx = _max_keep_nan(absx, tl.abs(x[c].to(tl.float32)))
@@ -279,16 +278,69 @@ def _rowwise_colsum_kernel(
         summed = ()
         for c in tl.static_range(CHUNKS):
             xc = x[c].to(tl.float32)
-            summed = summed + (acc[c] + xc,)  # noqa: RUF005
+            if COLSUM:
+                summed = summed + (acc[c] + xc,)  # noqa: RUF005
             cols = c * CHUNK + offs
             q = _scaled_clamped(xc, safe, inv, QMAX_C, IS_INT).to(q_ptr.dtype.element_ty)
             tl.store(q_row + cols[None, :], q, mask=rmask[:, None] & (cols < K)[None, :])
         acc = summed
         rows = next_rows
         rmask = next_rmask
-    for c in tl.static_range(CHUNKS):
-        cols = c * CHUNK + offs
-        tl.store(part_ptr + pid.to(tl.int64) * K + cols, tl.sum(acc[c], axis=0), mask=cols < K)
+    if COLSUM:
+        for c in tl.static_range(CHUNKS):
+            cols = c * CHUNK + offs
+            tl.store(part_ptr + pid.to(tl.int64) * K + cols, tl.sum(acc[c], axis=0), mask=cols < K)
+
+
+@triton.jit
+def _rowwise_colsum_kernel(
+    x_ptr,
+    q_ptr,
+    s_ptr,
+    part_ptr,
+    M,
+    K,
+    stride_xm,
+    stride_xk,
+    stride_qm,
+    rows_per_program,
+    QMAX_C: tl.constexpr,
+    IS_INT: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    CHUNK: tl.constexpr,
+    CHUNKS: tl.constexpr,
+):
+    # quantize_rowwise_colsum (the output gradient's quantize and the bias gradient)
+    _quantize_row_tiles(
+        x_ptr, q_ptr, s_ptr, part_ptr, M, K, stride_xm, stride_xk, stride_qm,
+        rows_per_program, QMAX_C, IS_INT, BLOCK_M, CHUNK, CHUNKS, 0, True,
+    )  # fmt: skip
+
+
+@triton.jit
+def _rowwise_kernel(
+    x_ptr,
+    q_ptr,
+    s_ptr,
+    M,
+    K,
+    stride_xm,
+    stride_xk,
+    stride_qm,
+    rows_per_program,
+    QMAX_C: tl.constexpr,
+    IS_INT: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    CHUNK: tl.constexpr,
+    CHUNKS: tl.constexpr,
+    ACT: tl.constexpr,
+):
+    # quantize_rowwise and act_quantize_rowwise (rows up to the one-pass limit); s_ptr stands in for the
+    # column sums it does not write
+    _quantize_row_tiles(
+        x_ptr, q_ptr, s_ptr, s_ptr, M, K, stride_xm, stride_xk, stride_qm,
+        rows_per_program, QMAX_C, IS_INT, BLOCK_M, CHUNK, CHUNKS, ACT, False,
+    )  # fmt: skip
 
 
 @triton.jit
@@ -496,20 +548,36 @@ def _quantize_rowwise(x: torch.Tensor, qdtype: torch.dtype, activation: str | No
     scale = torch.zeros((m,), dtype=torch.float32, device=x.device)
     if m == 0 or k == 0:
         return q, scale
-    block = min(triton.next_power_of_2(k), _MAX_SINGLE_PASS)
-    (wrap or launch_directly)(_rowwise_kernel)[(m,)](
+    launch_with = wrap or launch_directly
+    if k > _MAX_SINGLE_PASS:
+        launch_with(_rowwise_long_kernel)[(m,)](
+            x,
+            q,
+            scale,
+            k,
+            x.stride(0),
+            x.stride(1),
+            q.stride(0),
+            BLOCK_K=_MAX_SINGLE_PASS,
+            ACT=ACT_CODES[activation],
+            num_warps=16,
+            **_qargs(qdtype),
+        )
+        return q, scale
+    launch = _row_tiles_launch(m, k, _sm_count(x.device))
+    grid = launch.pop("grid")
+    launch_with(_rowwise_kernel)[grid](
         x,
         q,
         scale,
+        m,
         k,
         x.stride(0),
         x.stride(1),
         q.stride(0),
-        BLOCK_K=block,
-        SINGLE_PASS=k <= _MAX_SINGLE_PASS,
         ACT=ACT_CODES[activation],
-        num_warps=max(1, min(16, block // 256)),
-        **_qargs(qdtype),
+        **launch,
+        **_scale_args(qdtype),
     )
     return q, scale
 
@@ -538,8 +606,9 @@ def _colsum_rows(m: int) -> int:
     return min(_COLSUM_MAX_ROWS, triton.next_power_of_2(triton.cdiv(m, _COLSUM_PROGRAMS)))
 
 
-def _colsum_launch(m: int, k: int, sms: int) -> dict:
-    """Tile, rows per program, grid and warps of _rowwise_colsum_kernel for an (m, k) input on `sms` SMs.
+def _row_tiles_launch(m: int, k: int, sms: int) -> dict:
+    """Tile, rows per program, grid and warps of _quantize_row_tiles (the one-pass row-wise quantizes, with or
+    without column sums) for an (m, k) input on `sms` SMs.
 
     - CHUNK: the smallest power of two (at least 16) that covers a row in at most _CS_MAX_CHUNKS pieces:
       exact for the usual widths (kernel comment), and as many independent loads per thread.
@@ -599,7 +668,7 @@ def quantize_rowwise_colsum(
         return q, scale, x.sum(dim=0, dtype=torch.float32)
     q = torch.empty((m, k), dtype=qdtype, device=x.device)
     scale = torch.empty((m,), dtype=torch.float32, device=x.device)
-    launch = _colsum_launch(m, k, _sm_count(x.device))
+    launch = _row_tiles_launch(m, k, _sm_count(x.device))
     grid = launch.pop("grid")
     part = torch.empty((grid[0], k), dtype=torch.float32, device=x.device)
     (wrap or launch_directly)(_rowwise_colsum_kernel)[grid](
