@@ -3,8 +3,13 @@
 Each public function has the signature and the exact numerics of its twin in `kernels/reference.py`:
 scale = absmax / QMAX and q = x / scale are IEEE-rounded divisions (`tl.div_rn`; Triton's plain `/` on fp32
 is approximate), int8 rounding is round-half-to-even, values are clamped to [-QMAX, QMAX] before the cast
-(float8_e4m3fn has no inf), and an all-zero row, column or tensor gets scale 0 and q 0. The tests check
+(float8_e4m3fn has no inf), an all-zero row, column or tensor gets scale 0 and q 0, and a NaN gives its row,
+column or tensor a NaN scale (as torch's amax does; Triton's own max reductions would drop it). The tests check
 the results bitwise against the reference run on the CPU.
+
+Row-wise quantizes of rows up to _MAX_SINGLE_PASS values (the output gradient's with its column sum, the plain
+one, the fused MLP's activation + quantize) share one kernel body, _quantize_row_tiles: whole rows in
+registers, read once, the next tile's loads in flight while the current one is quantized.
 
 Shapes: any (M, K) with any strides (the kernels take strides; the hot path gets contiguous rows), any dtype
 that converts to float32. Empty tensors never reach a kernel. This module imports triton; only
