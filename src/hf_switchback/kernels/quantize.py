@@ -43,7 +43,7 @@ ACT_CODES = {None: 0, "gelu": 1, "gelu_tanh": 2, "quick_gelu": 3}
 # float32 partial sums (cdiv(M, ROWS) x K) that writing and reducing them costs far less than re-reading x.
 _COLSUM_PROGRAMS = 1024
 _COLSUM_MAX_ROWS = 64
-# Launch of the quantize + column-sum kernel (_row_tiles_launch says why): the most pieces a row is held in,
+# Launch of the row-tile quantize kernels (_row_tiles_launch says why): the most pieces a row is held in,
 # the most values of a row per thread in one warp and in several, the fewest values of a tile per thread, and
 # warps per SM.
 _CS_MAX_CHUNKS = 5
