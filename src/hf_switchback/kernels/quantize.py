@@ -421,7 +421,7 @@ def _act_backward_tiles_kernel(
 ):
     # Phase 1 of the tiled activation backward: a (BLOCK_M, BLOCK_K) tile per program, no row needs to fit in
     # one program (full occupancy, every load independent). Writes gh = g * act'(h) (and act(h)), folds the
-    # tile's row absmax into absmax[row] (atomic max of non-negative floats: order-free, exact) and writes
+    # tile's row absmax into absmax[row] (atomic max of float32 bits: order-free, exact, NaN kept) and writes
     # the tile's column sum to part[pid_m, :]. Phase 2 (_quantize_2d_kernel, per-row scales) quantizes gh.
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
