@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from helpers import HAS_TRITON, REPO
 
 from hf_switchback.kernels import reference as ref
-from hf_switchback.kernels.norm_quant_reference import layernorm_quantize_rowwise
+from hf_switchback.kernels.reference import layernorm_quantize_rowwise
 
 EPS = 1e-5
 # Float32 statistics and affine: a few float32 ulps of the normalized values (|y| of order one).
@@ -60,7 +60,7 @@ def test_twin_matches_float64_layernorm_then_quantize(dtype, qdtype, affine):
     x = (torch.randn(33, 70, generator=gen) * 3 + 1).to(dtype)
     weight = torch.randn(70, generator=gen) if affine else None
     bias = torch.randn(70, generator=gen) if affine else None
-    q, scale, y, mean, rstd = layernorm_quantize_rowwise(x, weight, bias, EPS, qdtype)
+    q, scale, y, mean, rstd = layernorm_quantize_rowwise(x, weight, bias, EPS, qdtype, dtype)
     xd = x.double()
     torch.testing.assert_close(mean.double(), xd.mean(1), rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(rstd.double(), (xd.var(1, unbiased=False) + EPS).rsqrt(), rtol=1e-5, atol=0)
@@ -68,14 +68,17 @@ def test_twin_matches_float64_layernorm_then_quantize(dtype, qdtype, affine):
     check_close_to(layernorm64(x, weight, bias), y, q, scale, qdtype)
 
 
-def test_twin_zero_output_rows_and_options():
+def test_twin_zero_output_rows_and_output_dtype():
     x = torch.randn(4, 16)
-    q, scale, y, _, _ = layernorm_quantize_rowwise(x, torch.zeros(16), None, EPS)
+    q, scale, y, _, _ = layernorm_quantize_rowwise(x, torch.zeros(16), None, EPS, torch.int8, x.dtype)
     assert torch.equal(q, torch.zeros_like(q)) and torch.equal(scale, torch.zeros(4)) and not y.isnan().any()
-    q2, s2, y2, _, _ = layernorm_quantize_rowwise(x, None, None, EPS, want_normalized=False)
-    assert y2 is None and q2.shape == (4, 16) and s2.shape == (4,)
+    # y rounded once to the requested dtype (the autocast dtype the next linear casts to), q from that rounding
+    q2, s2, y2, _, _ = layernorm_quantize_rowwise(x, None, None, EPS, torch.int8, torch.bfloat16)
+    y32 = layernorm_quantize_rowwise(x, None, None, EPS, torch.int8, torch.float32)[2]
+    assert y2.dtype == torch.bfloat16 and torch.equal(y2, y32.bfloat16())
+    assert all(torch.equal(a, b) for a, b in zip((q2, s2), ref.quantize_rowwise(y2), strict=True))
     with pytest.raises(ValueError, match="2-D"):
-        layernorm_quantize_rowwise(torch.randn(2, 3, 4), None, None, EPS)
+        layernorm_quantize_rowwise(torch.randn(2, 3, 4), None, None, EPS, torch.int8, torch.float32)
 
 
 # The kernel under TRITON_INTERPRET=1 (read at triton's import, so in a process of its own); int8 only: the
@@ -83,21 +86,24 @@ def test_twin_zero_output_rows_and_options():
 _INTERPRETED = textwrap.dedent(
     """
     import torch
-    from hf_switchback.kernels import norm_quant, norm_quant_reference as twin
+    from hf_switchback.kernels import norm_quant, reference as twin
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(37, 70, generator=gen) * 3 + 1
     x[5] = 0
     w, b = torch.randn(70, generator=gen), torch.randn(70, generator=gen)
     for inp in (x, x.bfloat16(), x.t().contiguous().t()):
         for args in ((w, b), (None, None), (torch.zeros(70), None)):
-            got = norm_quant.layernorm_quantize_rowwise(inp, *args, 1e-5)
-            ref = twin.layernorm_quantize_rowwise(inp, *args, 1e-5)
+            got = norm_quant.layernorm_quantize_rowwise(inp, *args, 1e-5, torch.int8, inp.dtype)
+            ref = twin.layernorm_quantize_rowwise(inp, *args, 1e-5, torch.int8, inp.dtype)
             assert (got[0].int() - ref[0].int()).abs().max() <= 1
             assert ((got[2].float() - ref[2].float()).abs() <= ref[2].float().abs() * torch.finfo(inp.dtype).eps + 1e-5).all()
             torch.testing.assert_close(got[1], ref[1], rtol=2 * torch.finfo(inp.dtype).eps, atol=0)
             torch.testing.assert_close(got[3], ref[3], rtol=1e-6, atol=1e-6)
             torch.testing.assert_close(got[4], ref[4], rtol=1e-6, atol=0)
-    assert norm_quant.layernorm_quantize_rowwise(x, w, b, 1e-5, want_normalized=False)[2] is None
+    y16 = norm_quant.layernorm_quantize_rowwise(x, w, b, 1e-5, torch.int8, torch.bfloat16)[2]
+    y32 = twin.layernorm_quantize_rowwise(x, w, b, 1e-5, torch.int8, torch.float32)[2]
+    # within one bfloat16 step (2**-7 relative): the interpreter's float32 -> bfloat16 cast may truncate
+    assert y16.dtype == torch.bfloat16 and ((y16.float() - y32).abs() <= y32.abs() * 2.0**-7 + 1e-5).all()
     print("interpreter ok")
     """
 )
@@ -126,8 +132,8 @@ def test_kernel_matches_twin_on_gpu(dtype, qdtype, k):
     x[7] = 0
     weight = torch.randn(k, device="cuda", generator=gen)
     bias = torch.randn(k, device="cuda", generator=gen).to(dtype)
-    q, scale, y, mean, rstd = norm_quant.layernorm_quantize_rowwise(x, weight, bias, EPS, qdtype)
-    q_t, s_t, y_t, mean_t, rstd_t = layernorm_quantize_rowwise(x, weight, bias, EPS, qdtype)
+    q, scale, y, mean, rstd = norm_quant.layernorm_quantize_rowwise(x, weight, bias, EPS, qdtype, dtype)
+    q_t, s_t, y_t, mean_t, rstd_t = layernorm_quantize_rowwise(x, weight, bias, EPS, qdtype, dtype)
     torch.testing.assert_close(mean, mean_t, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(rstd, rstd_t, rtol=1e-5, atol=0)
     torch.testing.assert_close(scale, s_t, rtol=max(2 * torch.finfo(dtype).eps, 1e-5), atol=0)

@@ -191,6 +191,14 @@ class SwitchBackConfig:
     # and v (grad-input within the separate layers' own 8-bit error, not bit-identical), and runs one 16-bit
     # grad-weight GEMM for all three. Off by default until measured faster end to end.
     fuse_qkv: bool = False
+    # Quantize in the producer: in a transformers CLIP / SigLIP encoder layer, the LayerNorm before q/k/v (when
+    # they run as one op: fuse_qkv) and the one before fc1 (fc1 converted with this config, the MLP fused or
+    # not) also write that op's row-wise 8-bit input in the same kernel (blocks/encoder_layer.py), so no
+    # separate quantize pass reads their output. Numerics: the unfused LayerNorm -> quantize pipeline's, y
+    # computed in float32 and rounded once to the linear's input dtype (kernels/reference.py states it; the
+    # Triton kernel sums in another order, within one rounding of y). Off by default until measured faster end
+    # to end.
+    fuse_norm: bool = False
     # How the GPU kernels run (kernels/options.py): implementation choices with the same numerics, so a
     # run-time choice rather than part of the model. Not written to config.json (to_dict leaves it out) and not
     # compared (two configs that differ only here are the same quantization). Each layer carries its own, so
@@ -220,6 +228,8 @@ class SwitchBackConfig:
             )
         if not isinstance(self.fuse_qkv, bool):
             raise TypeError(f"SwitchBackConfig.fuse_qkv must be a bool, got {type(self.fuse_qkv).__name__}")
+        if not isinstance(self.fuse_norm, bool):
+            raise TypeError(f"SwitchBackConfig.fuse_norm must be a bool, got {type(self.fuse_norm).__name__}")
         if not isinstance(self.kernel_options, KernelOptions):
             raise TypeError(
                 "SwitchBackConfig.kernel_options must be a hf_switchback.KernelOptions, got "

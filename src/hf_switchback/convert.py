@@ -15,6 +15,7 @@ from torch import nn
 
 from .adapters.fsdp2 import retarget_fsdp_modules
 from .blocks.attention import sync_fused_attention
+from .blocks.encoder_layer import sync_fused_layers
 from .blocks.multihead_attention import (
     find_multihead_attention,
     restore_multihead_attention,
@@ -144,12 +145,15 @@ def apply_switchback(
 
     fused = sync_fused_mlps(model)
     fused_qkv = sync_fused_attention(model)
+    fused_norms = sync_fused_layers(model)
     logger.info(
-        "hf_switchback: %d linear layers use SwitchBack %s (%d MLP blocks fused, %d q/k/v fused)",
+        "hf_switchback: %d linear layers use SwitchBack %s (%d MLP blocks fused, %d q/k/v fused, %d encoder "
+        "layers quantizing in their LayerNorms)",
         len(targets),
         config.variant,
         fused,
         fused_qkv,
+        fused_norms,
     )
     # What runs 8-bit on this device and why the rest does not: "switchback=int8" alone would overclaim.
     logger.info(precision_summary(model))
@@ -166,6 +170,7 @@ def remove_switchback(model: nn.Module) -> nn.Module:
     restore_multihead_attention(model)
     sync_fused_mlps(model)  # no block qualifies any more: every fused block gets its original class back
     sync_fused_attention(model)
+    sync_fused_layers(model)
     return model
 
 

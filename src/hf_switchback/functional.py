@@ -110,15 +110,16 @@ class _SwitchBackLinearFn(torch.autograd.Function):
     `spec`: the constant arguments, one tuple (weight_scaling, memory_efficient, forward qdtype, gradient
     qdtype, backend, KernelOptions, wgrad = config.wgrad_precision, the format of the grad-weight GEMM in
     kernels/wgrad.py). One argument, not seven: torch.compile checks each argument of `apply` for tensors.
-    `shared`: None, or a slot of _shared_input_slot holding (or to hold) x's 8-bit form."""
+    `shared`: None, or a slot of _shared_input_slot holding (or to hold) x's 8-bit form.
+    x_q, x_scale: x's 8-bit form when its producer wrote it (the LayerNorm before q/k/v or fc1), else None."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, spec, shared=None):
+    def forward(ctx, x, weight, bias, spec, shared=None, x_q=None, x_scale=None):
         weight_scaling, memory_efficient, fwd_qdtype, _, backend, options, _ = spec
         kernels = get_kernels(backend, x.device, options)
-        if shared:
+        if x_q is None and shared:
             x_q, x_scale = shared
-        else:
+        elif x_q is None:
             x_q, x_scale = kernels.quantize_rowwise(x, fwd_qdtype, options=options)
             if shared is not None:
                 shared[:] = [x_q, x_scale]
@@ -170,7 +171,7 @@ class _SwitchBackLinearFn(torch.autograd.Function):
                 g_colsum = grad_out.sum(dim=0, dtype=torch.float32)
             grad_b = g_colsum.to(bias_dtype)
 
-        return grad_x, grad_w, grad_b, None, None
+        return grad_x, grad_w, grad_b, None, None, None, None
 
 
 class _SwitchBackMLPFn(torch.autograd.Function):
@@ -184,14 +185,16 @@ class _SwitchBackMLPFn(torch.autograd.Function):
     8-bit GEMM, the same operands as forward, so h is bit-identical (no numerics cost beyond dW1 from the 8-bit
     x): one more (M, d) x (d, 4d) 8-bit GEMM per block in exchange for the block's largest saved tensor.
     Backward: act' runs inside the quantize + column sum of fc1's output gradient.
-    `spec`: the constant arguments as one tuple, as in _SwitchBackLinearFn, the activation first.
+    `spec`: the constant arguments as one tuple, as in _SwitchBackLinearFn, the activation first; x_q, x_scale
+    as there.
     """
 
     @staticmethod
-    def forward(ctx, x, w1, b1, w2, b2, spec):
+    def forward(ctx, x, w1, b1, w2, b2, spec, x_q=None, x_scale=None):
         activation, weight_scaling, memory_efficient, fq, _, backend, options, _ = spec
         kernels = get_kernels(backend, x.device, options)
-        x_q, x_scale = kernels.quantize_rowwise(x, fq, options=options)
+        if x_q is None:
+            x_q, x_scale = kernels.quantize_rowwise(x, fq, options=options)
         w1_q, w1_scale = quantize_weight(kernels, w1, weight_scaling, fq, options)
         h = kernels.scaled_matmul(x_q, w1_q, x_scale, w1_scale, b1, x.dtype, options=options)
         del w1_q
@@ -258,7 +261,20 @@ class _SwitchBackMLPFn(torch.autograd.Function):
             grad_w1 = weight_grad(grad_h, x, w1.dtype, wgrad, kernels, options)
         if need_b1:
             grad_b1 = gh_colsum.to(b1_dtype)
-        return grad_x, grad_w1, grad_b1, grad_w2, grad_b2, None
+        return grad_x, grad_w1, grad_b1, grad_w2, grad_b2, None, None, None
+
+
+def check_quantized_input(name: str, quantized_input, x2d: torch.Tensor, qdtype: torch.dtype) -> tuple:
+    """(x_q, x_scale) from an op's `quantized_input` argument, checked against x as the op quantizes it."""
+    if quantized_input is None:
+        return None, None
+    x_q, x_scale = quantized_input
+    if x_q.shape != x2d.shape or x_q.dtype != qdtype or x_scale.shape != (x2d.shape[0],):
+        raise ValueError(
+            f"{name}: quantized_input must be x's row-wise 8-bit form, q {tuple(x2d.shape)} {qdtype} and scale "
+            f"({x2d.shape[0]},) float32, got q {tuple(x_q.shape)} {x_q.dtype} and scale {tuple(x_scale.shape)}"
+        )
+    return x_q.contiguous(), x_scale
 
 
 def check_input(x: torch.Tensor, weight: torch.Tensor) -> None:
@@ -316,8 +332,14 @@ def _flatten_input(
     if torch.is_autocast_enabled(device_type):
         x = x.to(torch.get_autocast_dtype(device_type))
     x2d = x.reshape(-1, x.shape[-1])
-    tokens = x2d.shape[0]
-    return config, x2d, x.shape[:-1], tokens == 0 or tokens < token_floor(config, x.device, *shapes)
+    return config, x2d, x.shape[:-1], not runs_8bit(config, x, *shapes)
+
+
+def runs_8bit(config: SwitchBackConfig, x: torch.Tensor, *shapes: tuple[int, int]) -> bool:
+    """Whether a SwitchBack op over x (*, K) with the linears of (K, N) `shapes` runs its 8-bit path: at least
+    one row, and no fewer rows than the token floor (else the exact 16-bit matmul runs)."""
+    tokens = x.shape[:-1].numel()
+    return tokens > 0 and tokens >= token_floor(config, x.device, *shapes)
 
 
 def switchback_linear(
@@ -325,11 +347,16 @@ def switchback_linear(
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
     config: SwitchBackConfig | None = None,
+    *,
+    quantized_input: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """SwitchBack version of F.linear.
 
     x (*, K) float32/bfloat16/float16; weight (N, K); bias (N,) or None -> (*, N) in x's dtype, or in the
     autocast dtype when called under torch.autocast (as F.linear would).
+    quantized_input: x's row-wise 8-bit form (q (tokens, K) in the config's forward format, scale (tokens,)
+    float32) when its producer already wrote it (blocks/encoder_layer.py: the LayerNorm before the linear); the
+    op then runs no quantize of its own. Ignored where the 16-bit path runs (below the token floor).
     """
     shape = (weight.shape[1], weight.shape[0])
     config, x2d, leading, exact = _flatten_input("switchback_linear", x, weight, config, (shape,))
@@ -342,7 +369,10 @@ def switchback_linear(
         return out.reshape(*leading, weight.shape[0])
 
     fwd_qdtype, grad_qdtype = quantized_dtypes(config, x2d.device)
-    shared = _shared_input_slot(x, (fwd_qdtype, config.backend, x2d.dtype, x2d.shape))
+    x_q, x_scale = check_quantized_input("switchback_linear", quantized_input, x2d, fwd_qdtype)
+    shared = (
+        None if x_q is not None else _shared_input_slot(x, (fwd_qdtype, config.backend, x2d.dtype, x2d.shape))
+    )
     with _autocast_off(device_type):
         spec = (
             config.weight_scaling,
@@ -353,7 +383,7 @@ def switchback_linear(
             config.kernel_options,
             config.wgrad_precision,
         )
-        out = _SwitchBackLinearFn.apply(x2d.contiguous(), weight, bias, spec, shared)
+        out = _SwitchBackLinearFn.apply(x2d.contiguous(), weight, bias, spec, shared, x_q, x_scale)
     return out.reshape(*leading, weight.shape[0])
 
 
@@ -365,13 +395,16 @@ def switchback_mlp(
     fc2_bias: torch.Tensor | None,
     activation: str,
     config: SwitchBackConfig | None = None,
+    *,
+    quantized_input: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """SwitchBack version of F.linear(act(F.linear(x, fc1_weight, fc1_bias)), fc2_weight, fc2_bias).
 
     x (*, d) float; fc1_weight (h, d), fc2_weight (d', h); activation one of kernels.reference.ACTIVATIONS
     ("gelu", "gelu_tanh", "quick_gelu") -> (*, d') in x's dtype (or the autocast dtype). Same numerics as two
     switchback_linear calls around the activation, with fewer passes over the (*, h) tensors and only x and
-    fc1's output saved for backward (x in 8-bit when config.memory_efficient).
+    fc1's output saved for backward (x in 8-bit when config.memory_efficient). quantized_input: as in
+    switchback_linear.
     """
     if activation not in ACTIVATIONS:
         raise ValueError(f"switchback_mlp: activation must be one of {ACTIVATIONS}, got {activation!r}")
@@ -391,6 +424,7 @@ def switchback_mlp(
         return out.reshape(*leading, n_out)
 
     fwd_qdtype, grad_qdtype = quantized_dtypes(config, x2d.device)
+    x_q, x_scale = check_quantized_input("switchback_mlp", quantized_input, x2d, fwd_qdtype)
     with _autocast_off(device_type):
         spec = (
             activation,
@@ -402,17 +436,21 @@ def switchback_mlp(
             config.kernel_options,
             config.wgrad_precision,
         )
-        out = _SwitchBackMLPFn.apply(x2d.contiguous(), fc1_weight, fc1_bias, fc2_weight, fc2_bias, spec)
+        out = _SwitchBackMLPFn.apply(
+            x2d.contiguous(), fc1_weight, fc1_bias, fc2_weight, fc2_bias, spec, x_q, x_scale
+        )
     return out.reshape(*leading, n_out)
 
 
 __all__ = [
     "AUTO_MIN_TOKENS_CUDA",
     "check_input",
+    "check_quantized_input",
     "grad_precision",
     "has_fp8_tensor_cores",
     "quantize_weight",
     "quantized_dtypes",
+    "runs_8bit",
     "switchback_linear",
     "switchback_mlp",
     "token_floor",

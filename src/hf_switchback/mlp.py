@@ -9,6 +9,10 @@ state_dict keys, FSDP2's parameter records and PEFT-style target names are untou
 remove_switchback restores the original class. The forward re-checks at every call that the block still
 qualifies (both layers SwitchBackLinear with one config, the activation it was fused with, no inference
 cache) and otherwise runs the stock CLIPMLP forward, so a later change never silently computes something else.
+
+With `config.fuse_norm` (and fuse_mlp off) the block's class is swapped too, and its forward runs fc1's
+SwitchBack op, the activation and fc2 as the stock forward does: so that it can take its input's 8-bit form as
+`quantized_input` when the LayerNorm before it wrote that form (blocks/encoder_layer.py).
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ import importlib
 import torch
 from torch import nn
 
-from .functional import switchback_mlp
+from .functional import switchback_linear, switchback_mlp
 from .modules import SwitchBackLinear
 from .weight_cache import has_weight_cache
 
@@ -80,37 +84,79 @@ def _qualifies(module: nn.Module) -> str | None:
     if not (isinstance(fc1, SwitchBackLinear) and isinstance(fc2, SwitchBackLinear)):
         return None
     cfg = fc1.switchback_config
+    if cfg.fuse_norm and not cfg.fuses_mlp:
+        return "any"  # fc1's op, then the stock activation_fn and fc2: any activation
     # Config equality leaves kernel_options out (same numerics): a fused block runs with fc1's.
     if not cfg.fuses_mlp or fc2.switchback_config != cfg:
         return None
     return activation_kind(module.activation_fn)
 
 
-def _fused_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-    fc1, fc2 = self.fc1, self.fc2
-    kind, act_type = getattr(self, _ACTIVATION_ATTR)
+def _fused_config(module: nn.Module):
+    """The SwitchBackConfig with which `module` (a block of our class) runs its own forward right now, else None
+    (then the stock forward runs)."""
+    fc1, fc2 = module.fc1, module.fc2
+    kind, act_type = getattr(module, _ACTIVATION_ATTR)
     cfg = fc1.switchback_config if isinstance(fc1, SwitchBackLinear) else None
+    # Inference mode (prepare_for_inference) serves no-grad forwards from the layers' weight caches.
+    if cfg is None or has_weight_cache(fc1):
+        return None
+    if kind == "any":
+        # fc1's op replaces fc1's forward: only where that forward is exactly it, with no hooks to skip
+        plain = type(fc1) is SwitchBackLinear and not (fc1._forward_hooks or fc1._forward_pre_hooks)
+        return cfg if cfg.fuse_norm and not cfg.fuses_mlp and plain else None
     if (
-        cfg is None
-        or not isinstance(fc2, SwitchBackLinear)
+        not isinstance(fc2, SwitchBackLinear)
         or not cfg.fuses_mlp
         or not (fc2.switchback_config is cfg or fc2.switchback_config == cfg)
-        or type(self.activation_fn) is not act_type
-        # Inference mode (prepare_for_inference) serves no-grad forwards from the layers' weight caches.
-        or has_weight_cache(fc1)
+        or type(module.activation_fn) is not act_type
         or has_weight_cache(fc2)
     ):
+        return None
+    return cfg
+
+
+def quantized_input_config(module: nn.Module):
+    """The SwitchBackConfig with which `module`'s forward takes its input's 8-bit form (`quantized_input`) right
+    now, else None."""
+    if type(module) is not _FUSED_CLASSES.get(_unfused_class(module)):
+        return None
+    cfg = _fused_config(module)
+    return cfg if cfg is not None and cfg.fuse_norm else None
+
+
+def _fused_forward(
+    self, hidden_states: torch.Tensor, *, quantized_input: tuple[torch.Tensor, torch.Tensor] | None = None
+) -> torch.Tensor:
+    cfg = _fused_config(self)
+    if cfg is None:
+        # (a quantized_input is only ever the LayerNorm output's 8-bit form: dropping it changes nothing)
         return self._switchback_unfused_class.forward(self, hidden_states)
-    return switchback_mlp(hidden_states, fc1.weight, fc1.bias, fc2.weight, fc2.bias, kind, cfg)
+    if not cfg.fuse_norm:
+        quantized_input = None
+    fc1, fc2 = self.fc1, self.fc2
+    kind = getattr(self, _ACTIVATION_ATTR)[0]
+    if kind == "any":
+        h = switchback_linear(hidden_states, fc1.weight, fc1.bias, cfg, quantized_input=quantized_input)
+        return fc2(self.activation_fn(h))
+    return switchback_mlp(
+        hidden_states, fc1.weight, fc1.bias, fc2.weight, fc2.bias, kind, cfg, quantized_input=quantized_input
+    )
+
+
+# unfused class -> its generated subclass, as _fused_class made them (read per call: see blocks/attention.py)
+_FUSED_CLASSES: dict[type, type] = {}
 
 
 @functools.cache
 def _fused_class(base: type) -> type:
-    return type(
+    fused = type(
         f"SwitchBack{base.__name__}",
         (base,),
         {"forward": _fused_forward, "_switchback_unfused_class": base, "__module__": __name__},
     )
+    _FUSED_CLASSES[base] = fused
+    return fused
 
 
 def is_fused_mlp(module: nn.Module) -> bool:
@@ -136,4 +182,4 @@ def sync_fused_mlps(model: nn.Module) -> int:
     return fused
 
 
-__all__ = ["activation_kind", "is_fused_mlp", "sync_fused_mlps"]
+__all__ = ["activation_kind", "is_fused_mlp", "quantized_input_config", "sync_fused_mlps"]

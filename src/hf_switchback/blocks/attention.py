@@ -3,7 +3,10 @@
 When apply_switchback converts q_proj, k_proj and v_proj of a `CLIPAttention` (or `SiglipAttention` /
 `Siglip2Attention`) with one config whose `fuse_qkv` is on, the block's class is swapped for a generated
 subclass whose forward computes q, k, v with `blocks.qkv.switchback_qkv` (input quantized once, one N = 3d
-GEMM) and then runs the stock attention and out_proj. Nothing else changes: the module is still an instance of
+GEMM) and then runs the stock attention and out_proj. With `fuse_norm` too, that forward takes the input's
+8-bit form as `quantized_input` when the LayerNorm before it wrote that form (blocks/encoder_layer.py). Not
+without fuse_qkv: the three separate layers would each return a gradient in the LayerNorm output's 16-bit dtype,
+summed there in 16 bits, where the stock path sums them in float32 under autocast. Nothing else changes: the module is still an instance of
 its class, q_proj / k_proj / v_proj stay the same SwitchBackLinear modules holding the same Parameters, so
 state_dict keys, FSDP2's parameter records and PEFT target names are untouched, and remove_switchback restores
 the original class. The forward re-checks at every call that the block still qualifies (the three layers plain
@@ -79,16 +82,37 @@ def _fusable(module: nn.Module):
     return cfg
 
 
-def _fused_forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None, **kwargs):
+def quantized_input_config(module: nn.Module):
+    """The SwitchBackConfig with which `module`'s forward takes its input's 8-bit form (`quantized_input`) right
+    now, else None."""
+    cfg = _fusable(module) if type(module) is _FUSED_CLASSES.get(_base_class(module)) else None
+    return cfg if cfg is not None and cfg.fuse_norm else None
+
+
+def _fused_forward(
+    self,
+    hidden_states: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    *,
+    quantized_input: tuple[torch.Tensor, torch.Tensor] | None = None,
+    **kwargs,
+):
     cls = type(self)
     cfg = _fusable(self)
     if cfg is None:
+        # (a quantized_input is only ever the LayerNorm output's 8-bit form: dropping it changes nothing)
         return getattr(cls, _BASE_ATTR).forward(self, hidden_states, attention_mask, **kwargs)
+    if not cfg.fuse_norm:
+        quantized_input = None
     attention_functions, eager_attention, passes_kwargs = cls._switchback_attention_impl
 
     layers = [getattr(self, name) for name in _PROJECTIONS]
     queries, keys, values = switchback_qkv(
-        hidden_states, tuple(m.weight for m in layers), tuple(m.bias for m in layers), cfg
+        hidden_states,
+        tuple(m.weight for m in layers),
+        tuple(m.bias for m in layers),
+        cfg,
+        quantized_input=quantized_input,
     )
     input_shape = hidden_states.shape[:-1]
     hidden_shape = (*input_shape, -1, self.head_dim)
@@ -113,6 +137,11 @@ def _fused_forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tens
     return self.out_proj(attn_output), attn_weights
 
 
+# base class -> its generated subclass, as _fused_class made them: read per call by quantized_input_config,
+# where a functools.cache call would be one more frame for torch.compile to trace
+_FUSED_CLASSES: dict[type, type] = {}
+
+
 @functools.cache
 def _fused_class(base: type) -> type:
     stock = _stock_class(base)
@@ -123,7 +152,7 @@ def _fused_class(base: type) -> type:
         stock_module.eager_attention_forward,
         _attention_classes()[stock],
     )
-    return type(
+    fused = type(
         f"SwitchBackQKV{base.__name__}",
         (base,),
         {
@@ -133,6 +162,8 @@ def _fused_class(base: type) -> type:
             "__module__": __name__,
         },
     )
+    _FUSED_CLASSES[base] = fused
+    return fused
 
 
 def is_fused_attention(module: nn.Module) -> bool:
@@ -158,4 +189,4 @@ def sync_fused_attention(model: nn.Module) -> int:
     return fused
 
 
-__all__ = ["is_fused_attention", "sync_fused_attention"]
+__all__ = ["is_fused_attention", "quantized_input_config", "sync_fused_attention"]

@@ -19,7 +19,14 @@ from __future__ import annotations
 import torch
 
 from ..config import SwitchBackConfig
-from ..functional import _autocast_off, _flatten_input, quantize_weight, quantized_dtypes, switchback_linear
+from ..functional import (
+    _autocast_off,
+    _flatten_input,
+    check_quantized_input,
+    quantize_weight,
+    quantized_dtypes,
+    switchback_linear,
+)
 from ..kernels.backends import get_kernels
 from ..kernels.wgrad import RowQuantized, weight_grad
 
@@ -30,15 +37,33 @@ def _stacked_weight_scale(scale: torch.Tensor, rows: int) -> torch.Tensor:
 
 
 class _SwitchBackQKVFn(torch.autograd.Function):
-    """2-D core. x (M, K); wq, wk, wv (n_i, K); biases (n_i,) all or none -> (M, n_q + n_k + n_v) in x's dtype."""
+    """2-D core. x (M, K); wq, wk, wv (n_i, K); biases (n_i,) all or none -> (M, n_q + n_k + n_v) in x's dtype.
+    x_q, x_scale: x's 8-bit form when its producer wrote it (the LayerNorm before q/k/v), else None."""
 
     @staticmethod
     def forward(
-        ctx, x, wq, wk, wv, bq, bk, bv, weight_scaling, memory_efficient, fq, gq, backend, options, wgrad
+        ctx,
+        x,
+        wq,
+        wk,
+        wv,
+        bq,
+        bk,
+        bv,
+        weight_scaling,
+        memory_efficient,
+        fq,
+        gq,
+        backend,
+        options,
+        wgrad,
+        x_q=None,
+        x_scale=None,
     ):
         kernels = get_kernels(backend, x.device, options)
         weights = (wq, wk, wv)
-        x_q, x_scale = kernels.quantize_rowwise(x, fq, options=options)
+        if x_q is None:
+            x_q, x_scale = kernels.quantize_rowwise(x, fq, options=options)
         quantized = [quantize_weight(kernels, w, weight_scaling, fq, options) for w in weights]
         w_q = torch.cat([q for q, _ in quantized])
         w_scale = torch.cat(
@@ -107,7 +132,7 @@ class _SwitchBackQKVFn(torch.autograd.Function):
                 part.to(dtype) if need else None
                 for part, dtype, need in zip(colsum.split(rows), ctx.bias_dtypes, need_b, strict=True)
             ]
-        return (grad_x, *grad_w, *grad_b) + (None,) * 7
+        return (grad_x, *grad_w, *grad_b) + (None,) * 9
 
 
 def switchback_qkv(
@@ -115,11 +140,14 @@ def switchback_qkv(
     weights: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
     biases: tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None],
     config: SwitchBackConfig | None = None,
+    *,
+    quantized_input: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Three SwitchBack projections of one input: (switchback_linear(x, w_i, b_i, config) for i in q, k, v).
 
     x (*, K) float; weights three (n_i, K); biases three (n_i,) or three None -> three (*, n_i) in x's dtype
     (or the autocast dtype). Below the config's token floor the three exact 16-bit matmuls run instead.
+    quantized_input: as in switchback_linear.
     """
     if len(weights) != 3 or len(biases) != 3:
         raise ValueError(
@@ -136,6 +164,7 @@ def switchback_qkv(
     if exact:
         return tuple(switchback_linear(x, w, b, config) for w, b in zip(weights, biases, strict=True))
     fq, gq = quantized_dtypes(config, x2d.device)
+    x_q, x_scale = check_quantized_input("switchback_qkv", quantized_input, x2d, fq)
     with _autocast_off(x2d.device.type):
         out = _SwitchBackQKVFn.apply(
             x2d.contiguous(),
@@ -148,6 +177,8 @@ def switchback_qkv(
             config.backend,
             config.kernel_options,
             config.wgrad_precision,
+            x_q,
+            x_scale,
         )
     return tuple(
         part.reshape(*leading, w.shape[0])

@@ -101,6 +101,12 @@ def _gemm_act_backward(a_q, b_q, a_scale, b_scale, h, qdtype, activation, want_a
     return _act_backward(a_q.shape[0], b_q.shape[0], h.dtype, h, qdtype, want_act)
 
 
+def _normalized_rows(x, weight, bias, eps, qdtype, out_dtype, **_):
+    m = x.shape[0]
+    stats = x.new_empty((m,), dtype=torch.float32)
+    return (*_rows(x, qdtype), x.new_empty(x.shape, dtype=out_dtype), stats, torch.empty_like(stats))
+
+
 @dataclass(frozen=True)
 class KernelOp:
     """One operator: `name` is its torch twin in reference.py, its `torch.ops.hf_switchback` name and the
@@ -175,6 +181,8 @@ _GEMM_OPTIONS = ("use_tma", "fp8_gemm")
 
 # The operators, in the order a SwitchBack layer's forward and backward first call them.
 OPS: tuple[KernelOp, ...] = (
+    # the LayerNorm before q/k/v or fc1 writing that linear's 8-bit input too (blocks/encoder_layer.py)
+    KernelOp("layernorm_quantize_rowwise", _normalized_rows, traceable=True),
     KernelOp("quantize_rowwise", _rows),
     KernelOp("quantize_rowwise_colsum", _rows_colsum, traceable=True),
     KernelOp("quantize_tensorwise", _tensor),

@@ -1,7 +1,7 @@
 """Triton LayerNorm that also writes its output's row-wise 8-bit form: the GEMM input of the next linear
 (q/k/v after LN1, fc1 after LN2) without a separate quantize pass over the 16-bit activations.
 
-Numerics: those of the twin kernels/norm_quant_reference.layernorm_quantize_rowwise (read its docstring); the
+Numerics: those of the twin kernels/reference.layernorm_quantize_rowwise (read its docstring); the
 statistics' float32 summation order differs, so y may differ from the twin by one rounding of x's dtype, and q
 by one step where that moves a value across a rounding boundary. One program per row, the row held in
 registers (K up to _MAX_K). This module imports triton; import it only on the CUDA path.
@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .quantize import _absmax, _qargs, _to_q
+from .quantize import _absmax, _qargs, _to_q, launch_directly
 
 # Widest row one program holds in registers (CLIP / SigLIP widths are at most 1664).
 _MAX_K = 16384
@@ -36,7 +36,6 @@ def _layernorm_quantize_kernel(
     eps,
     HAS_W: tl.constexpr,
     HAS_B: tl.constexpr,
-    WRITE_Y: tl.constexpr,
     Y_DTYPE: tl.constexpr,
     QMAX_C: tl.constexpr,
     IS_INT: tl.constexpr,
@@ -58,8 +57,7 @@ def _layernorm_quantize_kernel(
     # Quantize the y an unfused LayerNorm would have written: rounded once to the output dtype.
     y_out = y.to(Y_DTYPE)
     y = tl.where(mask, y_out.to(tl.float32), 0.0)
-    if WRITE_Y:
-        tl.store(y_ptr + row * K + offs, y_out, mask=mask)
+    tl.store(y_ptr + row * K + offs, y_out, mask=mask)
     scale = tl.div_rn(_absmax(y, 0), QMAX_C)
     safe = tl.where(scale == 0.0, 1.0, scale)
     inv = tl.div_rn(1.0, safe)
@@ -74,20 +72,25 @@ def layernorm_quantize_rowwise(
     weight: torch.Tensor | None,
     bias: torch.Tensor | None,
     eps: float,
-    qdtype: torch.dtype = torch.int8,
+    qdtype: torch.dtype,
+    out_dtype: torch.dtype,
     *,
-    want_normalized: bool = True,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
-    """Same signature and outputs as the twin in kernels/norm_quant_reference.py; x on a CUDA device."""
+    wrap=None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Same arguments and outputs as the twin in kernels/reference.py; x on a CUDA device.
+    wrap: as in matmul.scaled_matmul."""
     if x.dim() != 2:
         raise ValueError(f"layernorm_quantize_rowwise: x must be 2-D (M, K), got shape {tuple(x.shape)}")
-    if x.dtype not in _TL_FLOAT:
-        raise TypeError(f"layernorm_quantize_rowwise: x must be float32, bfloat16 or float16, got {x.dtype}")
+    if x.dtype not in _TL_FLOAT or out_dtype not in _TL_FLOAT:
+        raise TypeError(
+            "layernorm_quantize_rowwise: x and out_dtype must be float32, bfloat16 or float16, got "
+            f"{x.dtype} and {out_dtype}"
+        )
     m, k = x.shape
     if k > _MAX_K:
         raise ValueError(
             f"layernorm_quantize_rowwise: rows of {k} values exceed the kernel's {_MAX_K}; use the twin in "
-            "kernels/norm_quant_reference.py"
+            "kernels/reference.py"
         )
     for name, p in (("weight", weight), ("bias", bias)):
         if p is not None and p.shape != (k,):
@@ -99,15 +102,15 @@ def layernorm_quantize_rowwise(
     scale = torch.zeros((m,), dtype=torch.float32, device=device)
     mean = torch.zeros((m,), dtype=torch.float32, device=device)
     rstd = torch.zeros((m,), dtype=torch.float32, device=device)
-    y = torch.empty((m, k), dtype=x.dtype, device=device) if want_normalized else None
+    y = torch.empty((m, k), dtype=out_dtype, device=device)
     if m == 0 or k == 0:
         return q, scale, y, mean, rstd
     block = triton.next_power_of_2(k)
-    _layernorm_quantize_kernel[(m,)](
+    (wrap or launch_directly)(_layernorm_quantize_kernel)[(m,)](
         x,
         weight.contiguous() if weight is not None else x,  # an unused pointer when absent
         bias.contiguous() if bias is not None else x,
-        y if y is not None else q,
+        y,
         q,
         scale,
         mean,
@@ -118,8 +121,7 @@ def layernorm_quantize_rowwise(
         float(eps),
         HAS_W=weight is not None,
         HAS_B=bias is not None,
-        WRITE_Y=want_normalized,
-        Y_DTYPE=_TL_FLOAT[x.dtype],
+        Y_DTYPE=_TL_FLOAT[out_dtype],
         BLOCK_K=block,
         num_warps=max(1, min(16, block // 256)),
         **_qargs(qdtype),

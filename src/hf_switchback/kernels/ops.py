@@ -23,6 +23,7 @@ import torch
 from . import cublas as _cublas
 from . import library, reference
 from . import matmul as _matmul
+from . import norm_quant as _norm_quant
 from . import quantize as _quantize
 from . import transpose_quantize as _transpose_quantize
 from .library import KernelOp, KernelSet, Route, call_operator
@@ -57,6 +58,7 @@ def _gemm_act_backward(
 
 
 CUDA: dict[str, Callable] = {
+    "layernorm_quantize_rowwise": _norm_quant.layernorm_quantize_rowwise,
     "quantize_rowwise": _quantize.quantize_rowwise,
     "quantize_rowwise_colsum": _quantize_rowwise_colsum,
     "quantize_tensorwise": _quantize.quantize_tensorwise,

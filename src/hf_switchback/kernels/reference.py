@@ -207,6 +207,42 @@ def act_backward_quantize_colsum(
     return (grad_h, act, *quantize_rowwise_colsum(grad_h, qdtype))
 
 
+def layernorm_quantize_rowwise(
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    eps: float,
+    qdtype: torch.dtype,
+    out_dtype: torch.dtype,
+    *,
+    options: KernelOptions | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """LayerNorm over the last axis of x (M, K) float, and its output quantized row-wise for the next GEMM.
+
+    weight, bias: (K,) any float dtype, or None. Returns (q (M, K) qdtype, scale (M,) float32, y (M, K)
+    out_dtype, mean (M,) float32, rstd (M,) float32); mean and rstd are what a LayerNorm backward needs.
+    Statistics in float32 (mean, then the biased variance of x - mean, rstd = 1 / sqrt(var + eps)); y = (x - mean)
+    * rstd * weight + bias in float32, rounded once to out_dtype (the tensor an unfused LayerNorm would hand the
+    next linear: x's dtype, or the autocast dtype the linear casts to); that rounded y is quantized exactly as
+    quantize_rowwise quantizes it. So q equals the unfused LayerNorm -> quantize_rowwise pipeline's whenever the
+    two LayerNorms round y alike. The Triton twin (kernels/norm_quant.py) reads x once for all five outputs.
+    """
+    if x.dim() != 2:
+        raise ValueError(f"layernorm_quantize_rowwise: x must be 2-D (M, K), got shape {tuple(x.shape)}")
+    xf = x.float()
+    mean = xf.mean(dim=1)
+    diff = xf - mean[:, None]
+    rstd = torch.rsqrt((diff * diff).mean(dim=1) + eps)
+    y = diff * rstd[:, None]
+    if weight is not None:
+        y = y * weight.float()
+    if bias is not None:
+        y = y + bias.float()
+    y = y.to(out_dtype)
+    q, scale = quantize_rowwise(y, qdtype)
+    return q, scale, y, mean, rstd
+
+
 def scaled_matmul_recompute(
     a_q: torch.Tensor,
     b_q: torch.Tensor,
@@ -289,6 +325,7 @@ __all__ = [
     "dequantize_rowwise",
     "dequantize_tensorwise",
     "int8_matmul_int32",
+    "layernorm_quantize_rowwise",
     "quantize_over_tokens",
     "quantize_rowwise",
     "quantize_rowwise_colsum",

@@ -1,0 +1,132 @@
+"""Quantize in the producer: transformers CLIP / SigLIP encoder layers whose LayerNorms write the next linear's
+8-bit input (config.fuse_norm).
+
+A stock encoder layer computes x + attn(LN1(x)), then x + mlp(LN2(x)); with SwitchBack, the attention block's
+q/k/v op and the MLP's fc1 op each quantize the LayerNorm's output in a pass of their own. When the attention
+block or the MLP runs as one of our generated classes with a fuse_norm config (blocks/attention.py, mlp.py),
+apply_switchback swaps the layer's class for a generated subclass whose forward is the stock one except that
+the LayerNorm before that block runs as blocks/layernorm.layernorm_quantize and hands the block its output's
+8-bit form as `quantized_input`. Nothing else changes: parameters, state_dict keys, the attention and MLP
+modules and their hooks (they are still called as modules), gradient checkpointing (the layer's __call__);
+remove_switchback restores the class. The forward re-checks at every call what still qualifies (a block
+converted back, a LayerNorm replaced or hooked, parameters of another dtype, a batch below the token floor)
+and runs the stock LayerNorm where not.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+
+import torch
+from torch import nn
+
+from ..functional import runs_8bit
+from ..mlp import quantized_input_config as mlp_quantized_input_config
+from .attention import quantized_input_config as attention_quantized_input_config
+from .layernorm import fusable_norm, layernorm_quantize
+
+_BASE_ATTR = "_switchback_layer_base"
+_PROJECTIONS = ("q_proj", "k_proj", "v_proj")
+
+
+@functools.cache
+def _layer_classes() -> tuple[type, ...]:
+    """The transformers encoder layers whose forward this module reproduces (the same in all of them)."""
+    classes = []
+    for module, name in (
+        ("clip", "CLIPEncoderLayer"),
+        ("siglip", "SiglipEncoderLayer"),
+        ("siglip2", "Siglip2EncoderLayer"),
+    ):
+        try:
+            classes.append(
+                getattr(importlib.import_module(f"transformers.models.{module}.modeling_{module}"), name)
+            )
+        except (ImportError, AttributeError):
+            continue
+    return tuple(classes)
+
+
+def _base_class(module: nn.Module) -> type:
+    return getattr(type(module), _BASE_ATTR, type(module))
+
+
+def _is_stock(base: type) -> bool:
+    return any(issubclass(base, c) and base.forward is c.forward for c in _layer_classes())
+
+
+def _shapes(block: nn.Module, names: tuple[str, ...]) -> tuple[tuple[int, int], ...]:
+    return tuple((getattr(block, n).in_features, getattr(block, n).out_features) for n in names)
+
+
+def _normalize(
+    norm: nn.Module, x: torch.Tensor, block: nn.Module, config, shapes
+) -> tuple[torch.Tensor, dict]:
+    """(norm(x), the keyword arguments that hand `block` its 8-bit form: none where it does not qualify)."""
+    if config is None or not fusable_norm(norm, x) or not runs_8bit(config, x, *shapes):
+        return norm(x), {}
+    y, quantized = layernorm_quantize(x, norm, config)
+    return y, {"quantized_input": quantized}
+
+
+def _fused_forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor, **kwargs) -> torch.Tensor:
+    attn, mlp = self.self_attn, self.mlp
+    residual = hidden_states
+    attn_config = attention_quantized_input_config(attn)
+    shapes = _shapes(attn, _PROJECTIONS) if attn_config is not None else ()
+    normed, quantized = _normalize(self.layer_norm1, hidden_states, attn, attn_config, shapes)
+    hidden_states, _ = attn(hidden_states=normed, attention_mask=attention_mask, **quantized, **kwargs)
+    hidden_states = residual + hidden_states
+
+    residual = hidden_states
+    mlp_config = mlp_quantized_input_config(mlp)
+    # fc1 alone decides a separate fc1's floor; a fused block needs both linears to pay (switchback_mlp)
+    names = ("fc1",) if mlp_config is None or not mlp_config.fuses_mlp else ("fc1", "fc2")
+    shapes = _shapes(mlp, names) if mlp_config is not None else ()
+    normed, quantized = _normalize(self.layer_norm2, hidden_states, mlp, mlp_config, shapes)
+    hidden_states = mlp(normed, **quantized)
+    return residual + hidden_states
+
+
+@functools.cache
+def _fused_class(base: type) -> type:
+    return type(
+        f"SwitchBackNorm{base.__name__}",
+        (base,),
+        {"forward": _fused_forward, _BASE_ATTR: base, "__module__": __name__},
+    )
+
+
+def is_fused_layer(module: nn.Module) -> bool:
+    """True when `module`'s class is one sync_fused_layers generated."""
+    return getattr(type(module), _BASE_ATTR, None) is not None
+
+
+def _qualifies(module: nn.Module) -> bool:
+    if not _is_stock(_base_class(module)):
+        return False
+    blocks = (getattr(module, "self_attn", None), getattr(module, "mlp", None))
+    return (blocks[0] is not None and attention_quantized_input_config(blocks[0]) is not None) or (
+        blocks[1] is not None and mlp_quantized_input_config(blocks[1]) is not None
+    )
+
+
+def sync_fused_layers(model: nn.Module) -> int:
+    """Give every encoder layer whose attention block or MLP takes an 8-bit input from its LayerNorm the fused
+    forward, and every fused layer that no longer qualifies its class back; returns the number fused. Run after
+    sync_fused_attention and sync_fused_mlps (which give the blocks their classes)."""
+    fused = 0
+    for module in model.modules():
+        base = _base_class(module)
+        if _qualifies(module):
+            if not is_fused_layer(module):
+                # A subclass that only adds a forward, as in blocks/attention.py: the instance is untouched.
+                module.__class__ = _fused_class(base)
+            fused += 1
+        elif is_fused_layer(module) and type(module) is _fused_class(base):
+            module.__class__ = base
+    return fused
+
+
+__all__ = ["is_fused_layer", "sync_fused_layers"]

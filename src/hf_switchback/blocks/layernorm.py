@@ -1,0 +1,80 @@
+"""A LayerNorm that also writes the next linear's 8-bit input: the producer quantizes, so no separate pass over
+its output does (config.fuse_norm; blocks/encoder_layer.py wires it before q/k/v and fc1).
+
+forward   y = LayerNorm(x) in the linear's input dtype, and (q, scale) = quantize_rowwise(y) in the same
+          kernel (kernels operator layernorm_quantize_rowwise: its torch twin states the numerics). y stays the
+          differentiable output: the linear's 16-bit grad-weight GEMM (or nothing, with memory_efficient) reads
+          it; q and scale are handed to the linear's op as `quantized_input` and carry no gradient.
+backward  the stock LayerNorm backward (aten.native_layer_norm_backward) from x and the kernel's float32 mean
+          and rstd, with the gradient that reaches y.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..config import SwitchBackConfig
+from ..functional import _autocast_off, quantized_dtypes
+from ..kernels.backends import get_kernels
+
+
+class _LayerNormQuantizeFn(torch.autograd.Function):
+    """x (M, K); weight, bias (K,) in x's dtype or None. `spec`: (eps, qdtype, y dtype, backend, KernelOptions),
+    one argument as in functional._SwitchBackLinearFn. -> (y (M, K), q (M, K), scale (M,))."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, spec):
+        eps, qdtype, out_dtype, backend, options = spec
+        kernels = get_kernels(backend, x.device, options)
+        q, scale, y, mean, rstd = kernels.layernorm_quantize_rowwise(
+            x, weight, bias, eps, qdtype, out_dtype, options=options
+        )
+        ctx.save_for_backward(x, weight, bias, mean, rstd)
+        ctx.mark_non_differentiable(q, scale)
+        return y, q, scale
+
+    @staticmethod
+    def backward(ctx, grad_y, _grad_q, _grad_scale):
+        x, weight, bias, mean, rstd = ctx.saved_tensors
+        m, k = x.shape
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        grad_x, grad_w, grad_b = torch.ops.aten.native_layer_norm_backward(
+            grad_y.to(x.dtype),
+            x,
+            [k],
+            mean.view(m, 1),
+            rstd.view(m, 1),
+            weight,
+            bias,
+            [need_x, need_w and weight is not None, need_b and bias is not None],
+        )
+        return grad_x, grad_w, grad_b, None
+
+
+def fusable_norm(norm: nn.Module, x: torch.Tensor) -> bool:
+    """Whether `norm` can run as layernorm_quantize: a plain nn.LayerNorm over x's last axis, no hooks (its
+    forward is not called), parameters (if any) in x's dtype (the stock backward takes one dtype)."""
+    if type(norm) is not nn.LayerNorm or norm._forward_hooks or norm._forward_pre_hooks:
+        return False
+    if tuple(norm.normalized_shape) != (x.shape[-1],):
+        return False
+    return all(p is None or p.dtype == x.dtype for p in (norm.weight, norm.bias))
+
+
+def layernorm_quantize(
+    x: torch.Tensor, norm: nn.LayerNorm, config: SwitchBackConfig
+) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    """norm(x) as the next SwitchBack linear receives it, and its row-wise 8-bit form in the config's forward
+    format: (y (*, K) in the autocast dtype under autocast, else x's; (q (tokens, K), scale (tokens,))).
+    Check fusable_norm first."""
+    device_type = x.device.type
+    out_dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else x.dtype
+    qdtype, _ = quantized_dtypes(config, x.device)
+    spec = (norm.eps, qdtype, out_dtype, config.backend, config.kernel_options)
+    with _autocast_off(device_type):
+        y, q, scale = _LayerNormQuantizeFn.apply(x.reshape(-1, x.shape[-1]), norm.weight, norm.bias, spec)
+    return y.reshape(x.shape), (q, scale)
+
+
+__all__ = ["fusable_norm", "layernorm_quantize"]

@@ -1,0 +1,232 @@
+"""Quantize in the producer (config.fuse_norm: blocks/encoder_layer.py, blocks/layernorm.py) against the stock
+LayerNorm followed by the blocks' own quantize.
+
+Numerics claimed (the speed issue's criterion: fused paths equal to the unfused ones within the unfused path's
+own error): the LayerNorm's output and its 8-bit form are those of the stock LayerNorm -> quantize_rowwise
+pipeline up to float32 summation order (kernels: tests/test_norm_quant.py); such a difference may move a value
+across an 8-bit rounding boundary, and a tiny model shows that one step. So the fused model's logits and every
+gradient must lie no farther from the unfused SwitchBack model's than the unfused model lies from the exact
+16-bit one (norms over each tensor; plus 1e-6 of the exact tensor's norm, for gradients near zero). The bias of
+k_proj is left out: its exact gradient is zero (softmax ignores a shift shared by all keys), what remains is
+float32 rounding noise.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from helpers import tiny_clip_config
+from torch import nn
+from transformers import CLIPModel, SiglipConfig, SiglipModel
+
+from hf_switchback import SwitchBackConfig, apply_switchback, remove_switchback
+from hf_switchback.blocks.encoder_layer import is_fused_layer
+from hf_switchback.functional import switchback_linear
+from hf_switchback.kernels import reference
+
+TORCH = SwitchBackConfig(backend="torch", min_tokens=0)
+# The four ways the blocks after the two LayerNorms run: separate layers, one q/k/v op, one MLP op, both
+# (memory_efficient fuses the MLP and saves 8-bit inputs).
+BLOCK_MODES = [{}, {"fuse_qkv": True}, {"fuse_mlp": True}, {"fuse_qkv": True, "memory_efficient": True}]
+
+
+def tiny_siglip_config():
+    tower = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2)
+    text = dict(
+        tower, vocab_size=64, max_position_embeddings=16, bos_token_id=2, eos_token_id=3, pad_token_id=0
+    )
+    return SiglipConfig(text_config=text, vision_config=dict(tower, patch_size=8, image_size=16))
+
+
+def make_model(kind: str) -> nn.Module:
+    torch.manual_seed(0)
+    return CLIPModel(tiny_clip_config(hidden=64)) if kind == "clip" else SiglipModel(tiny_siglip_config())
+
+
+def model_inputs(batch: int = 4, device: str = "cpu") -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(4, 60, (batch, 12), generator=g)
+    ids[:, 0], ids[:, -1] = 0, 1
+    batch = {"input_ids": ids, "pixel_values": torch.randn(batch, 3, 16, 16, generator=g)}
+    return {k: v.to(device) for k, v in batch.items()}
+
+
+def loss_and_grads(model: nn.Module, device: str = "cpu", autocast: bool = False):
+    with torch.autocast(device, dtype=torch.bfloat16, enabled=autocast):
+        out = model(**model_inputs(device=device), return_loss=True)
+    out.loss.backward()
+    return out.logits_per_image.float(), {
+        n: p.grad for n, p in model.named_parameters() if p.grad is not None
+    }
+
+
+def assert_within_own_error(got, want, exact):
+    """got (fused) within the distance of want (unfused SwitchBack) from exact (16-bit), tensor by tensor."""
+    assert got[1].keys() == want[1].keys() == exact[1].keys()
+    pairs = [("logits", got[0], want[0], exact[0])]
+    pairs += [
+        (name, got[1][name], want[1][name], exact[1][name])
+        for name in want[1]
+        if not name.endswith("k_proj.bias")
+    ]
+    for name, g, w, e in pairs:
+        g, w, e = g.double(), w.double(), e.double()
+        allowed = (w - e).norm().item() + 1e-6 * e.norm().item()
+        assert (g - w).norm().item() <= allowed, (name, (g - w).norm().item(), allowed)
+
+
+def count_norm_quantize(monkeypatch) -> list:
+    """Records the shape of every LayerNorm + quantize the reference kernels run."""
+    calls = []
+    twin = reference.layernorm_quantize_rowwise
+
+    def spy(x, *args, **kwargs):
+        calls.append(tuple(x.shape))
+        return twin(x, *args, **kwargs)
+
+    monkeypatch.setattr(reference, "layernorm_quantize_rowwise", spy)
+    return calls
+
+
+def fused_layers(model: nn.Module) -> int:
+    return sum(is_fused_layer(m) for m in model.modules())
+
+
+@pytest.mark.parametrize("kind", ["clip", "siglip"])
+@pytest.mark.parametrize("modes", BLOCK_MODES)
+def test_fused_norms_train_like_the_stock_layernorm(kind, modes, monkeypatch):
+    base = make_model(kind)
+    exact = loss_and_grads(copy.deepcopy(base))
+    want = loss_and_grads(apply_switchback(copy.deepcopy(base), TORCH.replace(**modes)))
+    model = apply_switchback(copy.deepcopy(base), TORCH.replace(fuse_norm=True, **modes))
+    layers = 4  # two per tower
+    assert fused_layers(model) == layers
+    calls = count_norm_quantize(monkeypatch)
+    assert_within_own_error(loss_and_grads(model), want, exact)
+    # both LayerNorms of every layer wrote the 8-bit input; without fuse_qkv only the one before fc1
+    assert len(calls) == (2 if modes.get("fuse_qkv") else 1) * layers
+
+
+@pytest.mark.parametrize("kind", ["clip", "siglip"])
+def test_fused_norms_under_autocast_quantize_the_rounded_output(kind, monkeypatch):
+    """Under bf16 autocast the stock LayerNorm runs in float32 and the linear casts its output to bfloat16: the
+    fused LayerNorm writes that bfloat16 rounding and quantizes it."""
+    base = make_model(kind)
+    exact = loss_and_grads(copy.deepcopy(base), autocast=True)
+    cfg = TORCH.replace(fuse_qkv=True)
+    want = loss_and_grads(apply_switchback(copy.deepcopy(base), cfg), autocast=True)
+    model = apply_switchback(copy.deepcopy(base), cfg.replace(fuse_norm=True))
+    calls = count_norm_quantize(monkeypatch)
+    assert_within_own_error(loss_and_grads(model, autocast=True), want, exact)
+    assert len(calls) == 8
+
+
+def test_state_dict_remove_and_reapply_keep_the_model(tmp_path):
+    base = make_model("clip")
+    model = apply_switchback(copy.deepcopy(base), TORCH.replace(fuse_norm=True, fuse_qkv=True))
+    assert list(model.state_dict()) == list(base.state_dict())
+    encoder_layer = model.text_model.encoder.layers[0]
+    assert type(encoder_layer).__name__ == "SwitchBackNormCLIPEncoderLayer"
+    assert isinstance(encoder_layer, type(base.text_model.encoder.layers[0]))
+    remove_switchback(model)
+    assert fused_layers(model) == 0
+    assert {type(m) for m in model.modules()} == {type(m) for m in base.modules()}
+    # a narrower config without fuse_norm gives the layers their class back
+    apply_switchback(model, TORCH.replace(fuse_norm=True))
+    assert fused_layers(model) == 4
+    apply_switchback(model, TORCH)
+    assert fused_layers(model) == 0
+
+
+def test_layers_without_a_qualifying_block_stay_stock():
+    """Only the MLPs converted: the layers fuse LayerNorm 2 only; nothing converted: nothing fuses."""
+    base = make_model("clip")
+    only_mlp = TORCH.replace(fuse_norm=True, target_modules=r".*\.mlp\.fc[12]")
+    model = apply_switchback(copy.deepcopy(base), only_mlp)
+    assert fused_layers(model) == 4
+    want = loss_and_grads(apply_switchback(copy.deepcopy(base), only_mlp.replace(fuse_norm=False)))
+    assert_within_own_error(loss_and_grads(model), want, loss_and_grads(copy.deepcopy(base)))
+    none = apply_switchback(
+        copy.deepcopy(base), TORCH.replace(fuse_norm=True, target_modules=r".*\.out_proj")
+    )
+    assert fused_layers(none) == 0
+
+
+def test_below_the_token_floor_the_stock_layernorm_runs(monkeypatch):
+    base = make_model("clip")
+    floor = TORCH.replace(min_tokens=10**6)
+    want = loss_and_grads(apply_switchback(copy.deepcopy(base), floor))
+    model = apply_switchback(copy.deepcopy(base), floor.replace(fuse_norm=True))
+    calls = count_norm_quantize(monkeypatch)
+    logits, grads = loss_and_grads(model)
+    assert torch.equal(logits, want[0]) and all(torch.equal(g, want[1][n]) for n, g in grads.items())
+    assert calls == []
+
+
+def test_a_hooked_or_replaced_layernorm_runs_as_a_module(monkeypatch):
+    model = apply_switchback(make_model("clip"), TORCH.replace(fuse_norm=True, fuse_qkv=True))
+    layer = model.vision_model.encoder.layers[0]
+    seen = []
+    layer.layer_norm1.register_forward_hook(lambda m, args, out: seen.append(out.shape))
+    layer.layer_norm2 = nn.Sequential(layer.layer_norm2)  # not a plain LayerNorm any more
+    calls = count_norm_quantize(monkeypatch)
+    loss_and_grads(model)
+    assert len(seen) == 1 and len(calls) == 8 - 2
+
+
+def test_compiled_fused_layer_has_no_graph_break():
+    model = apply_switchback(make_model("clip"), TORCH.replace(fuse_norm=True, fuse_qkv=True))
+    layer = model.vision_model.encoder.layers[0]
+    h = torch.randn(3, 5, 64, requires_grad=True)
+    want = layer(h, None)
+    want.square().sum().backward()
+    want_grad, h.grad = h.grad, None
+    torch._dynamo.reset()
+    got = torch.compile(layer, backend="aot_eager", fullgraph=True)(h, None)
+    got.square().sum().backward()
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+    torch.testing.assert_close(h.grad, want_grad, rtol=1e-5, atol=1e-6)
+
+
+def test_config_field_and_bad_quantized_input():
+    assert not SwitchBackConfig().fuse_norm
+    assert SwitchBackConfig.from_dict(TORCH.replace(fuse_norm=True).to_dict()).fuse_norm
+    with pytest.raises(TypeError, match="fuse_norm"):
+        SwitchBackConfig(fuse_norm="yes")
+    x, w = torch.randn(6, 8), torch.randn(4, 8)
+    q, scale = reference.quantize_rowwise(x)
+    torch.testing.assert_close(
+        switchback_linear(x, w, None, TORCH, quantized_input=(q, scale)), switchback_linear(x, w, None, TORCH)
+    )
+    with pytest.raises(ValueError, match="quantized_input must be x's row-wise 8-bit form"):
+        switchback_linear(x, w, None, TORCH, quantized_input=(q[:3], scale[:3]))
+    with pytest.raises(ValueError, match="quantized_input"):
+        switchback_linear(x, w, None, TORCH.replace(precision="fp8"), quantized_input=(q, scale))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision", ["int8", "fp8"])
+@pytest.mark.parametrize("modes", BLOCK_MODES)
+def test_gpu_fused_norms_match_the_stock_layernorm(precision, modes):
+    """The Triton kernels, bf16 autocast: within the unfused path's own error, as on the CPU."""
+    base = make_model("clip").cuda()
+    exact = loss_and_grads(copy.deepcopy(base), "cuda", autocast=True)
+    cfg = SwitchBackConfig(min_tokens=0, precision=precision, **modes)
+    want = loss_and_grads(apply_switchback(copy.deepcopy(base), cfg), "cuda", autocast=True)
+    model = apply_switchback(copy.deepcopy(base), cfg.replace(fuse_norm=True))
+    assert fused_layers(model) == 4
+    assert_within_own_error(loss_and_grads(model, "cuda", autocast=True), want, exact)
+
+
+@pytest.mark.gpu
+def test_gpu_compiled_fused_norms_match_eager():
+    base = make_model("clip").cuda()
+    exact = loss_and_grads(copy.deepcopy(base), "cuda", autocast=True)
+    cfg = SwitchBackConfig(min_tokens=0, fuse_norm=True, fuse_qkv=True)
+    want = loss_and_grads(apply_switchback(copy.deepcopy(base), cfg), "cuda", autocast=True)
+    model = apply_switchback(copy.deepcopy(base), cfg)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, fullgraph=True)
+    assert_within_own_error(loss_and_grads(compiled, "cuda", autocast=True), want, exact)
