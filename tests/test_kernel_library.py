@@ -34,6 +34,18 @@ def _sample_args(name: str) -> list[tuple]:
     (fa_q, fa_s), (fb_q, fb_s) = _q(5, 16, torch.float8_e4m3fn), _q(8, 16, torch.float8_e4m3fn)
     h, g = torch.randn(5, 7, dtype=torch.bfloat16), torch.randn(5, 7, dtype=torch.bfloat16)
     by_name = {
+        # x's dtype out, and the autocast case: float32 x, bfloat16 y; with and without the affine parameters
+        "layernorm_quantize_rowwise": [
+            (
+                x,
+                torch.randn(12, dtype=torch.bfloat16),
+                torch.randn(12, dtype=torch.bfloat16),
+                1e-5,
+                torch.int8,
+                x.dtype,
+            ),
+            (zero_row.float(), None, None, 1e-6, torch.float8_e4m3fn, torch.bfloat16),
+        ],
         "quantize_rowwise": [(x, torch.int8), (zero_row, torch.float8_e4m3fn)],
         "quantize_rowwise_colsum": [(x, torch.int8), (w, torch.float8_e5m2)],
         "quantize_tensorwise": [(x, torch.int8), (w, torch.float8_e4m3fn)],
