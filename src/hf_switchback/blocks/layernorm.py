@@ -2,9 +2,11 @@
 its output does (config.fuse_norm; blocks/encoder_layer.py wires it before q/k/v and fc1).
 
 forward   y = LayerNorm(x) in the linear's input dtype, and (q, scale) = quantize_rowwise(y) in the same
-          kernel (kernels operator layernorm_quantize_rowwise: its torch twin states the numerics). y stays the
-          differentiable output: the linear's 16-bit grad-weight GEMM (or nothing, with memory_efficient) reads
-          it; q and scale are handed to the linear's op as `quantized_input` and carry no gradient.
+          kernel (kernels operator layernorm_quantize_rowwise: its torch twin states the numerics), run outside
+          autograd. q and scale are handed to the linear's op as `quantized_input` and carry no gradient; y is
+          then given LayerNorm's gradient by a one-output autograd op: the linear's 16-bit grad-weight GEMM
+          (or nothing, with memory_efficient) reads it. (One op with the three outputs, q and scale marked
+          non-differentiable, got wrong gradients under torch.compile on torch 2.11.)
 backward  the stock LayerNorm backward (aten.native_layer_norm_backward) from x and the kernel's float32 mean
           and rstd, with the gradient that reaches y.
 """
@@ -19,26 +21,19 @@ from ..functional import _autocast_off, quantized_dtypes
 from ..kernels.backends import get_kernels
 
 
-class _LayerNormQuantizeFn(torch.autograd.Function):
-    """x (M, K); weight, bias (K,) in x's dtype or None. `spec`: (eps, qdtype, y dtype, backend, KernelOptions),
-    one argument as in functional._SwitchBackLinearFn. -> (y (M, K), q (M, K), scale (M,))."""
+class _LayerNormGradFn(torch.autograd.Function):
+    """Returns y (M, K), LayerNorm(x) as the fused kernel wrote it, with LayerNorm's backward attached.
+    x (M, K); weight, bias (K,) in x's dtype or None; mean, rstd (M,) float32 from the same kernel."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, spec):
-        eps, qdtype, out_dtype, backend, options = spec
-        kernels = get_kernels(backend, x.device, options)
-        q, scale, y, mean, rstd = kernels.layernorm_quantize_rowwise(
-            x, weight, bias, eps, qdtype, out_dtype, options=options
-        )
+    def forward(ctx, x, weight, bias, y, mean, rstd):
         ctx.save_for_backward(x, weight, bias, mean, rstd)
-        ctx.mark_non_differentiable(q, scale)
-        return y, q, scale
+        return y.view_as(y)
 
     @staticmethod
-    def backward(ctx, grad_y, _grad_q, _grad_scale):
+    def backward(ctx, grad_y):
         x, weight, bias, mean, rstd = ctx.saved_tensors
         m, k = x.shape
-        need_x, need_w, need_b = ctx.needs_input_grad[:3]
         grad_x, grad_w, grad_b = torch.ops.aten.native_layer_norm_backward(
             grad_y.to(x.dtype),
             x,
@@ -47,9 +42,9 @@ class _LayerNormQuantizeFn(torch.autograd.Function):
             rstd.view(m, 1),
             weight,
             bias,
-            [need_x, need_w and weight is not None, need_b and bias is not None],
+            [True, weight is not None, bias is not None],
         )
-        return grad_x, grad_w, grad_b, None
+        return grad_x, grad_w, grad_b, None, None, None
 
 
 def fusable_norm(norm: nn.Module, x: torch.Tensor) -> bool:
@@ -71,9 +66,21 @@ def layernorm_quantize(
     device_type = x.device.type
     out_dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else x.dtype
     qdtype, _ = quantized_dtypes(config, x.device)
-    spec = (norm.eps, qdtype, out_dtype, config.backend, config.kernel_options)
+    options = config.kernel_options
+    kernels = get_kernels(config.backend, x.device, options)
+    x2d = x.reshape(-1, x.shape[-1])
+    weight, bias = norm.weight, norm.bias
+    q, scale, y, mean, rstd = kernels.layernorm_quantize_rowwise(
+        x2d.detach(),
+        None if weight is None else weight.detach(),
+        None if bias is None else bias.detach(),
+        norm.eps,
+        qdtype,
+        out_dtype,
+        options=options,
+    )
     with _autocast_off(device_type):
-        y, q, scale = _LayerNormQuantizeFn.apply(x.reshape(-1, x.shape[-1]), norm.weight, norm.bias, spec)
+        y = _LayerNormGradFn.apply(x2d, weight, bias, y, mean, rstd)
     return y.reshape(x.shape), (q, scale)
 
 

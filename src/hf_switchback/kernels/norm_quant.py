@@ -3,7 +3,7 @@
 
 Numerics: those of the twin kernels/reference.layernorm_quantize_rowwise (read its docstring); the
 statistics' float32 summation order differs, so y may differ from the twin by one rounding of x's dtype, and q
-by one step where that moves a value across a rounding boundary. One program per row, the row held in
+by one step where that moves a value across a rounding boundary. Each program holds ROWS whole rows in
 registers (K up to _MAX_K). This module imports triton; import it only on the CUDA path.
 """
 
@@ -30,6 +30,7 @@ def _layernorm_quantize_kernel(
     s_ptr,
     mean_ptr,
     rstd_ptr,
+    M,
     K,
     stride_xm,
     stride_xk,
@@ -40,31 +41,48 @@ def _layernorm_quantize_kernel(
     QMAX_C: tl.constexpr,
     IS_INT: tl.constexpr,
     Q_DTYPE: tl.constexpr,
+    ROWS: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    row = tl.program_id(0).to(tl.int64)
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     offs = tl.arange(0, BLOCK_K)
-    mask = offs < K
-    x = tl.load(x_ptr + row * stride_xm + offs * stride_xk, mask=mask, other=0.0).to(tl.float32)
-    mean = tl.sum(x, axis=0) / K
-    diff = tl.where(mask, x - mean, 0.0)
-    rstd = 1.0 / tl.sqrt_rn(tl.sum(diff * diff, axis=0) / K + eps)
-    y = diff * rstd
+    row_ok = rows < M
+    mask = row_ok[:, None] & (offs < K)[None, :]
+    x = tl.load(x_ptr + rows[:, None] * stride_xm + offs[None, :] * stride_xk, mask=mask, other=0.0)
+    x = x.to(tl.float32)
+    mean = tl.sum(x, axis=1) / K
+    diff = tl.where(mask, x - mean[:, None], 0.0)
+    # (.to: Inductor's launch passes the Python float eps as float64)
+    rstd = 1.0 / tl.sqrt_rn((tl.sum(diff * diff, axis=1) / K + eps).to(tl.float32))
+    y = diff * rstd[:, None]
     if HAS_W:
-        y = y * tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        y = y * tl.load(w_ptr + offs, mask=offs < K, other=0.0).to(tl.float32)[None, :]
     if HAS_B:
-        y = y + tl.load(b_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        y = y + tl.load(b_ptr + offs, mask=offs < K, other=0.0).to(tl.float32)[None, :]
     # Quantize the y an unfused LayerNorm would have written: rounded once to the output dtype.
     y_out = y.to(Y_DTYPE)
     y = tl.where(mask, y_out.to(tl.float32), 0.0)
-    tl.store(y_ptr + row * K + offs, y_out, mask=mask)
-    scale = tl.div_rn(_absmax(y, 0), QMAX_C)
+    out = rows[:, None] * K + offs[None, :]
+    tl.store(y_ptr + out, y_out, mask=mask)
+    scale = tl.div_rn(_absmax(y, 1), QMAX_C)
     safe = tl.where(scale == 0.0, 1.0, scale)
     inv = tl.div_rn(1.0, safe)
-    tl.store(s_ptr + row, scale)
-    tl.store(mean_ptr + row, mean)
-    tl.store(rstd_ptr + row, rstd)
-    tl.store(q_ptr + row * K + offs, _to_q(y, safe, inv, QMAX_C, IS_INT, Q_DTYPE), mask=mask)
+    tl.store(s_ptr + rows, scale, mask=row_ok)
+    tl.store(mean_ptr + rows, mean, mask=row_ok)
+    tl.store(rstd_ptr + rows, rstd, mask=row_ok)
+    tl.store(q_ptr + out, _to_q(y, safe[:, None], inv[:, None], QMAX_C, IS_INT, Q_DTYPE), mask=mask)
+
+
+# block_k -> (rows per program, warps), the fastest of a sweep over 1-8 rows and 1-16 warps on the H200 at ViT
+# widths (768 and 1,024: block 1,024; 1,280: block 2,048; BENCHMARKS.md, Whole training step): few values per
+# thread and two rows per program, so the next row's loads are in flight while one row reduces. Other widths:
+# one row per program, a warp per 256 values.
+_LAUNCH: dict[int, tuple[int, int]] = {1024: (2, 1), 2048: (2, 2)}
+
+
+def _launch_shape(block_k: int) -> tuple[int, int]:
+    """(rows per program, warps) for rows of block_k (a power of two) values."""
+    return _LAUNCH.get(block_k, (1, max(1, min(16, block_k // 256))))
 
 
 def layernorm_quantize_rowwise(
@@ -106,7 +124,8 @@ def layernorm_quantize_rowwise(
     if m == 0 or k == 0:
         return q, scale, y, mean, rstd
     block = triton.next_power_of_2(k)
-    (wrap or launch_directly)(_layernorm_quantize_kernel)[(m,)](
+    rows, warps = _launch_shape(block)
+    (wrap or launch_directly)(_layernorm_quantize_kernel)[(triton.cdiv(m, rows),)](
         x,
         weight.contiguous() if weight is not None else x,  # an unused pointer when absent
         bias.contiguous() if bias is not None else x,
@@ -115,6 +134,7 @@ def layernorm_quantize_rowwise(
         scale,
         mean,
         rstd,
+        m,
         k,
         x.stride(0),
         x.stride(1),
@@ -122,8 +142,9 @@ def layernorm_quantize_rowwise(
         HAS_W=weight is not None,
         HAS_B=bias is not None,
         Y_DTYPE=_TL_FLOAT[out_dtype],
+        ROWS=rows,
         BLOCK_K=block,
-        num_warps=max(1, min(16, block // 256)),
+        num_warps=warps,
         **_qargs(qdtype),
     )
     return q, scale, y, mean, rstd
