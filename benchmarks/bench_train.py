@@ -59,6 +59,7 @@ TOKENS = {
     "unfused": (dict(fuse_mlp=False), "separate MLP layers (with memeff)"),
     "qkv": (dict(fuse_qkv=True), "q/k/v as one N = 3d GEMM with one input quantize"),
     "norm": (dict(fuse_norm=True), "LayerNorms write the next op's 8-bit input (use with -qkv)"),
+    "act": (dict(fuse_activation=True), "the MLP activation writes fc2's 8-bit input"),
     "row": (dict(weight_scaling="row"), "row-wise weight scales"),
     "memeff": (dict(memory_efficient=True), "the memory switch: 8-bit saved inputs, MLPs fused"),
     "mlp": (dict(target_modules=("fc1", "fc2")), "only the MLP linears 8-bit"),

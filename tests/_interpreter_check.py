@@ -131,6 +131,11 @@ for act in ref.ACTIVATIONS:
         q_ref, s_ref = ref.act_quantize_rowwise(h, torch.int8, act)
         tol = 1.5e-5 if h.dtype == torch.float32 else 2**-7
         assert ((s - s_ref).abs() <= tol * s_ref).all() and (q.int() - q_ref.int()).abs().max() <= 1, act
+        a, q, s = ops.act_and_quantize_rowwise(h, torch.int8, act)
+        torch.testing.assert_close(a, ref.apply_activation(h, act), rtol=tol, atol=tol)
+        assert all(
+            torch.equal(u, v) for u, v in zip((q, s), ref.quantize_rowwise(a, torch.int8), strict=True)
+        ), act
         gh, a, q, s, cs = ops.act_backward_quantize_colsum(g, h, torch.int8, act, True)
         gh_ref, a_ref, *_ = ref.act_backward_quantize_colsum(g, h, torch.int8, act, True)
         torch.testing.assert_close(gh, gh_ref, rtol=tol, atol=tol)

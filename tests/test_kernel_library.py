@@ -63,6 +63,10 @@ def _sample_args(name: str) -> list[tuple]:
             (fa_q, fb_q, fa_s, fb_s.amax(), None, torch.float32, True, "triton"),
         ],
         "act_quantize_rowwise": [(h, torch.int8, "gelu"), (h.float(), torch.float8_e4m3fn, "quick_gelu")],
+        "act_and_quantize_rowwise": [
+            (h, torch.int8, "gelu_tanh"),
+            (h.float(), torch.float8_e4m3fn, "quick_gelu"),
+        ],
         "act_backward_quantize_colsum": [
             (g, h, torch.int8, "gelu", True, "auto"),
             (g, h, torch.float8_e5m2, "gelu_tanh", False, "tiles"),

@@ -253,6 +253,24 @@ def test_act_quantize_rowwise(shape, dtype, qdtype, activation):
     assert flips.sum() <= 0.01 * max(int(counted.sum()), 1)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+@pytest.mark.parametrize("dtype,qdtype", ACT_DTYPES, ids=str)
+@pytest.mark.parametrize("shape", [(1, 1), (5, 77), (65, 5120), (7, 10000), (0, 64)])
+def test_act_and_quantize_rowwise(shape, dtype, qdtype, activation):
+    """The activation writing fc2's input in 16 and 8 bits: act(h) within a rounding of torch's (formulas as in
+    test_act_quantize_rowwise), and its 8-bit form exactly quantize_rowwise of the act(h) it wrote."""
+    h = _input(shape, dtype)
+    a, q, s = _ops().act_and_quantize_rowwise(h, qdtype, activation)
+    a_ref = ref.apply_activation(h.cpu(), activation)
+    assert a.dtype == dtype and a.shape == h.shape and q.dtype == qdtype
+    tol = ROUND_TOL[dtype]
+    near_zero = 2**-6 * a_ref.float().abs().amax() if a_ref.numel() else 0.0  # the formulas' tail, as there
+    assert ((a.cpu().float() - a_ref.float()).abs() <= tol * (a_ref.float().abs() + near_zero)).all()
+    q_own, s_own = ref.quantize_rowwise(a.cpu(), qdtype)
+    assert torch.equal(_bits(q.cpu()), _bits(q_own)) and torch.equal(s.cpu(), s_own)
+
+
 # Both implementations ("auto" picks one per width) in every dtype pair.
 _ACT_BACKWARD_CASES = [(impl, d, q) for impl in ("tiles", "rows") for d, q in ACT_DTYPES[:4]]
 

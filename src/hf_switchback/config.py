@@ -199,6 +199,12 @@ class SwitchBackConfig:
     # Triton kernel sums in another order, within one rounding of y). Off by default until measured faster end
     # to end.
     fuse_norm: bool = False
+    # Quantize in the producer, in the MLP: where fc1 and fc2 of a transformers CLIP / SigLIP MLP run as separate
+    # SwitchBack layers (fuse_mlp off) with this config, the activation between them runs as one kernel that
+    # writes act(fc1's output) in 16 bits (fc2's grad-weight GEMM reads it) and fc2's row-wise 8-bit input (mlp.py),
+    # instead of the activation then fc2's own quantize pass. Numerics: the unfused pipeline's (act in float32,
+    # rounded once to the 16-bit dtype, that rounding quantized). Off by default until measured faster end to end.
+    fuse_activation: bool = False
     # How the GPU kernels run (kernels/options.py): implementation choices with the same numerics, so a
     # run-time choice rather than part of the model. Not written to config.json (to_dict leaves it out) and not
     # compared (two configs that differ only here are the same quantization). Each layer carries its own, so
@@ -228,8 +234,11 @@ class SwitchBackConfig:
             )
         if not isinstance(self.fuse_qkv, bool):
             raise TypeError(f"SwitchBackConfig.fuse_qkv must be a bool, got {type(self.fuse_qkv).__name__}")
-        if not isinstance(self.fuse_norm, bool):
-            raise TypeError(f"SwitchBackConfig.fuse_norm must be a bool, got {type(self.fuse_norm).__name__}")
+        for name in ("fuse_norm", "fuse_activation"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(
+                    f"SwitchBackConfig.{name} must be a bool, got {type(getattr(self, name)).__name__}"
+                )
         if not isinstance(self.kernel_options, KernelOptions):
             raise TypeError(
                 "SwitchBackConfig.kernel_options must be a hf_switchback.KernelOptions, got "

@@ -10,9 +10,10 @@ remove_switchback restores the original class. The forward re-checks at every ca
 qualifies (both layers SwitchBackLinear with one config, the activation it was fused with, no inference
 cache) and otherwise runs the stock CLIPMLP forward, so a later change never silently computes something else.
 
-With `config.fuse_norm` (and fuse_mlp off) the block's class is swapped too, and its forward runs fc1's
-SwitchBack op, the activation and fc2 as the stock forward does: so that it can take its input's 8-bit form as
-`quantized_input` when the LayerNorm before it wrote that form (blocks/encoder_layer.py).
+With `config.fuse_norm` or `fuse_activation` (and fuse_mlp off) the block's class is swapped too, and its
+forward runs fc1's SwitchBack op, the activation and fc2 as the stock forward does, so that fc1 can take its
+input's 8-bit form as `quantized_input` when the LayerNorm before it wrote that form (blocks/encoder_layer.py)
+and, with fuse_activation, the activation writes fc2's 8-bit input in the same kernel (blocks/producers.py).
 """
 
 from __future__ import annotations
@@ -23,11 +24,13 @@ import importlib
 import torch
 from torch import nn
 
-from .functional import switchback_linear, switchback_mlp
+from .blocks.producers import activation_quantize
+from .functional import runs_8bit, switchback_linear, switchback_mlp
 from .modules import SwitchBackLinear
 from .weight_cache import has_weight_cache
 
-# Instance attribute set on fused blocks: (activation name for the kernels, type of activation_fn at fuse time).
+# Instance attribute set on blocks of our class: (activation name for the kernels or None, type of activation_fn
+# at fuse time, whether fc1 -> act -> fc2 runs as one op).
 _ACTIVATION_ATTR = "_switchback_activation"
 
 
@@ -75,8 +78,10 @@ def _unfused_class(module: nn.Module) -> type:
     return getattr(type(module), "_switchback_unfused_class", type(module))
 
 
-def _qualifies(module: nn.Module) -> str | None:
-    """Activation kind if `module` is a stock CLIPMLP whose fc1 and fc2 are SwitchBack with one fusing config."""
+def _qualifies(module: nn.Module) -> tuple[str | None, bool] | None:
+    """(activation kind or None, whole) if `module` is a stock CLIPMLP whose fc1 and fc2 are SwitchBack and whose
+    forward this module runs: whole=True for fc1 -> act -> fc2 as one op (fuse_mlp), False for the layers' own
+    ops with the 8-bit inputs their producers write (fuse_norm before fc1, fuse_activation before fc2)."""
     base = _unfused_class(module)
     if not any(issubclass(base, c) and base.forward is c.forward for c in _mlp_base_classes()):
         return None
@@ -84,27 +89,37 @@ def _qualifies(module: nn.Module) -> str | None:
     if not (isinstance(fc1, SwitchBackLinear) and isinstance(fc2, SwitchBackLinear)):
         return None
     cfg = fc1.switchback_config
-    if cfg.fuse_norm and not cfg.fuses_mlp:
-        return "any"  # fc1's op, then the stock activation_fn and fc2: any activation
+    kind = activation_kind(module.activation_fn)
     # Config equality leaves kernel_options out (same numerics): a fused block runs with fc1's.
-    if not cfg.fuses_mlp or fc2.switchback_config != cfg:
-        return None
-    return activation_kind(module.activation_fn)
+    if cfg.fuses_mlp and fc2.switchback_config == cfg and kind is not None:
+        return kind, True
+    if cfg.fuse_norm or cfg.fuse_activation:
+        return kind, False
+    return None
+
+
+def _plain(layer: nn.Module) -> bool:
+    """A SwitchBackLinear whose forward is exactly its op (no subclass, no hooks, no inference cache): the op may
+    run in its place."""
+    return (
+        type(layer) is SwitchBackLinear
+        and not (layer._forward_hooks or layer._forward_pre_hooks)
+        and not has_weight_cache(layer)
+    )
 
 
 def _fused_config(module: nn.Module):
     """The SwitchBackConfig with which `module` (a block of our class) runs its own forward right now, else None
     (then the stock forward runs)."""
     fc1, fc2 = module.fc1, module.fc2
-    kind, act_type = getattr(module, _ACTIVATION_ATTR)
+    _, act_type, whole = getattr(module, _ACTIVATION_ATTR)
     cfg = fc1.switchback_config if isinstance(fc1, SwitchBackLinear) else None
     # Inference mode (prepare_for_inference) serves no-grad forwards from the layers' weight caches.
     if cfg is None or has_weight_cache(fc1):
         return None
-    if kind == "any":
-        # fc1's op replaces fc1's forward: only where that forward is exactly it, with no hooks to skip
-        plain = type(fc1) is SwitchBackLinear and not (fc1._forward_hooks or fc1._forward_pre_hooks)
-        return cfg if cfg.fuse_norm and not cfg.fuses_mlp and plain else None
+    if not whole:
+        # fc1's op replaces fc1's forward: only where that forward is exactly it
+        return cfg if (cfg.fuse_norm or cfg.fuse_activation) and not cfg.fuses_mlp and _plain(fc1) else None
     if (
         not isinstance(fc2, SwitchBackLinear)
         or not cfg.fuses_mlp
@@ -125,6 +140,26 @@ def quantized_input_config(module: nn.Module):
     return cfg if cfg is not None and cfg.fuse_norm else None
 
 
+def _activation_feeds_fc2(module: nn.Module, cfg, h: torch.Tensor) -> str | None:
+    """The activation kind when the activation should write fc2's 8-bit input right now (fuse_activation, fc2 a
+    plain layer of the same config running its 8-bit path), else None."""
+    kind, act_type, _ = getattr(module, _ACTIVATION_ATTR)
+    fc2 = module.fc2
+    if (
+        not cfg.fuse_activation
+        or kind is None
+        or type(module.activation_fn) is not act_type
+        or not _plain(fc2)
+    ):
+        return None
+    fc2_cfg = fc2.switchback_config
+    if not (fc2_cfg is cfg or fc2_cfg == cfg) or not runs_8bit(
+        fc2_cfg, h, (fc2.in_features, fc2.out_features)
+    ):
+        return None
+    return kind
+
+
 def _fused_forward(
     self, hidden_states: torch.Tensor, *, quantized_input: tuple[torch.Tensor, torch.Tensor] | None = None
 ) -> torch.Tensor:
@@ -135,13 +170,24 @@ def _fused_forward(
     if not cfg.fuse_norm:
         quantized_input = None
     fc1, fc2 = self.fc1, self.fc2
-    kind = getattr(self, _ACTIVATION_ATTR)[0]
-    if kind == "any":
-        h = switchback_linear(hidden_states, fc1.weight, fc1.bias, cfg, quantized_input=quantized_input)
+    kind, _, whole = getattr(self, _ACTIVATION_ATTR)
+    if whole:
+        return switchback_mlp(
+            hidden_states,
+            fc1.weight,
+            fc1.bias,
+            fc2.weight,
+            fc2.bias,
+            kind,
+            cfg,
+            quantized_input=quantized_input,
+        )
+    h = switchback_linear(hidden_states, fc1.weight, fc1.bias, cfg, quantized_input=quantized_input)
+    kind = _activation_feeds_fc2(self, cfg, h)
+    if kind is None:
         return fc2(self.activation_fn(h))
-    return switchback_mlp(
-        hidden_states, fc1.weight, fc1.bias, fc2.weight, fc2.bias, kind, cfg, quantized_input=quantized_input
-    )
+    a, a_quantized = activation_quantize(h, kind, cfg)
+    return switchback_linear(a, fc2.weight, fc2.bias, fc2.switchback_config, quantized_input=a_quantized)
 
 
 # unfused class -> its generated subclass, as _fused_class made them (read per call: see blocks/attention.py)
@@ -167,13 +213,14 @@ def sync_fused_mlps(model: nn.Module) -> int:
     """Fuse every block that qualifies, unfuse every fused block that no longer does; returns # fused."""
     fused = 0
     for module in model.modules():
-        kind = _qualifies(module)
-        if kind is not None:
+        qualified = _qualifies(module)
+        if qualified is not None:
             if not is_fused_mlp(module):
                 # A subclass of the module's own class that only adds a forward: the instance (Parameters, hooks,
                 # fully_shard's state) is untouched, and no other library's private state is read or written.
                 module.__class__ = _fused_class(type(module))
-            setattr(module, _ACTIVATION_ATTR, (kind, type(module.activation_fn)))
+            kind, whole = qualified
+            setattr(module, _ACTIVATION_ATTR, (kind, type(module.activation_fn), whole))
             fused += 1
         elif is_fused_mlp(module) and type(module) is _fused_class(_unfused_class(module)):
             # (A class derived from ours later, e.g. by fully_shard, is left as is: its forward falls back.)

@@ -16,8 +16,8 @@ from .functional import token_floor
 from .kernels import crossover
 from .modules import SwitchBackLinear
 
-# Instance attribute that mlp.py sets on a block of its class: (activation kind, ...); a kind other than "any"
-# marks a fused fc1 -> act -> fc2 block (the block's floor covers both shapes; "any": fc1's op alone).
+# Instance attribute that mlp.py sets on a block of its class: (activation kind, its type, whole); whole marks a
+# fused fc1 -> act -> fc2 op, whose floor covers both shapes (else each layer keeps its own).
 _FUSED_MLP_ATTR = "_switchback_activation"
 
 
@@ -30,8 +30,8 @@ def layer_floors(model: nn.Module, device: torch.device | str) -> dict[str, int]
     floors = {}
     for name, module in model.named_modules():
         children = {n: m for n, m in module.named_children() if isinstance(m, SwitchBackLinear)}
-        kind = getattr(module, _FUSED_MLP_ATTR, (None,))[0]
-        fused = kind not in (None, "any") and {"fc1", "fc2"} <= children.keys()
+        whole = getattr(module, _FUSED_MLP_ATTR, (None, None, False))[2]
+        fused = whole and {"fc1", "fc2"} <= children.keys()
         for child_name, child in children.items():
             shapes = [(child.in_features, child.out_features)]
             if fused:

@@ -5,7 +5,7 @@ A stock encoder layer computes x + attn(LN1(x)), then x + mlp(LN2(x)); with Swit
 q/k/v op and the MLP's fc1 op each quantize the LayerNorm's output in a pass of their own. When the attention
 block or the MLP runs as one of our generated classes with a fuse_norm config (blocks/attention.py, mlp.py),
 apply_switchback swaps the layer's class for a generated subclass whose forward is the stock one except that
-the LayerNorm before that block runs as blocks/layernorm.layernorm_quantize and hands the block its output's
+the LayerNorm before that block runs as blocks/producers.layernorm_quantize and hands the block its output's
 8-bit form as `quantized_input`. Nothing else changes: parameters, state_dict keys, the attention and MLP
 modules and their hooks (they are still called as modules), gradient checkpointing (the layer's __call__);
 remove_switchback restores the class. The forward re-checks at every call what still qualifies (a block
@@ -24,7 +24,7 @@ from torch import nn
 from ..functional import runs_8bit
 from ..mlp import quantized_input_config as mlp_quantized_input_config
 from .attention import quantized_input_config as attention_quantized_input_config
-from .layernorm import fusable_norm, layernorm_quantize
+from .producers import fusable_norm, layernorm_quantize
 
 _BASE_ATTR = "_switchback_layer_base"
 _PROJECTIONS = ("q_proj", "k_proj", "v_proj")

@@ -102,8 +102,9 @@ def _policy(op: KernelOp) -> Route:
 
         return gemm_act_backward
 
-    # dequantize_rowwise, scaled_matmul_recompute, layernorm_quantize_rowwise (one read of x for LayerNorm and
-    # quantize, measured faster than Inductor's fused pair) and the fp8 grad-weight operands (quantize_over_tokens,
+    # dequantize_rowwise, scaled_matmul_recompute, the producers that quantize (layernorm_quantize_rowwise,
+    # act_and_quantize_rowwise: one read of their input, on for config.fuse_norm / fuse_activation) and the
+    # fp8 grad-weight operands (quantize_over_tokens,
     # requantize_over_tokens: our traced kernels, see the module docstring): the operator itself
     return fixed(operator)
 

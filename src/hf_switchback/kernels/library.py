@@ -45,6 +45,10 @@ def _rows(x, qdtype=torch.int8, *_, **__):
     return x.new_empty(x.shape, dtype=qdtype), x.new_empty((x.shape[0],), dtype=torch.float32)
 
 
+def _act_rows(h, qdtype=torch.int8, *_, **__):
+    return (torch.empty_like(h), *_rows(h, qdtype))
+
+
 def _rows_colsum(x, qdtype=torch.int8, *_, **__):
     return (*_rows(x, qdtype), x.new_empty((x.shape[1],), dtype=torch.float32))
 
@@ -198,6 +202,8 @@ OPS: tuple[KernelOp, ...] = (
     # and the TMA kernel's host-side setup cannot be traced.
     KernelOp("scaled_matmul_recompute", _gemm, _GEMM_OPTIONS),
     KernelOp("act_quantize_rowwise", _rows, traceable=True),
+    # the separate MLP layers' activation writing fc2's input in 16 and 8 bits (config.fuse_activation)
+    KernelOp("act_and_quantize_rowwise", _act_rows, traceable=True),
     KernelOp("act_backward_quantize_colsum", _act_backward_colsum, ("act_backward_impl",), traceable=True),
     KernelOp(
         "scaled_matmul_act_backward",

@@ -70,6 +70,7 @@ CUDA: dict[str, Callable] = {
     "scaled_matmul": _scaled_matmul,
     "scaled_matmul_recompute": _scaled_matmul,
     "act_quantize_rowwise": _quantize.act_quantize_rowwise,
+    "act_and_quantize_rowwise": _quantize.act_and_quantize_rowwise,
     "act_backward_quantize_colsum": _act_backward,
     "scaled_matmul_act_backward": _gemm_act_backward,
 }

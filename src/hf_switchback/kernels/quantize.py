@@ -230,10 +230,12 @@ def _quantize_row_tiles(
     CHUNKS: tl.constexpr,
     ACT: tl.constexpr,
     COLSUM: tl.constexpr,
+    a_ptr,
+    WRITE_ACT: tl.constexpr,
 ):
-    # Row-wise quantize of the rows [pid * rows_per_program, ...) (of act(x) when ACT != 0, act(x) never
-    # written). COLSUM also sums them: part[pid, :] = their float32 column sum, so the bias gradient needs no
-    # second pass over x. rows_per_program is a multiple of BLOCK_M; the program walks its rows one tile of
+    # Row-wise quantize of the rows [pid * rows_per_program, ...) (of act(x) when ACT != 0; act(x) written to
+    # a_ptr, with q's strides, only when WRITE_ACT). COLSUM also sums them: part[pid, :] = their float32 column
+    # sum, so the bias gradient needs no second pass over x. rows_per_program is a multiple of BLOCK_M; the program walks its rows one tile of
     # BLOCK_M whole rows at a time.
     #
     # Whole rows stay in registers, so x is read from memory once and never re-read from L2 (a row's absmax
@@ -270,7 +272,12 @@ def _quantize_row_tiles(
         if ACT != 0:  # act(x) once per value, held as float32 pieces (zero stays zero in padded lanes)
             activated = ()
             for c in tl.static_range(CHUNKS):
-                activated = activated + (_act_fwd(x[c].to(tl.float32), x_ptr, ACT),)  # noqa: RUF005
+                a = _act_fwd(x[c].to(tl.float32), x_ptr, ACT)
+                if WRITE_ACT:  # a is rounded to x's dtype already (_act_fwd), so the store is exact
+                    cols = c * CHUNK + offs
+                    a_out = a_ptr + rows[:, None] * stride_qm + cols[None, :]
+                    tl.store(a_out, a.to(a_ptr.dtype.element_ty), mask=rmask[:, None] & (cols < K)[None, :])
+                activated = activated + (a,)  # noqa: RUF005
             x = activated
         absx = tl.abs(x[0].to(tl.float32))
         for c in tl.static_range(1, CHUNKS):
@@ -318,7 +325,7 @@ def _rowwise_colsum_kernel(
     # quantize_rowwise_colsum (the output gradient's quantize and the bias gradient)
     _quantize_row_tiles(
         x_ptr, q_ptr, s_ptr, part_ptr, M, K, stride_xm, stride_xk, stride_qm,
-        rows_per_program, QMAX_C, IS_INT, BLOCK_M, CHUNK, CHUNKS, 0, True,
+        rows_per_program, QMAX_C, IS_INT, BLOCK_M, CHUNK, CHUNKS, 0, True, x_ptr, False,
     )  # fmt: skip
 
 
@@ -344,7 +351,33 @@ def _rowwise_kernel(
     # column sums it does not write
     _quantize_row_tiles(
         x_ptr, q_ptr, s_ptr, s_ptr, M, K, stride_xm, stride_xk, stride_qm,
-        rows_per_program, QMAX_C, IS_INT, BLOCK_M, CHUNK, CHUNKS, ACT, False,
+        rows_per_program, QMAX_C, IS_INT, BLOCK_M, CHUNK, CHUNKS, ACT, False, x_ptr, False,
+    )  # fmt: skip
+
+
+@triton.jit
+def _act_and_rowwise_kernel(
+    x_ptr,
+    a_ptr,
+    q_ptr,
+    s_ptr,
+    M,
+    K,
+    stride_xm,
+    stride_xk,
+    stride_qm,
+    rows_per_program,
+    QMAX_C: tl.constexpr,
+    IS_INT: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    CHUNK: tl.constexpr,
+    CHUNKS: tl.constexpr,
+    ACT: tl.constexpr,
+):
+    # act_and_quantize_rowwise: act(x) written (the 16-bit input fc2's grad-weight GEMM reads) and quantized
+    _quantize_row_tiles(
+        x_ptr, q_ptr, s_ptr, s_ptr, M, K, stride_xm, stride_xk, stride_qm,
+        rows_per_program, QMAX_C, IS_INT, BLOCK_M, CHUNK, CHUNKS, ACT, False, a_ptr, True,
     )  # fmt: skip
 
 
@@ -600,6 +633,42 @@ def act_quantize_rowwise(
     if activation not in ACT_CODES or activation is None:
         raise ValueError(f"unsupported activation {activation!r}; expected one of {list(ACT_CODES)[1:]}")
     return _quantize_rowwise(h, qdtype, activation, wrap)
+
+
+def act_and_quantize_rowwise(
+    h: torch.Tensor, qdtype: torch.dtype, activation: str, *, wrap=None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(act(h) rounded to h's dtype, *quantize_rowwise of it): h read once, act(h) written once. Rows longer
+    than the one-pass limit take the activation's torch twin, then quantize_rowwise. wrap: as in
+    matmul.scaled_matmul."""
+    if activation not in ACT_CODES or activation is None:
+        raise ValueError(f"unsupported activation {activation!r}; expected one of {list(ACT_CODES)[1:]}")
+    m, k = h.shape
+    if k > _MAX_SINGLE_PASS:
+        a = reference.apply_activation(h, activation)
+        return (a, *_quantize_rowwise(a, qdtype, None, wrap))
+    a = torch.empty((m, k), dtype=h.dtype, device=h.device)
+    q = torch.empty((m, k), dtype=qdtype, device=h.device)
+    scale = torch.zeros((m,), dtype=torch.float32, device=h.device)
+    if m == 0 or k == 0:
+        return a, q, scale
+    launch = _row_tiles_launch(m, k, _sm_count(h.device))
+    grid = launch.pop("grid")
+    (wrap or launch_directly)(_act_and_rowwise_kernel)[grid](
+        h,
+        a,
+        q,
+        scale,
+        m,
+        k,
+        h.stride(0),
+        h.stride(1),
+        q.stride(0),
+        ACT=ACT_CODES[activation],
+        **launch,
+        **_scale_args(qdtype),
+    )
+    return a, q, scale
 
 
 def colsum_in_one_pass(x: torch.Tensor) -> bool:

@@ -188,6 +188,15 @@ def act_quantize_rowwise(
     return quantize_rowwise(apply_activation(h, activation), qdtype)
 
 
+def act_and_quantize_rowwise(
+    h: torch.Tensor, qdtype: torch.dtype, activation: str, *, options: KernelOptions | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(act(h), *quantize_rowwise(act(h))): the MLP's activation writing fc2's input in 16 bits (its grad-weight
+    GEMM reads it) and in 8 bits. The Triton twin reads h once."""
+    act = apply_activation(h, activation)
+    return (act, *quantize_rowwise(act, qdtype))
+
+
 def act_backward_quantize_colsum(
     grad: torch.Tensor,
     h: torch.Tensor,
@@ -318,6 +327,7 @@ def scaled_matmul(
 __all__ = [
     "ACTIVATIONS",
     "QMAX",
+    "act_and_quantize_rowwise",
     "act_backward_quantize_colsum",
     "act_quantize_rowwise",
     "activation_backward",

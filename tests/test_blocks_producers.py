@@ -1,5 +1,6 @@
-"""Quantize in the producer (config.fuse_norm: blocks/encoder_layer.py, blocks/layernorm.py) against the stock
-LayerNorm followed by the blocks' own quantize.
+"""Quantize in the producer (blocks/producers.py): the LayerNorms (config.fuse_norm, blocks/encoder_layer.py) and
+the MLP activation (config.fuse_activation, mlp.py) writing the next op's 8-bit input, against the stock
+LayerNorm / activation followed by the op's own quantize.
 
 Numerics claimed (the speed issue's criterion: fused paths equal to the unfused ones within the unfused path's
 own error): the LayerNorm's output and its 8-bit form are those of the stock LayerNorm -> quantize_rowwise
@@ -30,6 +31,8 @@ TORCH = SwitchBackConfig(backend="torch", min_tokens=0)
 # The four ways the blocks after the two LayerNorms run: separate layers, one q/k/v op, one MLP op, both
 # (memory_efficient fuses the MLP and saves 8-bit inputs).
 BLOCK_MODES = [{}, {"fuse_qkv": True}, {"fuse_mlp": True}, {"fuse_qkv": True, "memory_efficient": True}]
+# Every producer fused, on the GPU: the LayerNorms and the activation (separate MLP layers)
+ALL_PRODUCERS = {"fuse_qkv": True, "fuse_activation": True}
 
 
 def tiny_siglip_config():
@@ -77,16 +80,16 @@ def assert_within_own_error(got, want, exact):
         assert (g - w).norm().item() <= allowed, (name, (g - w).norm().item(), allowed)
 
 
-def count_norm_quantize(monkeypatch) -> list:
-    """Records the shape of every LayerNorm + quantize the reference kernels run."""
+def count_calls(monkeypatch, name: str = "layernorm_quantize_rowwise") -> list:
+    """Records the input shape of every call of the reference kernel `name`."""
     calls = []
-    twin = reference.layernorm_quantize_rowwise
+    twin = getattr(reference, name)
 
     def spy(x, *args, **kwargs):
         calls.append(tuple(x.shape))
         return twin(x, *args, **kwargs)
 
-    monkeypatch.setattr(reference, "layernorm_quantize_rowwise", spy)
+    monkeypatch.setattr(reference, name, spy)
     return calls
 
 
@@ -103,7 +106,7 @@ def test_fused_norms_train_like_the_stock_layernorm(kind, modes, monkeypatch):
     model = apply_switchback(copy.deepcopy(base), TORCH.replace(fuse_norm=True, **modes))
     layers = 4  # two per tower
     assert fused_layers(model) == layers
-    calls = count_norm_quantize(monkeypatch)
+    calls = count_calls(monkeypatch)
     assert_within_own_error(loss_and_grads(model), want, exact)
     # both LayerNorms of every layer wrote the 8-bit input; without fuse_qkv only the one before fc1
     assert len(calls) == (2 if modes.get("fuse_qkv") else 1) * layers
@@ -118,9 +121,39 @@ def test_fused_norms_under_autocast_quantize_the_rounded_output(kind, monkeypatc
     cfg = TORCH.replace(fuse_qkv=True)
     want = loss_and_grads(apply_switchback(copy.deepcopy(base), cfg), autocast=True)
     model = apply_switchback(copy.deepcopy(base), cfg.replace(fuse_norm=True))
-    calls = count_norm_quantize(monkeypatch)
+    calls = count_calls(monkeypatch)
     assert_within_own_error(loss_and_grads(model, autocast=True), want, exact)
     assert len(calls) == 8
+
+
+@pytest.mark.parametrize("kind", ["clip", "siglip"])
+@pytest.mark.parametrize("with_norm", [False, True])
+def test_fused_activation_trains_like_the_stock_mlp(kind, with_norm, monkeypatch):
+    """CLIP's quick_gelu, SigLIP's tanh GELU: the activation writes fc2's 8-bit input (and the LayerNorm fc1's)."""
+    base = make_model(kind)
+    exact = loss_and_grads(copy.deepcopy(base))
+    want = loss_and_grads(apply_switchback(copy.deepcopy(base), TORCH))
+    model = apply_switchback(copy.deepcopy(base), TORCH.replace(fuse_activation=True, fuse_norm=with_norm))
+    activations, norms = count_calls(monkeypatch, "act_and_quantize_rowwise"), count_calls(monkeypatch)
+    assert_within_own_error(loss_and_grads(model), want, exact)
+    assert len(activations) == 4 and len(norms) == (
+        4 if with_norm else 0
+    )  # one MLP (and LayerNorm 2) a layer
+    assert fused_layers(model) == (4 if with_norm else 0)
+
+
+def test_an_activation_the_kernels_lack_runs_as_its_module(monkeypatch):
+    base = make_model("clip")
+    base.vision_model.encoder.layers[0].mlp.activation_fn = nn.ReLU()  # before conversion
+    model = apply_switchback(copy.deepcopy(base), TORCH.replace(fuse_activation=True))
+    model.text_model.encoder.layers[1].mlp.activation_fn = nn.SiLU()  # after: not the type it was fused with
+    want_model = apply_switchback(copy.deepcopy(base), TORCH)
+    want_model.text_model.encoder.layers[1].mlp.activation_fn = nn.SiLU()
+    want = loss_and_grads(want_model)
+    calls = count_calls(monkeypatch, "act_and_quantize_rowwise")
+    logits, grads = loss_and_grads(model)
+    assert len(calls) == 2  # the two MLPs whose activation is still the fused kind
+    assert_within_own_error((logits, grads), want, loss_and_grads(copy.deepcopy(base)))
 
 
 def test_state_dict_remove_and_reapply_keep_the_model(tmp_path):
@@ -159,7 +192,7 @@ def test_below_the_token_floor_the_stock_layernorm_runs(monkeypatch):
     floor = TORCH.replace(min_tokens=10**6)
     want = loss_and_grads(apply_switchback(copy.deepcopy(base), floor))
     model = apply_switchback(copy.deepcopy(base), floor.replace(fuse_norm=True))
-    calls = count_norm_quantize(monkeypatch)
+    calls = count_calls(monkeypatch)
     logits, grads = loss_and_grads(model)
     assert torch.equal(logits, want[0]) and all(torch.equal(g, want[1][n]) for n, g in grads.items())
     assert calls == []
@@ -171,7 +204,7 @@ def test_a_hooked_or_replaced_layernorm_runs_as_a_module(monkeypatch):
     seen = []
     layer.layer_norm1.register_forward_hook(lambda m, args, out: seen.append(out.shape))
     layer.layer_norm2 = nn.Sequential(layer.layer_norm2)  # not a plain LayerNorm any more
-    calls = count_norm_quantize(monkeypatch)
+    calls = count_calls(monkeypatch)
     loss_and_grads(model)
     assert len(seen) == 1 and len(calls) == 8 - 2
 
@@ -190,11 +223,12 @@ def test_compiled_fused_layer_has_no_graph_break():
     torch.testing.assert_close(h.grad, want_grad, rtol=1e-5, atol=1e-6)
 
 
-def test_config_field_and_bad_quantized_input():
-    assert not SwitchBackConfig().fuse_norm
-    assert SwitchBackConfig.from_dict(TORCH.replace(fuse_norm=True).to_dict()).fuse_norm
-    with pytest.raises(TypeError, match="fuse_norm"):
-        SwitchBackConfig(fuse_norm="yes")
+def test_config_fields_and_bad_quantized_input():
+    for name in ("fuse_norm", "fuse_activation"):
+        assert not getattr(SwitchBackConfig(), name)
+        assert getattr(SwitchBackConfig.from_dict(TORCH.replace(**{name: True}).to_dict()), name)
+        with pytest.raises(TypeError, match=name):
+            SwitchBackConfig(**{name: "yes"})
     x, w = torch.randn(6, 8), torch.randn(4, 8)
     q, scale = reference.quantize_rowwise(x)
     torch.testing.assert_close(
@@ -208,7 +242,7 @@ def test_config_field_and_bad_quantized_input():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("precision", ["int8", "fp8"])
-@pytest.mark.parametrize("modes", BLOCK_MODES)
+@pytest.mark.parametrize("modes", [*BLOCK_MODES, ALL_PRODUCERS])
 def test_gpu_fused_norms_match_the_stock_layernorm(precision, modes):
     """The Triton kernels, bf16 autocast: within the unfused path's own error, as on the CPU."""
     base = make_model("clip").cuda()
@@ -224,7 +258,7 @@ def test_gpu_fused_norms_match_the_stock_layernorm(precision, modes):
 def test_gpu_compiled_fused_norms_match_eager():
     base = make_model("clip").cuda()
     exact = loss_and_grads(copy.deepcopy(base), "cuda", autocast=True)
-    cfg = SwitchBackConfig(min_tokens=0, fuse_norm=True, fuse_qkv=True)
+    cfg = SwitchBackConfig(min_tokens=0, fuse_norm=True, **ALL_PRODUCERS)
     want = loss_and_grads(apply_switchback(copy.deepcopy(base), cfg), "cuda", autocast=True)
     model = apply_switchback(copy.deepcopy(base), cfg)
     torch._dynamo.reset()

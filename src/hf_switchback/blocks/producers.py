@@ -1,14 +1,16 @@
-"""A LayerNorm that also writes the next linear's 8-bit input: the producer quantizes, so no separate pass over
-its output does (config.fuse_norm; blocks/encoder_layer.py wires it before q/k/v and fc1).
+"""Producers that quantize: a LayerNorm, or the MLP's activation, that also writes the next linear's 8-bit input,
+so no separate quantize pass reads its output (config.fuse_norm: blocks/encoder_layer.py wires the LayerNorms
+before q/k/v and fc1; config.fuse_activation: mlp.py wires the activation before fc2).
 
-forward   y = LayerNorm(x) in the linear's input dtype, and (q, scale) = quantize_rowwise(y) in the same
-          kernel (kernels operator layernorm_quantize_rowwise: its torch twin states the numerics), run outside
-          autograd. q and scale are handed to the linear's op as `quantized_input` and carry no gradient; y is
-          then given LayerNorm's gradient by a one-output autograd op: the linear's 16-bit grad-weight GEMM
-          (or nothing, with memory_efficient) reads it. (One op with the three outputs, q and scale marked
-          non-differentiable, got wrong gradients under torch.compile on torch 2.11.)
+forward   y = the producer's output in the linear's input dtype, and (q, scale) = quantize_rowwise(y) from the
+          same kernel (operators layernorm_quantize_rowwise and act_and_quantize_rowwise: their torch twins
+          state the numerics), run outside autograd. q and scale are handed to the linear's op as
+          `quantized_input` and carry no gradient; y is then given the producer's gradient by a one-output
+          autograd op: the linear's 16-bit grad-weight GEMM (or nothing, with memory_efficient) reads it. (One
+          op with the three outputs, q and scale marked non-differentiable, got wrong gradients under
+          torch.compile on torch 2.11.)
 backward  the stock LayerNorm backward (aten.native_layer_norm_backward) from x and the kernel's float32 mean
-          and rstd, with the gradient that reaches y.
+          and rstd; the activation's derivative at the saved input (kernels/reference.activation_backward).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from torch import nn
 from ..config import SwitchBackConfig
 from ..functional import _autocast_off, quantized_dtypes
 from ..kernels.backends import get_kernels
+from ..kernels.reference import activation_backward
 
 
 class _LayerNormGradFn(torch.autograd.Function):
@@ -84,4 +87,34 @@ def layernorm_quantize(
     return y.reshape(x.shape), (q, scale)
 
 
-__all__ = ["fusable_norm", "layernorm_quantize"]
+class _ActivationGradFn(torch.autograd.Function):
+    """Returns a (M, K) = act(h) as the fused kernel wrote it, with the activation's backward attached."""
+
+    @staticmethod
+    def forward(ctx, h, a, activation):
+        ctx.save_for_backward(h)
+        ctx.activation = activation
+        return a.view_as(a)
+
+    @staticmethod
+    def backward(ctx, grad_a):
+        (h,) = ctx.saved_tensors
+        return activation_backward(grad_a, h, ctx.activation), None, None
+
+
+def activation_quantize(
+    h: torch.Tensor, activation: str, config: SwitchBackConfig
+) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    """act(h) (*, K) in h's dtype, as the stock activation module computes it, and its row-wise 8-bit form in the
+    config's forward format: (a, (q (tokens, K), scale (tokens,))). activation: a kernels activation name."""
+    qdtype, _ = quantized_dtypes(config, h.device)
+    options = config.kernel_options
+    kernels = get_kernels(config.backend, h.device, options)
+    h2d = h.reshape(-1, h.shape[-1])
+    a, q, scale = kernels.act_and_quantize_rowwise(h2d.detach(), qdtype, activation, options=options)
+    with _autocast_off(h.device.type):
+        a = _ActivationGradFn.apply(h2d, a, activation)
+    return a.reshape(h.shape), (q, scale)
+
+
+__all__ = ["activation_quantize", "fusable_norm", "layernorm_quantize"]
