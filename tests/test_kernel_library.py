@@ -46,6 +46,11 @@ def _sample_args(name: str) -> list[tuple]:
             ),
             (zero_row.float(), None, None, 1e-6, torch.float8_e4m3fn, torch.bfloat16),
         ],
+        # float32 residual + bfloat16 delta (the encoder layer's add), and one dtype
+        "add_layernorm_quantize_rowwise": [
+            (x.float(), x, torch.randn(12), torch.randn(12), 1e-5, torch.int8, torch.bfloat16),
+            (x, zero_row, None, None, 1e-6, torch.float8_e4m3fn, x.dtype),
+        ],
         "quantize_rowwise": [(x, torch.int8), (zero_row, torch.float8_e4m3fn)],
         "quantize_rowwise_colsum": [(x, torch.int8), (w, torch.float8_e5m2)],
         "quantize_tensorwise": [(x, torch.int8), (w, torch.float8_e4m3fn)],

@@ -100,6 +100,12 @@ _INTERPRETED = textwrap.dedent(
             torch.testing.assert_close(got[1], ref[1], rtol=2 * torch.finfo(inp.dtype).eps, atol=0)
             torch.testing.assert_close(got[3], ref[3], rtol=1e-6, atol=1e-6)
             torch.testing.assert_close(got[4], ref[4], rtol=1e-6, atol=0)
+    # the residual add in the same kernel: h exactly torch's sum, the rest as the LayerNorm of h
+    d = (torch.randn(37, 70, generator=gen) * 2).bfloat16()
+    h, *got = norm_quant.add_layernorm_quantize_rowwise(x, d, w, b, 1e-5, torch.int8, torch.bfloat16)
+    assert torch.equal(h, x + d)
+    want = norm_quant.layernorm_quantize_rowwise(x + d, w, b, 1e-5, torch.int8, torch.bfloat16)
+    assert all(torch.equal(u, v) for u, v in zip(got, want, strict=True))
     y16 = norm_quant.layernorm_quantize_rowwise(x, w, b, 1e-5, torch.int8, torch.bfloat16)[2]
     y32 = twin.layernorm_quantize_rowwise(x, w, b, 1e-5, torch.int8, torch.float32)[2]
     # within one bfloat16 step (2**-7 relative): the interpreter's float32 -> bfloat16 cast may truncate
@@ -140,3 +146,22 @@ def test_kernel_matches_twin_on_gpu(dtype, qdtype, k):
     assert ((y.float() - y_t.float()).abs() <= ulp(y_t) + FLOAT32_ERR).all()
     check_close_to(layernorm64(x, weight, bias), y, q, scale, qdtype)
     assert (q.float() != q_t.float()).float().mean() < 1e-2  # differences stay rare
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "x_dtype,d_dtype", [(torch.float32, torch.bfloat16), (torch.bfloat16, torch.bfloat16)]
+)
+def test_add_kernel_is_the_add_then_the_layernorm_kernel(x_dtype, d_dtype):
+    """The residual add in LayerNorm 2's kernel: h bit for bit torch's x + delta (one rounding of the float32
+    sum to the promoted dtype), and every other output bit for bit the LayerNorm kernel's on that h."""
+    from hf_switchback.kernels import norm_quant
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    x = (torch.randn(4099, 1280, device="cuda", generator=gen) * 3).to(x_dtype)
+    d = torch.randn(4099, 1280, device="cuda", generator=gen).to(d_dtype)
+    w, b = torch.randn(1280, device="cuda", generator=gen), torch.randn(1280, device="cuda", generator=gen)
+    h, *got = norm_quant.add_layernorm_quantize_rowwise(x, d, w, b, EPS, torch.int8, torch.bfloat16)
+    assert h.dtype == torch.promote_types(x_dtype, d_dtype) and torch.equal(h, x + d)
+    want = norm_quant.layernorm_quantize_rowwise(x + d, w, b, EPS, torch.int8, torch.bfloat16)
+    assert all(torch.equal(u, v) for u, v in zip(got, want, strict=True))

@@ -24,7 +24,7 @@ from torch import nn
 from ..functional import runs_8bit
 from ..mlp import quantized_input_config as mlp_quantized_input_config
 from .attention import quantized_input_config as attention_quantized_input_config
-from .producers import fusable_norm, layernorm_quantize
+from .producers import add_layernorm_quantize, fusable_norm, layernorm_quantize
 
 _BASE_ATTR = "_switchback_layer_base"
 _PROJECTIONS = ("q_proj", "k_proj", "v_proj")
@@ -60,14 +60,27 @@ def _shapes(block: nn.Module, names: tuple[str, ...]) -> tuple[tuple[int, int], 
     return tuple((getattr(block, n).in_features, getattr(block, n).out_features) for n in names)
 
 
-def _normalize(
-    norm: nn.Module, x: torch.Tensor, block: nn.Module, config, shapes
-) -> tuple[torch.Tensor, dict]:
-    """(norm(x), the keyword arguments that hand `block` its 8-bit form: none where it does not qualify)."""
-    if config is None or not fusable_norm(norm, x) or not runs_8bit(config, x, *shapes):
+def _qualifies_now(norm: nn.Module, x: torch.Tensor, dtype: torch.dtype, config, shapes) -> bool:
+    return config is not None and fusable_norm(norm, x.shape[-1], dtype) and runs_8bit(config, x, *shapes)
+
+
+def _normalize(norm: nn.Module, x: torch.Tensor, config, shapes) -> tuple[torch.Tensor, dict]:
+    """(norm(x), the keyword arguments that hand the next block its 8-bit form: none where it does not
+    qualify)."""
+    if not _qualifies_now(norm, x, x.dtype, config, shapes):
         return norm(x), {}
     y, quantized = layernorm_quantize(x, norm, config)
     return y, {"quantized_input": quantized}
+
+
+def _add_normalize(norm: nn.Module, x: torch.Tensor, delta: torch.Tensor, config, shapes) -> tuple:
+    """(x + delta, norm(x + delta), the keyword arguments as in _normalize): one kernel where it qualifies."""
+    dtype = torch.promote_types(x.dtype, delta.dtype)
+    if delta.shape != x.shape or not _qualifies_now(norm, x, dtype, config, shapes):
+        h = x + delta
+        return (h, *_normalize(norm, h, config, shapes))
+    h, y, quantized = add_layernorm_quantize(x, delta, norm, config)
+    return h, y, {"quantized_input": quantized}
 
 
 def _fused_forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor, **kwargs) -> torch.Tensor:
@@ -75,16 +88,19 @@ def _fused_forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tens
     residual = hidden_states
     attn_config = attention_quantized_input_config(attn)
     shapes = _shapes(attn, _PROJECTIONS) if attn_config is not None else ()
-    normed, quantized = _normalize(self.layer_norm1, hidden_states, attn, attn_config, shapes)
-    hidden_states, _ = attn(hidden_states=normed, attention_mask=attention_mask, **quantized, **kwargs)
-    hidden_states = residual + hidden_states
+    normed, quantized = _normalize(self.layer_norm1, hidden_states, attn_config, shapes)
+    attn_out, _ = attn(hidden_states=normed, attention_mask=attention_mask, **quantized, **kwargs)
 
-    residual = hidden_states
     mlp_config = mlp_quantized_input_config(mlp)
     # fc1 alone decides a separate fc1's floor; a fused block needs both linears to pay (switchback_mlp)
     names = ("fc1",) if mlp_config is None or not mlp_config.fuses_mlp else ("fc1", "fc2")
     shapes = _shapes(mlp, names) if mlp_config is not None else ()
-    normed, quantized = _normalize(self.layer_norm2, hidden_states, mlp, mlp_config, shapes)
+    # the residual add joins LayerNorm 2's kernel: a separate add would write its sum and the LayerNorm read it
+    # back, where the stock layer's compiled add + LayerNorm is one kernel
+    hidden_states, normed, quantized = _add_normalize(
+        self.layer_norm2, residual, attn_out, mlp_config, shapes
+    )
+    residual = hidden_states
     hidden_states = mlp(normed, **quantized)
     return residual + hidden_states
 

@@ -10,7 +10,8 @@ forward   y = the producer's output in the linear's input dtype, and (q, scale) 
           op with the three outputs, q and scale marked non-differentiable, got wrong gradients under
           torch.compile on torch 2.11.)
 backward  the stock LayerNorm backward (aten.native_layer_norm_backward) from x and the kernel's float32 mean
-          and rstd; the activation's derivative at the saved input (kernels/reference.activation_backward).
+          and rstd; the stock GELU backward (aten.gelu_backward) at the saved input, quick_gelu's derivative in
+          float32 (kernels/reference.activation_backward).
 """
 
 from __future__ import annotations
@@ -50,14 +51,39 @@ class _LayerNormGradFn(torch.autograd.Function):
         return grad_x, grad_w, grad_b, None, None, None
 
 
-def fusable_norm(norm: nn.Module, x: torch.Tensor) -> bool:
-    """Whether `norm` can run as layernorm_quantize: a plain nn.LayerNorm over x's last axis, no hooks (its
-    forward is not called), parameters (if any) in x's dtype (the stock backward takes one dtype)."""
+def fusable_norm(norm: nn.Module, width: int, dtype: torch.dtype) -> bool:
+    """Whether `norm` can run as layernorm_quantize on rows of `width` values of `dtype`: a plain nn.LayerNorm
+    over them, no hooks (its forward is not called), parameters (if any) in that dtype (the stock backward
+    takes one dtype)."""
     if type(norm) is not nn.LayerNorm or norm._forward_hooks or norm._forward_pre_hooks:
         return False
-    if tuple(norm.normalized_shape) != (x.shape[-1],):
+    if tuple(norm.normalized_shape) != (width,):
         return False
-    return all(p is None or p.dtype == x.dtype for p in (norm.weight, norm.bias))
+    return all(p is None or p.dtype == dtype for p in (norm.weight, norm.bias))
+
+
+class _AddGradFn(torch.autograd.Function):
+    """Returns h = x + delta as the fused kernel wrote it, with the add's backward attached."""
+
+    @staticmethod
+    def forward(ctx, x, delta, h):
+        ctx.dtypes = (x.dtype, delta.dtype)
+        return h.view_as(h)
+
+    @staticmethod
+    def backward(ctx, grad_h):
+        x_dtype, delta_dtype = ctx.dtypes
+        return grad_h.to(x_dtype), grad_h.to(delta_dtype), None
+
+
+def _norm_args(x: torch.Tensor, norm: nn.LayerNorm, config: SwitchBackConfig) -> tuple:
+    """The kernel arguments after x: detached affine parameters, eps, 8-bit and output dtypes."""
+    device_type = x.device.type
+    out_dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else x.dtype
+    qdtype, _ = quantized_dtypes(config, x.device)
+    weight, bias = norm.weight, norm.bias
+    detached = (None if p is None else p.detach() for p in (weight, bias))
+    return (*detached, norm.eps, qdtype, out_dtype)
 
 
 def layernorm_quantize(
@@ -66,25 +92,33 @@ def layernorm_quantize(
     """norm(x) as the next SwitchBack linear receives it, and its row-wise 8-bit form in the config's forward
     format: (y (*, K) in the autocast dtype under autocast, else x's; (q (tokens, K), scale (tokens,))).
     Check fusable_norm first."""
-    device_type = x.device.type
-    out_dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else x.dtype
-    qdtype, _ = quantized_dtypes(config, x.device)
-    options = config.kernel_options
-    kernels = get_kernels(config.backend, x.device, options)
+    kernels = get_kernels(config.backend, x.device, config.kernel_options)
     x2d = x.reshape(-1, x.shape[-1])
-    weight, bias = norm.weight, norm.bias
     q, scale, y, mean, rstd = kernels.layernorm_quantize_rowwise(
-        x2d.detach(),
-        None if weight is None else weight.detach(),
-        None if bias is None else bias.detach(),
-        norm.eps,
-        qdtype,
-        out_dtype,
-        options=options,
+        x2d.detach(), *_norm_args(x, norm, config), options=config.kernel_options
     )
-    with _autocast_off(device_type):
-        y = _LayerNormGradFn.apply(x2d, weight, bias, y, mean, rstd)
+    with _autocast_off(x.device.type):
+        y = _LayerNormGradFn.apply(x2d, norm.weight, norm.bias, y, mean, rstd)
     return y.reshape(x.shape), (q, scale)
+
+
+def add_layernorm_quantize(
+    x: torch.Tensor, delta: torch.Tensor, norm: nn.LayerNorm, config: SwitchBackConfig
+) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    """The residual add x + delta (same shape) and layernorm_quantize of it from one kernel: (h = x + delta in
+    torch's promoted dtype, y, (q, scale)). Check fusable_norm on h's dtype first."""
+    kernels = get_kernels(config.backend, x.device, config.kernel_options)
+    x2d, delta2d = x.reshape(-1, x.shape[-1]), delta.reshape(-1, x.shape[-1])
+    h, q, scale, y, mean, rstd = kernels.add_layernorm_quantize_rowwise(
+        x2d.detach(), delta2d.detach(), *_norm_args(x, norm, config), options=config.kernel_options
+    )
+    with _autocast_off(x.device.type):
+        h = _AddGradFn.apply(x2d, delta2d, h)
+        y = _LayerNormGradFn.apply(h, norm.weight, norm.bias, y, mean, rstd)
+    return h.reshape(x.shape), y.reshape(x.shape), (q, scale)
+
+
+_GELU_APPROXIMATE = {"gelu": "none", "gelu_tanh": "tanh"}
 
 
 class _ActivationGradFn(torch.autograd.Function):
@@ -99,6 +133,10 @@ class _ActivationGradFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_a):
         (h,) = ctx.saved_tensors
+        if ctx.activation in _GELU_APPROXIMATE:
+            # the stock GELU module's own backward kernel (float32 inside, one rounding), one pass in eager too
+            approximate = _GELU_APPROXIMATE[ctx.activation]
+            return torch.ops.aten.gelu_backward(grad_a, h, approximate=approximate), None, None
         return activation_backward(grad_a, h, ctx.activation), None, None
 
 
@@ -117,4 +155,4 @@ def activation_quantize(
     return a.reshape(h.shape), (q, scale)
 
 
-__all__ = ["activation_quantize", "fusable_norm", "layernorm_quantize"]
+__all__ = ["activation_quantize", "add_layernorm_quantize", "fusable_norm", "layernorm_quantize"]

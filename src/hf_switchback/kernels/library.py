@@ -111,6 +111,11 @@ def _normalized_rows(x, weight, bias, eps, qdtype, out_dtype, **_):
     return (*_rows(x, qdtype), x.new_empty(x.shape, dtype=out_dtype), stats, torch.empty_like(stats))
 
 
+def _added_normalized_rows(x, delta, weight, bias, eps, qdtype, out_dtype, **_):
+    h = x.new_empty(x.shape, dtype=torch.promote_types(x.dtype, delta.dtype))
+    return (h, *_normalized_rows(x, weight, bias, eps, qdtype, out_dtype))
+
+
 @dataclass(frozen=True)
 class KernelOp:
     """One operator: `name` is its torch twin in reference.py, its `torch.ops.hf_switchback` name and the
@@ -187,6 +192,7 @@ _GEMM_OPTIONS = ("use_tma", "fp8_gemm")
 OPS: tuple[KernelOp, ...] = (
     # the LayerNorm before q/k/v or fc1 writing that linear's 8-bit input too (blocks/encoder_layer.py)
     KernelOp("layernorm_quantize_rowwise", _normalized_rows, traceable=True),
+    KernelOp("add_layernorm_quantize_rowwise", _added_normalized_rows, traceable=True),
     KernelOp("quantize_rowwise", _rows),
     KernelOp("quantize_rowwise_colsum", _rows_colsum, traceable=True),
     KernelOp("quantize_tensorwise", _tensor),

@@ -23,6 +23,8 @@ _TL_FLOAT = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float
 @triton.jit
 def _layernorm_quantize_kernel(
     x_ptr,
+    d_ptr,
+    h_ptr,
     w_ptr,
     b_ptr,
     y_ptr,
@@ -34,7 +36,11 @@ def _layernorm_quantize_kernel(
     K,
     stride_xm,
     stride_xk,
+    stride_dm,
+    stride_dk,
     eps,
+    ADD: tl.constexpr,
+    H_DTYPE: tl.constexpr,
     HAS_W: tl.constexpr,
     HAS_B: tl.constexpr,
     Y_DTYPE: tl.constexpr,
@@ -50,6 +56,12 @@ def _layernorm_quantize_kernel(
     mask = row_ok[:, None] & (offs < K)[None, :]
     x = tl.load(x_ptr + rows[:, None] * stride_xm + offs[None, :] * stride_xk, mask=mask, other=0.0)
     x = x.to(tl.float32)
+    out = rows[:, None] * K + offs[None, :]
+    if ADD:  # the residual add before the LayerNorm: h = x + d, rounded to h's dtype, written, normalized
+        d = tl.load(d_ptr + rows[:, None] * stride_dm + offs[None, :] * stride_dk, mask=mask, other=0.0)
+        h = (x + d.to(tl.float32)).to(H_DTYPE)
+        tl.store(h_ptr + out, h, mask=mask)
+        x = h.to(tl.float32)
     mean = tl.sum(x, axis=1) / K
     diff = tl.where(mask, x - mean[:, None], 0.0)
     # (.to: Inductor's launch passes the Python float eps as float64)
@@ -62,7 +74,6 @@ def _layernorm_quantize_kernel(
     # Quantize the y an unfused LayerNorm would have written: rounded once to the output dtype.
     y_out = y.to(Y_DTYPE)
     y = tl.where(mask, y_out.to(tl.float32), 0.0)
-    out = rows[:, None] * K + offs[None, :]
     tl.store(y_ptr + out, y_out, mask=mask)
     scale = tl.div_rn(_absmax(y, 1), QMAX_C)
     safe = tl.where(scale == 0.0, 1.0, scale)
@@ -85,6 +96,72 @@ def _launch_shape(block_k: int) -> tuple[int, int]:
     return _LAUNCH.get(block_k, (1, max(1, min(16, block_k // 256))))
 
 
+def _check(name: str, x: torch.Tensor, weight, bias, out_dtype: torch.dtype) -> None:
+    if x.dim() != 2:
+        raise ValueError(f"{name}: x must be 2-D (M, K), got shape {tuple(x.shape)}")
+    if x.dtype not in _TL_FLOAT or out_dtype not in _TL_FLOAT:
+        raise TypeError(
+            f"{name}: x and out_dtype must be float32, bfloat16 or float16, got {x.dtype} and {out_dtype}"
+        )
+    k = x.shape[1]
+    if k > _MAX_K:
+        raise ValueError(
+            f"{name}: rows of {k} values exceed the kernel's {_MAX_K}; use the twin in kernels/reference.py"
+        )
+    for label, p in (("weight", weight), ("bias", bias)):
+        if p is not None and p.shape != (k,):
+            raise ValueError(f"{name}: {label} must have shape ({k},), got {tuple(p.shape)}")
+
+
+def _launch(x, delta, weight, bias, eps, qdtype, out_dtype, wrap) -> tuple:
+    """(h or None, q, scale, y, mean, rstd); h = x + delta when delta is given, and the LayerNorm is of h."""
+    m, k = x.shape
+    device = x.device
+    h = (
+        None
+        if delta is None
+        else torch.empty((m, k), dtype=torch.promote_types(x.dtype, delta.dtype), device=device)
+    )
+    q = torch.empty((m, k), dtype=qdtype, device=device)
+    scale = torch.zeros((m,), dtype=torch.float32, device=device)
+    mean = torch.zeros((m,), dtype=torch.float32, device=device)
+    rstd = torch.zeros((m,), dtype=torch.float32, device=device)
+    y = torch.empty((m, k), dtype=out_dtype, device=device)
+    if m == 0 or k == 0:
+        return h, q, scale, y, mean, rstd
+    block = triton.next_power_of_2(k)
+    rows, warps = _launch_shape(block)
+    (wrap or launch_directly)(_layernorm_quantize_kernel)[(triton.cdiv(m, rows),)](
+        x,
+        x if delta is None else delta,  # unused pointers when there is no add
+        q if h is None else h,
+        weight.contiguous() if weight is not None else x,  # an unused pointer when absent
+        bias.contiguous() if bias is not None else x,
+        y,
+        q,
+        scale,
+        mean,
+        rstd,
+        m,
+        k,
+        x.stride(0),
+        x.stride(1),
+        0 if delta is None else delta.stride(0),
+        0 if delta is None else delta.stride(1),
+        float(eps),
+        ADD=delta is not None,
+        H_DTYPE=_TL_FLOAT[x.dtype if h is None else h.dtype],
+        HAS_W=weight is not None,
+        HAS_B=bias is not None,
+        Y_DTYPE=_TL_FLOAT[out_dtype],
+        ROWS=rows,
+        BLOCK_K=block,
+        num_warps=warps,
+        **_qargs(qdtype),
+    )
+    return h, q, scale, y, mean, rstd
+
+
 def layernorm_quantize_rowwise(
     x: torch.Tensor,
     weight: torch.Tensor | None,
@@ -97,57 +174,30 @@ def layernorm_quantize_rowwise(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Same arguments and outputs as the twin in kernels/reference.py; x on a CUDA device.
     wrap: as in matmul.scaled_matmul."""
-    if x.dim() != 2:
-        raise ValueError(f"layernorm_quantize_rowwise: x must be 2-D (M, K), got shape {tuple(x.shape)}")
-    if x.dtype not in _TL_FLOAT or out_dtype not in _TL_FLOAT:
-        raise TypeError(
-            "layernorm_quantize_rowwise: x and out_dtype must be float32, bfloat16 or float16, got "
-            f"{x.dtype} and {out_dtype}"
-        )
-    m, k = x.shape
-    if k > _MAX_K:
+    _check("layernorm_quantize_rowwise", x, weight, bias, out_dtype)
+    return _launch(x, None, weight, bias, eps, qdtype, out_dtype, wrap)[1:]
+
+
+def add_layernorm_quantize_rowwise(
+    x: torch.Tensor,
+    delta: torch.Tensor,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    eps: float,
+    qdtype: torch.dtype,
+    out_dtype: torch.dtype,
+    *,
+    wrap=None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Same arguments and outputs as the twin in kernels/reference.py; x and delta on a CUDA device.
+    wrap: as in matmul.scaled_matmul."""
+    _check("add_layernorm_quantize_rowwise", x, weight, bias, out_dtype)
+    if delta.shape != x.shape or delta.dtype not in _TL_FLOAT:
         raise ValueError(
-            f"layernorm_quantize_rowwise: rows of {k} values exceed the kernel's {_MAX_K}; use the twin in "
-            "kernels/reference.py"
+            f"add_layernorm_quantize_rowwise: delta must be a float tensor of x's shape {tuple(x.shape)}, got "
+            f"{tuple(delta.shape)} {delta.dtype}"
         )
-    for name, p in (("weight", weight), ("bias", bias)):
-        if p is not None and p.shape != (k,):
-            raise ValueError(
-                f"layernorm_quantize_rowwise: {name} must have shape ({k},), got {tuple(p.shape)}"
-            )
-    device = x.device
-    q = torch.empty((m, k), dtype=qdtype, device=device)
-    scale = torch.zeros((m,), dtype=torch.float32, device=device)
-    mean = torch.zeros((m,), dtype=torch.float32, device=device)
-    rstd = torch.zeros((m,), dtype=torch.float32, device=device)
-    y = torch.empty((m, k), dtype=out_dtype, device=device)
-    if m == 0 or k == 0:
-        return q, scale, y, mean, rstd
-    block = triton.next_power_of_2(k)
-    rows, warps = _launch_shape(block)
-    (wrap or launch_directly)(_layernorm_quantize_kernel)[(triton.cdiv(m, rows),)](
-        x,
-        weight.contiguous() if weight is not None else x,  # an unused pointer when absent
-        bias.contiguous() if bias is not None else x,
-        y,
-        q,
-        scale,
-        mean,
-        rstd,
-        m,
-        k,
-        x.stride(0),
-        x.stride(1),
-        float(eps),
-        HAS_W=weight is not None,
-        HAS_B=bias is not None,
-        Y_DTYPE=_TL_FLOAT[out_dtype],
-        ROWS=rows,
-        BLOCK_K=block,
-        num_warps=warps,
-        **_qargs(qdtype),
-    )
-    return q, scale, y, mean, rstd
+    return _launch(x, delta, weight, bias, eps, qdtype, out_dtype, wrap)
 
 
-__all__ = ["layernorm_quantize_rowwise"]
+__all__ = ["add_layernorm_quantize_rowwise", "layernorm_quantize_rowwise"]

@@ -59,6 +59,7 @@ def _gemm_act_backward(
 
 CUDA: dict[str, Callable] = {
     "layernorm_quantize_rowwise": _norm_quant.layernorm_quantize_rowwise,
+    "add_layernorm_quantize_rowwise": _norm_quant.add_layernorm_quantize_rowwise,
     "quantize_rowwise": _quantize.quantize_rowwise,
     "quantize_rowwise_colsum": _quantize_rowwise_colsum,
     "quantize_tensorwise": _quantize.quantize_tensorwise,

@@ -252,6 +252,28 @@ def layernorm_quantize_rowwise(
     return q, scale, y, mean, rstd
 
 
+def add_layernorm_quantize_rowwise(
+    x: torch.Tensor,
+    delta: torch.Tensor,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    eps: float,
+    qdtype: torch.dtype,
+    out_dtype: torch.dtype,
+    *,
+    options: KernelOptions | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The residual add before a LayerNorm, then layernorm_quantize_rowwise of its sum: (h = x + delta (M, K)
+    in torch's promoted dtype, as the unfused add writes it), then q, scale, y, mean, rstd of h. The Triton twin
+    reads x and delta once for all six outputs."""
+    if delta.shape != x.shape:
+        raise ValueError(
+            f"add_layernorm_quantize_rowwise: delta must have x's shape {tuple(x.shape)}, got {tuple(delta.shape)}"
+        )
+    h = x + delta
+    return (h, *layernorm_quantize_rowwise(h, weight, bias, eps, qdtype, out_dtype))
+
+
 def scaled_matmul_recompute(
     a_q: torch.Tensor,
     b_q: torch.Tensor,
@@ -331,6 +353,7 @@ __all__ = [
     "act_backward_quantize_colsum",
     "act_quantize_rowwise",
     "activation_backward",
+    "add_layernorm_quantize_rowwise",
     "apply_activation",
     "dequantize_rowwise",
     "dequantize_tensorwise",
