@@ -21,7 +21,8 @@ from transformers.models.siglip.modeling_siglip import SiglipAttention
 from hf_switchback import SwitchBackConfig, SwitchBackLinear, apply_switchback, remove_switchback
 from hf_switchback.blocks import is_fused_attention, switchback_qkv
 
-TORCH = SwitchBackConfig(backend="torch", min_tokens=0)
+# fuse_norm off: it fuses LayerNorm 1 only into fused q/k/v, which would make the two sides differ by more than q/k/v
+TORCH = SwitchBackConfig(backend="torch", min_tokens=0, fuse_norm=False)
 FUSED = TORCH.replace(fuse_qkv=True)
 ATTENTION = (CLIPAttention, SiglipAttention)
 # Allowed loss of grad-input SNR (dB) against float64 when q, k, v share one gradient scale per token. Measured

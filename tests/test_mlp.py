@@ -88,8 +88,10 @@ def test_fused_block_matches_separate_layers_and_float64(variant, hidden_act, me
     )
     plain = make_mlp(hidden_act)
     fused = apply_switchback(copy.deepcopy(plain), cfg)
-    separate = apply_switchback(copy.deepcopy(plain), cfg.replace(fuse_mlp=False))
-    full = apply_switchback(copy.deepcopy(plain), cfg.replace(fuse_mlp=False, memory_efficient=False))
+    # the stock three ops: no producer writes an 8-bit input either
+    stock = cfg.replace(fuse_mlp=False, fuse_norm=False, fuse_activation=False)
+    separate = apply_switchback(copy.deepcopy(plain), stock)
+    full = apply_switchback(copy.deepcopy(plain), stock.replace(memory_efficient=False))
     assert is_fused_mlp(fused) and not is_fused_mlp(separate) and type(separate) is CLIPMLP
     x, g = torch.randn(2, 41, 48), torch.randn(2, 41, 48)
     got, sep = run(fused, x, g), run(separate, x, g)
@@ -209,6 +211,8 @@ def test_only_fully_converted_blocks_with_one_config_fuse():
     # unsupported activation: the block stays three ops
     relu = make_mlp("relu")
     apply_switchback(relu, TORCH)
+    assert not is_fused_mlp(relu)
+    apply_switchback(relu, TORCH.replace(fuse_norm=False))  # nothing for our class to do: the stock class
     assert type(relu) is CLIPMLP
 
 

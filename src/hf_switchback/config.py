@@ -191,20 +191,20 @@ class SwitchBackConfig:
     # and v (grad-input within the separate layers' own 8-bit error, not bit-identical), and runs one 16-bit
     # grad-weight GEMM for all three. Off by default until measured faster end to end.
     fuse_qkv: bool = False
-    # Quantize in the producer: in a transformers CLIP / SigLIP encoder layer, the LayerNorm before q/k/v (when
-    # they run as one op: fuse_qkv) and the one before fc1 (fc1 converted with this config, the MLP fused or
-    # not) also write that op's row-wise 8-bit input in the same kernel (blocks/encoder_layer.py), so no
-    # separate quantize pass reads their output. Numerics: the unfused LayerNorm -> quantize pipeline's, y
-    # computed in float32 and rounded once to the linear's input dtype (kernels/reference.py states it; the
-    # Triton kernel sums in another order, within one rounding of y). Off by default until measured faster end
-    # to end.
-    fuse_norm: bool = False
+    # Quantize in the producer: in a transformers CLIP / SigLIP encoder layer, the LayerNorm before fc1 (fc1
+    # converted with this config, the MLP fused or not; with the residual add before it in the same kernel)
+    # and the one before q/k/v (when they run as one op: fuse_qkv) also write that op's row-wise 8-bit input
+    # (blocks/encoder_layer.py), so no separate quantize pass reads their output. Numerics: the unfused add ->
+    # LayerNorm -> quantize pipeline's, y computed in float32 and rounded once to the linear's input dtype
+    # (kernels/reference.py states it; the Triton kernel sums in another order, within one rounding of y).
+    # On by default: faster under torch.compile and in eager mode (BENCHMARKS.md, Whole training step).
+    fuse_norm: bool = True
     # Quantize in the producer, in the MLP: where fc1 and fc2 of a transformers CLIP / SigLIP MLP run as separate
     # SwitchBack layers (fuse_mlp off) with this config, the activation between them runs as one kernel that
     # writes act(fc1's output) in 16 bits (fc2's grad-weight GEMM reads it) and fc2's row-wise 8-bit input (mlp.py),
     # instead of the activation then fc2's own quantize pass. Numerics: the unfused pipeline's (act in float32,
-    # rounded once to the 16-bit dtype, that rounding quantized). Off by default until measured faster end to end.
-    fuse_activation: bool = False
+    # rounded once to the 16-bit dtype, that rounding quantized). On by default, as fuse_norm.
+    fuse_activation: bool = True
     # How the GPU kernels run (kernels/options.py): implementation choices with the same numerics, so a
     # run-time choice rather than part of the model. Not written to config.json (to_dict leaves it out) and not
     # compared (two configs that differ only here are the same quantization). Each layer carries its own, so

@@ -93,7 +93,7 @@ def _qualifies(module: nn.Module) -> tuple[str | None, bool] | None:
     # Config equality leaves kernel_options out (same numerics): a fused block runs with fc1's.
     if cfg.fuses_mlp and fc2.switchback_config == cfg and kind is not None:
         return kind, True
-    if cfg.fuse_norm or cfg.fuse_activation:
+    if cfg.fuse_norm or (cfg.fuse_activation and kind is not None):
         return kind, False
     return None
 
@@ -206,23 +206,30 @@ def _fused_class(base: type) -> type:
 
 
 def is_fused_mlp(module: nn.Module) -> bool:
+    """True when `module` runs fc1 -> act -> fc2 as one op (our class, fuse_mlp): not for a block of our class that
+    runs the layers' own ops with their producers' 8-bit inputs (fuse_norm, fuse_activation)."""
+    return _has_our_class(module) and getattr(module, _ACTIVATION_ATTR, (None, None, False))[2]
+
+
+def _has_our_class(module: nn.Module) -> bool:
     return getattr(type(module), "_switchback_unfused_class", None) is not None
 
 
 def sync_fused_mlps(model: nn.Module) -> int:
-    """Fuse every block that qualifies, unfuse every fused block that no longer does; returns # fused."""
+    """Give every block that qualifies our class (fused, or running its layers' ops with their producers' 8-bit
+    inputs), every block of ours that no longer qualifies its class back; returns the number fused (one op)."""
     fused = 0
     for module in model.modules():
         qualified = _qualifies(module)
         if qualified is not None:
-            if not is_fused_mlp(module):
+            if not _has_our_class(module):
                 # A subclass of the module's own class that only adds a forward: the instance (Parameters, hooks,
                 # fully_shard's state) is untouched, and no other library's private state is read or written.
                 module.__class__ = _fused_class(type(module))
             kind, whole = qualified
             setattr(module, _ACTIVATION_ATTR, (kind, type(module.activation_fn), whole))
-            fused += 1
-        elif is_fused_mlp(module) and type(module) is _fused_class(_unfused_class(module)):
+            fused += whole
+        elif _has_our_class(module) and type(module) is _fused_class(_unfused_class(module)):
             # (A class derived from ours later, e.g. by fully_shard, is left as is: its forward falls back.)
             module.__class__ = _unfused_class(module)
             module.__dict__.pop(_ACTIVATION_ATTR, None)

@@ -38,6 +38,8 @@ class _LayerNormGradFn(torch.autograd.Function):
     def backward(ctx, grad_y):
         x, weight, bias, mean, rstd = ctx.saved_tensors
         m, k = x.shape
+        if not x.is_cuda:  # torch's CPU LayerNorm keeps its statistics in x's dtype (CUDA's: float32)
+            mean, rstd = mean.to(x.dtype), rstd.to(x.dtype)
         grad_x, grad_w, grad_b = torch.ops.aten.native_layer_norm_backward(
             grad_y.to(x.dtype),
             x,

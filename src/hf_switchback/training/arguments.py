@@ -117,6 +117,17 @@ class SwitchBackArguments:
         "--memory_efficient.",
         unset="on with --memory_efficient, else off",
     )
+    fuse_norm: bool | None = switch(
+        None,
+        "Let each encoder layer's LayerNorm (with the residual add before it) write the next SwitchBack op's 8-bit "
+        "input in the same kernel instead of a separate quantize pass.",
+        unset="on (the library default)",
+    )
+    fuse_activation: bool | None = switch(
+        None,
+        "Let the MLP activation write fc2's 8-bit input in the same kernel (separate MLP layers).",
+        unset="on (the library default)",
+    )
     # arg() returns a dataclasses.field (default None), not a list shared between instances
     target_modules: list[str] | None = arg(  # noqa: RUF009
         None, "Module names / dotted suffixes to swap.", unset=" ".join(_LIBRARY.target_modules)

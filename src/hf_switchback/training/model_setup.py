@@ -36,6 +36,8 @@ SWITCHBACK_FLAGS = (
     "grad_precision",
     "wgrad_precision",
     "fuse_mlp",
+    "fuse_norm",
+    "fuse_activation",
     "target_modules",
     "exclude_modules",
     "backend",
