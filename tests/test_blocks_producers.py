@@ -68,8 +68,13 @@ def loss_and_grads(model: nn.Module, device: str = "cpu", autocast: bool = False
     }
 
 
-def assert_within_own_error(got, want, exact):
-    """got (fused) within the distance of want (unfused SwitchBack) from exact (16-bit), tensor by tensor."""
+def assert_within_own_error(got, want, exact, independent: bool = False):
+    """got (fused) within the distance of want (unfused SwitchBack) from exact (16-bit), tensor by tensor.
+
+    independent: got's 8-bit rounding is not want's (the Triton LayerNorm sums in another order, so values move
+    across rounding boundaries all over the model): two independent 8-bit errors of one size lie about sqrt(2)
+    times that size apart, so then got must be as accurate as want instead: its own distance from exact at most
+    1.5 times want's."""
     assert got[1].keys() == want[1].keys() == exact[1].keys()
     pairs = [("logits", got[0], want[0], exact[0])]
     pairs += [
@@ -79,8 +84,12 @@ def assert_within_own_error(got, want, exact):
     ]
     for name, g, w, e in pairs:
         g, w, e = g.double(), w.double(), e.double()
-        allowed = (w - e).norm().item() + 1e-6 * e.norm().item()
-        assert (g - w).norm().item() <= allowed, (name, (g - w).norm().item(), allowed)
+        own = (w - e).norm().item()
+        floor = 1e-6 * e.norm().item()
+        if independent:
+            assert (g - e).norm().item() <= 1.5 * own + floor, (name, (g - e).norm().item(), own)
+        else:
+            assert (g - w).norm().item() <= own + floor, (name, (g - w).norm().item(), own)
 
 
 def count_calls(monkeypatch, name: str = "layernorm_quantize_rowwise") -> list:
@@ -247,7 +256,7 @@ def test_config_fields_and_bad_quantized_input():
 @pytest.mark.parametrize("precision", ["int8", "fp8"])
 @pytest.mark.parametrize("modes", [*BLOCK_MODES, ALL_PRODUCERS])
 def test_gpu_fused_norms_match_the_stock_layernorm(precision, modes):
-    """The Triton kernels, bf16 autocast: within the unfused path's own error, as on the CPU."""
+    """The Triton kernels, bf16 autocast: as accurate as the unfused path (see assert_within_own_error)."""
     base = make_model("clip").cuda()
     exact = loss_and_grads(copy.deepcopy(base), "cuda", autocast=True)
     cfg = SwitchBackConfig(min_tokens=0, precision=precision, **modes)
@@ -255,7 +264,7 @@ def test_gpu_fused_norms_match_the_stock_layernorm(precision, modes):
     want = loss_and_grads(apply_switchback(copy.deepcopy(base), stock), "cuda", autocast=True)
     model = apply_switchback(copy.deepcopy(base), cfg)
     assert fused_layers(model) == 4
-    assert_within_own_error(loss_and_grads(model, "cuda", autocast=True), want, exact)
+    assert_within_own_error(loss_and_grads(model, "cuda", autocast=True), want, exact, independent=True)
 
 
 @pytest.mark.gpu
@@ -267,4 +276,4 @@ def test_gpu_compiled_fused_norms_match_eager():
     model = apply_switchback(copy.deepcopy(base), cfg)
     torch._dynamo.reset()
     compiled = torch.compile(model, fullgraph=True)
-    assert_within_own_error(loss_and_grads(compiled, "cuda", autocast=True), want, exact)
+    assert_within_own_error(loss_and_grads(compiled, "cuda", autocast=True), want, exact, independent=True)
