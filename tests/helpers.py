@@ -71,6 +71,36 @@ def tiny_clip_config(
     return CLIPConfig(text_config=text, vision_config=vision, projection_dim=16)
 
 
+def tiny_siglip_pair_config():
+    """A SiglipConfig with two small towers of 2 layers (hidden 32), the size of tiny_clip_config(hidden=64)'s."""
+    from transformers import SiglipConfig
+
+    tower = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2)
+    text = dict(
+        tower, vocab_size=64, max_position_embeddings=16, bos_token_id=2, eos_token_id=3, pad_token_id=0
+    )
+    return SiglipConfig(text_config=text, vision_config=dict(tower, patch_size=8, image_size=16))
+
+
+def tiny_pair_model(kind: str):
+    """A seeded tiny CLIPModel ("clip") or SiglipModel ("siglip") for block-level comparisons."""
+    from transformers import CLIPModel, SiglipModel
+
+    torch.manual_seed(0)
+    return (
+        CLIPModel(tiny_clip_config(hidden=64)) if kind == "clip" else SiglipModel(tiny_siglip_pair_config())
+    )
+
+
+def tiny_pair_inputs(batch: int = 4, device: str = "cpu") -> dict[str, torch.Tensor]:
+    """A seeded text + image batch for tiny_pair_model: bos ... eos token ids (CLIP pools at eos), 16 x 16 images."""
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(4, 60, (batch, 12), generator=g)
+    ids[:, 0], ids[:, -1] = 0, 1
+    inputs = {"input_ids": ids, "pixel_values": torch.randn(batch, 3, 16, 16, generator=g)}
+    return {k: v.to(device) for k, v in inputs.items()}
+
+
 def free_port() -> int:
     """A TCP port free on 127.0.0.1 right now (for a process group's rendezvous)."""
     with socket.socket() as s:

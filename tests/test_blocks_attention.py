@@ -12,9 +12,9 @@ import copy
 
 import pytest
 import torch
-from helpers import snr_db, tiny_clip_config
+from helpers import snr_db, tiny_pair_inputs, tiny_pair_model
 from torch import nn
-from transformers import CLIPModel, SiglipConfig, SiglipModel
+from transformers import CLIPModel
 from transformers.models.clip.modeling_clip import CLIPAttention
 from transformers.models.siglip.modeling_siglip import SiglipAttention
 
@@ -31,29 +31,9 @@ ATTENTION = (CLIPAttention, SiglipAttention)
 SHARED_SCALE_DB = 3.0
 
 
-def tiny_siglip_config():
-    tower = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2)
-    text = dict(
-        tower, vocab_size=64, max_position_embeddings=16, bos_token_id=2, eos_token_id=3, pad_token_id=0
-    )
-    return SiglipConfig(text_config=text, vision_config=dict(tower, patch_size=8, image_size=16))
-
-
-def make_model(kind: str) -> nn.Module:
-    torch.manual_seed(0)
-    return CLIPModel(tiny_clip_config(hidden=64)) if kind == "clip" else SiglipModel(tiny_siglip_config())
-
-
-def model_inputs(batch: int = 4) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(1)
-    ids = torch.randint(4, 60, (batch, 12), generator=g)
-    ids[:, 0], ids[:, -1] = 0, 1  # bos ... eos: CLIP pools the text at the eos token
-    return {"input_ids": ids, "pixel_values": torch.randn(batch, 3, 16, 16, generator=g)}
-
-
 def loss_and_grads(model: nn.Module) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     dtype = next(model.parameters()).dtype
-    batch = {k: v.to(dtype) if v.is_floating_point() else v for k, v in model_inputs().items()}
+    batch = {k: v.to(dtype) if v.is_floating_point() else v for k, v in tiny_pair_inputs().items()}
     out = model(**batch, return_loss=True)
     out.loss.backward()
     return out.logits_per_image, {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
@@ -133,7 +113,7 @@ def test_switchback_qkv_small_batches_and_errors():
 
 @pytest.mark.parametrize("kind", ["clip", "siglip"])
 def test_fused_model_matches_separate_layers(kind):
-    plain = make_model(kind)
+    plain = tiny_pair_model(kind)
     keys = list(plain.state_dict())
     separate = apply_switchback(copy.deepcopy(plain), TORCH)
     fused = apply_switchback(copy.deepcopy(plain), FUSED)
@@ -153,7 +133,7 @@ def test_fused_model_matches_separate_layers(kind):
 
 
 def test_save_load_round_trip_and_remove(tmp_path):
-    plain = make_model("clip")
+    plain = tiny_pair_model("clip")
     plain.save_pretrained(tmp_path / "plain")
     loaded = CLIPModel.from_pretrained(tmp_path / "plain", quantization_config=FUSED)
     assert fused_count(loaded) == 4
@@ -161,7 +141,7 @@ def test_save_load_round_trip_and_remove(tmp_path):
     again = CLIPModel.from_pretrained(tmp_path / "fused")
     assert again.config.quantization_config.fuse_qkv and fused_count(again) == 4
     with torch.no_grad():
-        a, b = loaded(**model_inputs()), again(**model_inputs())
+        a, b = loaded(**tiny_pair_inputs()), again(**tiny_pair_inputs())
     assert torch.equal(a.logits_per_image, b.logits_per_image)
 
     remove_switchback(again)
@@ -171,7 +151,7 @@ def test_save_load_round_trip_and_remove(tmp_path):
     reference = CLIPModel.from_pretrained(tmp_path / "plain")
     with torch.no_grad():
         torch.testing.assert_close(
-            again(**model_inputs()).logits_per_image, reference(**model_inputs()).logits_per_image
+            again(**tiny_pair_inputs()).logits_per_image, reference(**tiny_pair_inputs()).logits_per_image
         )
 
 
@@ -181,7 +161,7 @@ def test_config_field_and_fallbacks():
     with pytest.raises(TypeError, match="fuse_qkv"):
         SwitchBackConfig(fuse_qkv="yes")
 
-    model = make_model("clip")
+    model = tiny_pair_model("clip")
     apply_switchback(model, FUSED.replace(exclude_modules=["v_proj"]))  # a projection left 16-bit
     assert fused_count(model) == 0
     remove_switchback(model)
@@ -208,7 +188,7 @@ def test_config_field_and_fallbacks():
 
 def test_peft_lora_on_q_proj_falls_back():
     peft = pytest.importorskip("peft")
-    model = apply_switchback(make_model("clip"), FUSED)
+    model = apply_switchback(tiny_pair_model("clip"), FUSED)
     lora = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["q_proj"]))
     attn = lora.base_model.model.vision_model.encoder.layers[0].self_attn
     assert not isinstance(attn.q_proj, SwitchBackLinear)
@@ -216,13 +196,13 @@ def test_peft_lora_on_q_proj_falls_back():
     x = torch.randn(2, 5, 64)
     expect = CLIPAttention.forward(attn, x)[0]
     assert torch.equal(attn(x)[0], expect)
-    out = lora(**model_inputs(), return_loss=True)
+    out = lora(**tiny_pair_inputs(), return_loss=True)
     out.loss.backward()
     assert attn.q_proj.lora_A["default"].weight.grad is not None
 
 
 def test_torch_compile_smoke():
-    model = apply_switchback(make_model("clip"), FUSED)
+    model = apply_switchback(tiny_pair_model("clip"), FUSED)
     eager_logits, eager_grads = loss_and_grads(copy.deepcopy(model))
     compiled = copy.deepcopy(model)
     compiled.vision_model.encoder.layers[0].self_attn.compile(backend="aot_eager")
@@ -255,11 +235,11 @@ def test_triton_fused_matches_separate_layers(precision, weight_scaling):
 
 
 def test_autocast_and_gradient_checkpointing_match_separate_layers():
-    plain = make_model("clip")
+    plain = tiny_pair_model("clip")
     separate = apply_switchback(copy.deepcopy(plain), TORCH)
     fused = apply_switchback(copy.deepcopy(plain), FUSED)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        a, b = separate(**model_inputs()), fused(**model_inputs())
+        a, b = separate(**tiny_pair_inputs()), fused(**tiny_pair_inputs())
     assert a.logits_per_image.dtype == b.logits_per_image.dtype
     assert torch.equal(a.logits_per_image, b.logits_per_image)
 

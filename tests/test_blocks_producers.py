@@ -1,5 +1,5 @@
 """Quantize in the producer (blocks/producers.py): the LayerNorms (config.fuse_norm, blocks/encoder_layer.py) and
-the MLP activation (config.fuse_activation, mlp.py) writing the next op's 8-bit input, against the stock
+the MLP activation (config.fuse_activation, blocks/mlp.py) writing the next op's 8-bit input, against the stock
 LayerNorm / activation followed by the op's own quantize.
 
 Numerics claimed (the speed issue's criterion: fused paths equal to the unfused ones within the unfused path's
@@ -18,9 +18,8 @@ import copy
 
 import pytest
 import torch
-from helpers import tiny_clip_config
+from helpers import tiny_pair_inputs, tiny_pair_model
 from torch import nn
-from transformers import CLIPModel, SiglipConfig, SiglipModel
 
 from hf_switchback import SwitchBackConfig, apply_switchback, remove_switchback
 from hf_switchback.blocks.encoder_layer import is_fused_layer
@@ -37,30 +36,9 @@ BLOCK_MODES = [{}, {"fuse_qkv": True}, {"fuse_mlp": True}, {"fuse_qkv": True, "m
 ALL_PRODUCERS = {"fuse_qkv": True, "fuse_activation": True}
 
 
-def tiny_siglip_config():
-    tower = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2)
-    text = dict(
-        tower, vocab_size=64, max_position_embeddings=16, bos_token_id=2, eos_token_id=3, pad_token_id=0
-    )
-    return SiglipConfig(text_config=text, vision_config=dict(tower, patch_size=8, image_size=16))
-
-
-def make_model(kind: str) -> nn.Module:
-    torch.manual_seed(0)
-    return CLIPModel(tiny_clip_config(hidden=64)) if kind == "clip" else SiglipModel(tiny_siglip_config())
-
-
-def model_inputs(batch: int = 4, device: str = "cpu") -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(1)
-    ids = torch.randint(4, 60, (batch, 12), generator=g)
-    ids[:, 0], ids[:, -1] = 0, 1
-    batch = {"input_ids": ids, "pixel_values": torch.randn(batch, 3, 16, 16, generator=g)}
-    return {k: v.to(device) for k, v in batch.items()}
-
-
 def loss_and_grads(model: nn.Module, device: str = "cpu", autocast: bool = False):
     with torch.autocast(device, dtype=torch.bfloat16, enabled=autocast):
-        out = model(**model_inputs(device=device), return_loss=True)
+        out = model(**tiny_pair_inputs(device=device), return_loss=True)
     out.loss.backward()
     # (a compiled model's names carry the wrapper's prefix)
     return out.logits_per_image.float(), {
@@ -119,7 +97,7 @@ def fused_layers(model: nn.Module) -> int:
 @pytest.mark.parametrize("kind", ["clip", "siglip"])
 @pytest.mark.parametrize("modes", BLOCK_MODES)
 def test_fused_norms_train_like_the_stock_layernorm(kind, modes, monkeypatch):
-    base = make_model(kind)
+    base = tiny_pair_model(kind)
     exact = loss_and_grads(copy.deepcopy(base))
     want = loss_and_grads(apply_switchback(copy.deepcopy(base), STOCK.replace(**modes)))
     model = apply_switchback(copy.deepcopy(base), STOCK.replace(fuse_norm=True, **modes))
@@ -135,7 +113,7 @@ def test_fused_norms_train_like_the_stock_layernorm(kind, modes, monkeypatch):
 def test_fused_norms_under_autocast_quantize_the_rounded_output(kind, monkeypatch):
     """Under bf16 autocast the stock LayerNorm runs in float32 and the linear casts its output to bfloat16: the
     fused LayerNorm writes that bfloat16 rounding and quantizes it."""
-    base = make_model(kind)
+    base = tiny_pair_model(kind)
     exact = loss_and_grads(copy.deepcopy(base), autocast=True)
     cfg = STOCK.replace(fuse_qkv=True)
     want = loss_and_grads(apply_switchback(copy.deepcopy(base), cfg), autocast=True)
@@ -149,7 +127,7 @@ def test_fused_norms_under_autocast_quantize_the_rounded_output(kind, monkeypatc
 @pytest.mark.parametrize("with_norm", [False, True])
 def test_fused_activation_trains_like_the_stock_mlp(kind, with_norm, monkeypatch):
     """CLIP's quick_gelu, SigLIP's tanh GELU: the activation writes fc2's 8-bit input (and the LayerNorm fc1's)."""
-    base = make_model(kind)
+    base = tiny_pair_model(kind)
     exact = loss_and_grads(copy.deepcopy(base))
     want = loss_and_grads(apply_switchback(copy.deepcopy(base), STOCK))
     model = apply_switchback(copy.deepcopy(base), STOCK.replace(fuse_activation=True, fuse_norm=with_norm))
@@ -162,7 +140,7 @@ def test_fused_activation_trains_like_the_stock_mlp(kind, with_norm, monkeypatch
 
 
 def test_an_activation_the_kernels_lack_runs_as_its_module(monkeypatch):
-    base = make_model("clip")
+    base = tiny_pair_model("clip")
     base.vision_model.encoder.layers[0].mlp.activation_fn = nn.ReLU()  # before conversion
     model = apply_switchback(copy.deepcopy(base), STOCK.replace(fuse_activation=True))
     model.text_model.encoder.layers[1].mlp.activation_fn = nn.SiLU()  # after: not the type it was fused with
@@ -176,7 +154,7 @@ def test_an_activation_the_kernels_lack_runs_as_its_module(monkeypatch):
 
 
 def test_state_dict_remove_and_reapply_keep_the_model(tmp_path):
-    base = make_model("clip")
+    base = tiny_pair_model("clip")
     model = apply_switchback(copy.deepcopy(base), TORCH.replace(fuse_qkv=True))  # the producers on by default
     assert list(model.state_dict()) == list(base.state_dict())
     encoder_layer = model.text_model.encoder.layers[0]
@@ -194,7 +172,7 @@ def test_state_dict_remove_and_reapply_keep_the_model(tmp_path):
 
 def test_layers_without_a_qualifying_block_stay_stock():
     """Only the MLPs converted: the layers fuse LayerNorm 2 only; nothing converted: nothing fuses."""
-    base = make_model("clip")
+    base = tiny_pair_model("clip")
     only_mlp = TORCH.replace(target_modules=r".*\.mlp\.fc[12]")
     model = apply_switchback(copy.deepcopy(base), only_mlp)
     assert fused_layers(model) == 4
@@ -207,7 +185,7 @@ def test_layers_without_a_qualifying_block_stay_stock():
 
 
 def test_below_the_token_floor_the_stock_layernorm_runs(monkeypatch):
-    base = make_model("clip")
+    base = tiny_pair_model("clip")
     floor = 10**6
     want = loss_and_grads(apply_switchback(copy.deepcopy(base), STOCK.replace(min_tokens=floor)))
     model = apply_switchback(copy.deepcopy(base), TORCH.replace(min_tokens=floor))
@@ -218,7 +196,7 @@ def test_below_the_token_floor_the_stock_layernorm_runs(monkeypatch):
 
 
 def test_a_hooked_or_replaced_layernorm_runs_as_a_module(monkeypatch):
-    model = apply_switchback(make_model("clip"), TORCH.replace(fuse_qkv=True))
+    model = apply_switchback(tiny_pair_model("clip"), TORCH.replace(fuse_qkv=True))
     layer = model.vision_model.encoder.layers[0]
     seen = []
     layer.layer_norm1.register_forward_hook(lambda m, args, out: seen.append(out.shape))
@@ -229,7 +207,7 @@ def test_a_hooked_or_replaced_layernorm_runs_as_a_module(monkeypatch):
 
 
 def test_compiled_fused_layer_has_no_graph_break():
-    model = apply_switchback(make_model("clip"), TORCH.replace(fuse_qkv=True))
+    model = apply_switchback(tiny_pair_model("clip"), TORCH.replace(fuse_qkv=True))
     layer = model.vision_model.encoder.layers[0]
     h = torch.randn(3, 5, 64, requires_grad=True)
     want = layer(h, None)
@@ -264,7 +242,7 @@ def test_config_fields_and_bad_quantized_input():
 @pytest.mark.parametrize("modes", [*BLOCK_MODES, ALL_PRODUCERS])
 def test_gpu_fused_norms_match_the_stock_layernorm(precision, modes):
     """The Triton kernels, bf16 autocast: as accurate as the unfused path (see assert_within_own_error)."""
-    base = make_model("clip").cuda()
+    base = tiny_pair_model("clip").cuda()
     exact = loss_and_grads(
         copy.deepcopy(base), "cuda"
     )  # float32: shares no bfloat16 rounding with either side
@@ -278,7 +256,7 @@ def test_gpu_fused_norms_match_the_stock_layernorm(precision, modes):
 
 @pytest.mark.gpu
 def test_gpu_compiled_fused_norms_match_eager():
-    base = make_model("clip").cuda()
+    base = tiny_pair_model("clip").cuda()
     exact = loss_and_grads(copy.deepcopy(base), "cuda")
     cfg = SwitchBackConfig(min_tokens=0, fuse_norm=True, **ALL_PRODUCERS)
     want = loss_and_grads(apply_switchback(copy.deepcopy(base), cfg), "cuda", autocast=True)

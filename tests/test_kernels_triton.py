@@ -685,8 +685,8 @@ def test_fused_mlp_triton_matches_torch_backend(cfg, dtype, hidden_act, lead, mo
     from transformers.models.clip.modeling_clip import CLIPMLP
 
     from hf_switchback import SwitchBackConfig, apply_switchback
+    from hf_switchback.blocks.mlp import is_fused_mlp
     from hf_switchback.kernels import matmul
-    from hf_switchback.mlp import is_fused_mlp
 
     # One tile config (the GEMM tests cover the others): autotuning every key here would take minutes.
     for tuner in (matmul._tma_autotuned_kernel, matmul._autotuned_kernel, matmul._sm90_autotuned_kernel):

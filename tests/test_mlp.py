@@ -1,4 +1,4 @@
-"""Fused SwitchBack MLP (hf_switchback.mlp, functional.switchback_mlp) on the torch path.
+"""Fused SwitchBack MLP (hf_switchback.blocks.mlp, functional.switchback_mlp) on the torch path.
 
 Oracles: torch autograd of the activations in float64 (the hand-written derivatives), the same block run as
 three separate ops (fuse_mlp=False: SwitchBack fc1, the HF activation module, SwitchBack fc2), and the plain
@@ -18,9 +18,9 @@ from transformers import CLIPModel, CLIPVisionConfig
 from transformers.models.clip.modeling_clip import CLIPMLP
 
 from hf_switchback import SwitchBackConfig, apply_switchback, remove_switchback
+from hf_switchback.blocks.mlp import activation_kind, is_fused_mlp
 from hf_switchback.functional import switchback_mlp
 from hf_switchback.kernels import reference as ref
-from hf_switchback.mlp import activation_kind, is_fused_mlp
 
 HIDDEN_ACTS = {"quick_gelu": "quick_gelu", "gelu": "gelu", "gelu_pytorch_tanh": "gelu_tanh"}
 TORCH = SwitchBackConfig(backend="torch", fuse_mlp=True)

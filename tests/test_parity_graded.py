@@ -146,7 +146,7 @@ def test_pretrain_save_finetune_round_trip(tmp_path):
 
 
 def test_memory_switch_variant_fuses_the_mlps_and_trains():
-    from hf_switchback.mlp import is_fused_mlp
+    from hf_switchback.blocks.mlp import is_fused_mlp
 
     model = gr.build_model("tiny", 40)
     gr.apply_variant(model, "int8-memeff")

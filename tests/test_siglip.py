@@ -17,7 +17,7 @@ from hf_switchback import (
     strip_quantization_config,
     switchback_modules,
 )
-from hf_switchback.mlp import is_fused_mlp
+from hf_switchback.blocks.mlp import is_fused_mlp
 
 TORCH = SwitchBackConfig(backend="torch")
 # SigLIP's encoder layers name their linears as CLIP's do

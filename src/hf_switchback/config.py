@@ -174,7 +174,7 @@ class SwitchBackConfig:
     # 0 elsewhere. 0 = always quantize.
     min_tokens: int | None = None
     # When fc1 and fc2 of a transformers CLIPMLP are both converted with this config, run the block
-    # fc1 -> activation -> fc2 as one fused SwitchBack op (hf_switchback.mlp): the activation runs inside
+    # fc1 -> activation -> fc2 as one fused SwitchBack op (hf_switchback.blocks.mlp): the activation runs inside
     # the 8-bit quantize passes and its output is recomputed in backward instead of saved, so the block saves
     # only fc1's input and output (half of bf16's activations); with memory_efficient only fc1's 8-bit input,
     # fc1's output being recomputed in backward by one more 8-bit GEMM (bit-identical). Supported
@@ -201,7 +201,7 @@ class SwitchBackConfig:
     fuse_norm: bool = True
     # Quantize in the producer, in the MLP: where fc1 and fc2 of a transformers CLIP / SigLIP MLP run as separate
     # SwitchBack layers (fuse_mlp off) with this config, the activation between them runs as one kernel that
-    # writes act(fc1's output) in 16 bits (fc2's grad-weight GEMM reads it) and fc2's row-wise 8-bit input (mlp.py),
+    # writes act(fc1's output) in 16 bits (fc2's grad-weight GEMM reads it) and fc2's row-wise 8-bit input (blocks/mlp.py),
     # instead of the activation then fc2's own quantize pass. Numerics: the unfused pipeline's (act in float32,
     # rounded once to the 16-bit dtype, that rounding quantized). On by default, as fuse_norm.
     fuse_activation: bool = True

@@ -16,6 +16,7 @@ from torch import nn
 from .adapters.fsdp2 import retarget_fsdp_modules
 from .blocks.attention import sync_fused_attention
 from .blocks.encoder_layer import sync_fused_layers
+from .blocks.mlp import sync_fused_mlps
 from .blocks.multihead_attention import (
     find_multihead_attention,
     restore_multihead_attention,
@@ -23,7 +24,6 @@ from .blocks.multihead_attention import (
 )
 from .config import SwitchBackConfig
 from .kernels.backends import check_backend
-from .mlp import sync_fused_mlps
 from .modules import SwitchBackLinear
 from .precision_summary import precision_summary
 from .weight_cache import drop_weight_cache

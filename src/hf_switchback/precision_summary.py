@@ -16,7 +16,7 @@ from .functional import token_floor
 from .kernels import crossover
 from .modules import SwitchBackLinear
 
-# Instance attribute that mlp.py sets on a block of its class: (activation kind, its type, whole); whole marks a
+# Instance attribute that blocks/mlp.py sets on a block of its class: (activation kind, its type, whole); whole marks a
 # fused fc1 -> act -> fc2 op, whose floor covers both shapes (else each layer keeps its own).
 _FUSED_MLP_ATTR = "_switchback_activation"
 

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from ..modules import SwitchBackLinear
+from ..stock_blocks import stock_classes
 from ..weight_cache import has_weight_cache
 from .qkv import switchback_qkv
 
@@ -35,18 +36,7 @@ _BASE_ATTR = "_switchback_attention_base"
 def _attention_classes() -> dict[type, bool]:
     """The transformers attention blocks whose forward this module reproduces, each mapped to whether that
     forward passes its **kwargs on to the attention function (CLIP does; SigLIP passes is_causal instead)."""
-    classes = {}
-    for module, name, passes_kwargs in (
-        ("clip", "CLIPAttention", True),
-        ("siglip", "SiglipAttention", False),
-        ("siglip2", "Siglip2Attention", False),
-    ):
-        try:
-            cls = getattr(importlib.import_module(f"transformers.models.{module}.modeling_{module}"), name)
-        except (ImportError, AttributeError):
-            continue
-        classes[cls] = passes_kwargs
-    return classes
+    return {cls: module == "clip" for module, cls in stock_classes("Attention").items()}
 
 
 def _base_class(module: nn.Module) -> type:

@@ -3,7 +3,7 @@
 
 A stock encoder layer computes x + attn(LN1(x)), then x + mlp(LN2(x)); with SwitchBack, the attention block's
 q/k/v op and the MLP's fc1 op each quantize the LayerNorm's output in a pass of their own. When the attention
-block or the MLP runs as one of our generated classes with a fuse_norm config (blocks/attention.py, mlp.py),
+block or the MLP runs as one of our generated classes with a fuse_norm config (blocks/attention.py, blocks/mlp.py),
 apply_switchback swaps the layer's class for a generated subclass whose forward is the stock one except that
 the LayerNorm before that block runs as blocks/producers.layernorm_quantize and hands the block its output's
 8-bit form as `quantized_input`. Nothing else changes: parameters, state_dict keys, the attention and MLP
@@ -16,36 +16,18 @@ and runs the stock LayerNorm where not.
 from __future__ import annotations
 
 import functools
-import importlib
 
 import torch
 from torch import nn
 
 from ..functional import runs_8bit
-from ..mlp import quantized_input_config as mlp_quantized_input_config
+from ..stock_blocks import runs_stock_forward
 from .attention import quantized_input_config as attention_quantized_input_config
+from .mlp import quantized_input_config as mlp_quantized_input_config
 from .producers import add_layernorm_quantize, fusable_norm, layernorm_quantize
 
 _BASE_ATTR = "_switchback_layer_base"
 _PROJECTIONS = ("q_proj", "k_proj", "v_proj")
-
-
-@functools.cache
-def _layer_classes() -> tuple[type, ...]:
-    """The transformers encoder layers whose forward this module reproduces (the same in all of them)."""
-    classes = []
-    for module, name in (
-        ("clip", "CLIPEncoderLayer"),
-        ("siglip", "SiglipEncoderLayer"),
-        ("siglip2", "Siglip2EncoderLayer"),
-    ):
-        try:
-            classes.append(
-                getattr(importlib.import_module(f"transformers.models.{module}.modeling_{module}"), name)
-            )
-        except (ImportError, AttributeError):
-            continue
-    return tuple(classes)
 
 
 def _base_class(module: nn.Module) -> type:
@@ -53,7 +35,8 @@ def _base_class(module: nn.Module) -> type:
 
 
 def _is_stock(base: type) -> bool:
-    return any(issubclass(base, c) and base.forward is c.forward for c in _layer_classes())
+    # the encoder layers whose forward _fused_forward reproduces (the same in all of them)
+    return runs_stock_forward(base, "EncoderLayer")
 
 
 def _shapes(block: nn.Module, names: tuple[str, ...]) -> tuple[tuple[int, int], ...]:

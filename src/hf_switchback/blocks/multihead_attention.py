@@ -2,7 +2,7 @@
 
 nn.MultiheadAttention never calls a linear module: it multiplies by its packed `in_proj_weight` (3d, d) and
 reads `out_proj.weight` directly, so swapping linears cannot reach it. Here the module's class is swapped
-(the technique `fully_shard` and `hf_switchback.mlp` use) for a subclass whose forward runs
+(the technique `fully_shard` and `hf_switchback.blocks.mlp` use) for a subclass whose forward runs
 
     qkv = switchback_linear(x, in_proj_weight, in_proj_bias)      one 8-bit GEMM with N = 3d
     out = scaled_dot_product_attention(q, k, v, mask, dropout)

@@ -1,6 +1,6 @@
 """Producers that quantize: a LayerNorm, or the MLP's activation, that also writes the next linear's 8-bit input,
 so no separate quantize pass reads its output (config.fuse_norm: blocks/encoder_layer.py wires the LayerNorms
-before q/k/v and fc1; config.fuse_activation: mlp.py wires the activation before fc2).
+before q/k/v and fc1; config.fuse_activation: blocks/mlp.py wires the activation before fc2).
 
 forward   y = the producer's output in the linear's input dtype, and (q, scale) = quantize_rowwise(y) from the
           same kernel (operators layernorm_quantize_rowwise and act_and_quantize_rowwise: their torch twins

@@ -19,15 +19,15 @@ and, with fuse_activation, the activation writes fc2's 8-bit input in the same k
 from __future__ import annotations
 
 import functools
-import importlib
 
 import torch
 from torch import nn
 
-from .blocks.producers import activation_quantize
-from .functional import runs_8bit, switchback_linear, switchback_mlp
-from .modules import SwitchBackLinear
-from .weight_cache import has_weight_cache
+from ..functional import runs_8bit, switchback_linear, switchback_mlp
+from ..modules import SwitchBackLinear
+from ..stock_blocks import runs_stock_forward
+from ..weight_cache import has_weight_cache
+from .producers import activation_quantize
 
 # Instance attribute set on blocks of our class: (activation name for the kernels or None, type of activation_fn
 # at fuse time, whether fc1 -> act -> fc2 runs as one op).
@@ -60,20 +60,6 @@ def activation_kind(act: nn.Module) -> str | None:
     return None
 
 
-@functools.cache
-def _mlp_base_classes() -> tuple[type, ...]:
-    """The transformers MLP blocks whose forward is exactly fc2(activation_fn(fc1(x)))."""
-    classes = []
-    for module, name in (("clip", "CLIPMLP"), ("siglip", "SiglipMLP"), ("siglip2", "Siglip2MLP")):
-        try:
-            classes.append(
-                getattr(importlib.import_module(f"transformers.models.{module}.modeling_{module}"), name)
-            )
-        except (ImportError, AttributeError):
-            continue
-    return tuple(classes)
-
-
 def _unfused_class(module: nn.Module) -> type:
     return getattr(type(module), "_switchback_unfused_class", type(module))
 
@@ -83,7 +69,8 @@ def _qualifies(module: nn.Module) -> tuple[str | None, bool] | None:
     forward this module runs: whole=True for fc1 -> act -> fc2 as one op (fuse_mlp), False for the layers' own
     ops with the 8-bit inputs their producers write (fuse_norm before fc1, fuse_activation before fc2)."""
     base = _unfused_class(module)
-    if not any(issubclass(base, c) and base.forward is c.forward for c in _mlp_base_classes()):
+    # the transformers MLP blocks whose forward is exactly fc2(activation_fn(fc1(x)))
+    if not runs_stock_forward(base, "MLP"):
         return None
     fc1, fc2 = getattr(module, "fc1", None), getattr(module, "fc2", None)
     if not (isinstance(fc1, SwitchBackLinear) and isinstance(fc2, SwitchBackLinear)):
