@@ -100,6 +100,9 @@ def test_switchback_config_keeps_library_defaults_for_unset_flags():
         parser.parse_args(["--weight_scaling", "row", "--no-memory_efficient", "--min_tokens", "0"])
     )
     assert config == SwitchBackConfig(weight_scaling="row", memory_efficient=False, min_tokens=0)
+    # the producers that quantize, on by default, switched off from the command line
+    config = model_setup.switchback_config(parser.parse_args(["--no-fuse_norm", "--no-fuse_activation"]))
+    assert config == SwitchBackConfig(fuse_norm=False, fuse_activation=False)
     assert set(model_setup.SWITCHBACK_FLAGS) <= set(vars(parser.parse_args([])))
 
 
