@@ -19,6 +19,8 @@ import torch
 
 FORWARD, BACKWARD, OUTSIDE = "forward", "backward", "outside"
 MARK = "step_profile:"
+FREE = "free"  # the mark of the step run without phase synchronizes, whose GPU idle time is measured
+TOP_KERNELS, TOP_GAPS = 40, 12
 GEMM_16BIT, GEMM_8BIT, QUANT = "16-bit GEMM", "8-bit GEMM", "quantize/cast"
 ATTENTION, ELEMENTWISE, OPTIMIZER, OTHER = "attention", "norm + elementwise", "optimizer", "other"
 FAMILIES = (GEMM_16BIT, GEMM_8BIT, QUANT, ATTENTION, ELEMENTWISE, OPTIMIZER, OTHER)
@@ -41,11 +43,12 @@ CPU_GEMM_OPS = ("aten::mm", "aten::addmm", "aten::bmm")
 
 
 class Kernel(NamedTuple):
-    """One kernel run: its name, the phase that launched it, its time in ms."""
+    """One kernel run: its name, the phase that launched it, its time in ms, its start on the GPU (us)."""
 
     name: str
     phase: str
     ms: float
+    start_us: float = 0.0
 
 
 def family(name: str, eight_bit: frozenset[str] = frozenset()) -> str:
@@ -100,7 +103,9 @@ def collect(prof, device_type=None) -> tuple[list[Kernel], frozenset[str]]:
         k.name for e in events if e.name in EIGHT_BIT_OPS for k in getattr(e, "kernels", ())
     )
     kernels = [
-        Kernel(e.name, phase_of(e.time_range.start, ranges), e.time_range.elapsed_us() / 1000)
+        Kernel(
+            e.name, phase_of(e.time_range.start, ranges), e.time_range.elapsed_us() / 1000, e.time_range.start
+        )
         for e in events
         # record_function ranges (Inductor's "## Call CompiledFxGraph ##", the phase marks) also appear on the
         # GPU's timeline as user annotations spanning kernels: not kernels themselves
@@ -109,10 +114,63 @@ def collect(prof, device_type=None) -> tuple[list[Kernel], frozenset[str]]:
     return kernels, eight_bit
 
 
-def profile(forward, finish, steps: int, device: str) -> tuple[list[Kernel], frozenset[str], float]:
-    """Run `steps` training steps (forward() -> loss, finish(loss)) under torch.profiler, phases marked; returns
-    the kernels, the 8-bit GEMM kernel names and the profiled wall ms per step (synchronizes and the profiler
-    slow it: read it as a bound, not a figure)."""
+def top_kernels(kernels: list[Kernel], steps: int, eight_bit: frozenset[str] = frozenset()) -> list[dict]:
+    """The TOP_KERNELS kernels (by name and phase) that take the most time per step, largest first."""
+    by: dict[tuple[str, str], list[float]] = {}
+    for k in kernels:
+        entry = by.setdefault((k.name, k.phase), [0.0, 0.0])
+        entry[0], entry[1] = entry[0] + k.ms / steps, entry[1] + 1 / steps
+    ranked = sorted(by.items(), key=lambda item: -item[1][0])[:TOP_KERNELS]
+    return [
+        dict(name=name[:160], family=family(name, eight_bit), phase=phase, ms=ms, calls=calls)
+        for (name, phase), (ms, calls) in ranked
+    ]
+
+
+def idle_time(kernels: list[Kernel]) -> dict:
+    """GPU idle time of one step run without synchronizes (the kernels of that step, in any order): span from
+    the first kernel's start to the last one's end, busy (union of kernel intervals), idle, the idle time by gap
+    size, and the TOP_GAPS largest gaps with the kernels on either side (where in the step the GPU waited)."""
+    if not kernels:
+        return {}
+    ordered = sorted(kernels, key=lambda k: k.start_us)
+    first, busy_us, end_us, gaps = ordered[0].start_us, 0.0, ordered[0].start_us, []
+    previous = ordered[0].name
+    for k in ordered:
+        k_end = k.start_us + k.ms * 1000
+        if k.start_us > end_us:
+            gaps.append((k.start_us - end_us, previous, k.name, end_us - first))
+        busy_us += max(0.0, k_end - max(k.start_us, end_us))
+        if k_end >= end_us:
+            end_us, previous = k_end, k.name
+    span_us = end_us - first
+    buckets = {"< 10 us": (0, 10), "10-100 us": (10, 100), "0.1-1 ms": (100, 1000), ">= 1 ms": (1000, 1e18)}
+    by_size = {
+        label: dict(
+            gaps=sum(lo <= g[0] < hi for g in gaps), ms=sum(g[0] for g in gaps if lo <= g[0] < hi) / 1000
+        )
+        for label, (lo, hi) in buckets.items()
+    }
+    largest = sorted(gaps, key=lambda g: -g[0])[:TOP_GAPS]
+    return dict(
+        span_ms=span_us / 1000,
+        busy_ms=busy_us / 1000,
+        idle_ms=(span_us - busy_us) / 1000,
+        idle_by_gap_size=by_size,
+        largest_gaps=[
+            dict(ms=g / 1000, at_ms=at / 1000, before=before[:100], after=after[:100])
+            for g, before, after, at in largest
+        ],
+    )
+
+
+def profile(
+    forward, finish, steps: int, device: str
+) -> tuple[list[Kernel], frozenset[str], float, list[Kernel]]:
+    """Run `steps` training steps (forward() -> loss, finish(loss)) under torch.profiler, phases marked, then
+    one more step without synchronizes inside it; returns the marked steps' kernels, the 8-bit GEMM kernel
+    names, the profiled wall ms per marked step (synchronizes and the profiler slow it: read it as a bound, not
+    a figure) and the kernels of the free-running step."""
     from torch.autograd.profiler import record_function
     from torch.profiler import ProfilerActivity
 
@@ -128,18 +186,29 @@ def profile(forward, finish, steps: int, device: str) -> tuple[list[Kernel], fro
                 finish(loss)
                 sync()
         wall_ms = (time.perf_counter() - t0) * 1000 / steps
+        with record_function(MARK + FREE):
+            finish(forward())
+        sync()
     device_type = None if device == "cuda" else torch.autograd.DeviceType.CPU
     kernels, eight_bit = collect(prof, device_type)
-    return kernels, eight_bit, wall_ms
+    # the earliest: the range's CPU side (its GPU-side annotation, if any, starts at its first kernel)
+    free_start = min(
+        (e.time_range.start for e in prof.events() if e.name == MARK + FREE), default=float("inf")
+    )
+    marked = [k for k in kernels if k.start_us < free_start]
+    free = [k for k in kernels if k.start_us >= free_start]
+    return marked, eight_bit, wall_ms, free
 
 
 def profile_row(forward, finish, steps: int, device: str, path: Path, title: str) -> dict:
-    """Profile `steps` steps, write the summary to `path` (JSON) and return it (for the row's JSON)."""
-    kernels, eight_bit, wall_ms = profile(forward, finish, steps, device)
+    """Profile `steps` steps, write the summary to `path` (JSON) and return it (for the row's JSON); the JSON
+    also lists the top kernels and the GPU idle time of a free-running step."""
+    kernels, eight_bit, wall_ms, free = profile(forward, finish, steps, device)
     summary = summarize(kernels, steps, eight_bit)
     summary.update(profiled_wall_ms_per_step=wall_ms, report=str(path))
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(dict(title=title, **summary), indent=1))
+    details = dict(top_kernels=top_kernels(kernels, steps, eight_bit), free_step=idle_time(free))
+    path.write_text(json.dumps(dict(title=title, **summary, **details), indent=1))
     return summary
 
 

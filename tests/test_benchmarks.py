@@ -136,6 +136,7 @@ def test_bench_train_profile_prints_the_grouped_table_and_writes_json(tmp_path, 
     assert set(saved["ms"]) == set(bench.step_profile.FAMILIES)
     assert saved["ms"]["16-bit GEMM"]["forward"] > 0  # aten::mm / addmm stand in for the GEMM kernels
     assert saved["gpu_ms_per_step"] == pytest.approx(sum(sum(v.values()) for v in saved["ms"].values()))
+    assert saved["top_kernels"][0]["ms"] > 0 and saved["free_step"]["busy_ms"] > 0
 
 
 def test_bench_train_models_come_from_configs():
@@ -272,6 +273,26 @@ def test_step_profile_families_and_phases():
     assert summary["gpu_ms_per_step"] == 13.5
     assert prof.phase_of(5.0, [(0.0, 4.0, F), (4.5, 9.0, B)]) == B
     assert prof.phase_of(4.2, [(0.0, 4.0, F), (4.5, 9.0, B)]) == prof.OUTSIDE
+
+
+def test_step_profile_idle_time_of_a_free_running_step():
+    """Busy = union of kernel intervals (overlaps counted once), idle = span - busy, gaps placed and sized."""
+    prof = load_script("step_profile")
+    K, F = prof.Kernel, prof.FORWARD
+    # us: a [0, 100), b [50, 150) overlaps a, gap 150-400 (250 us), c [400, 420), gap 420-425 (5 us), d [425, 1425)
+    kernels = [K("d", F, 1.0, 425.0), K("a", F, 0.1, 0.0), K("b", F, 0.1, 50.0), K("c", F, 0.02, 400.0)]
+    idle = prof.idle_time(kernels)
+    assert idle["span_ms"] == pytest.approx(1.425)
+    assert idle["busy_ms"] == pytest.approx(0.15 + 0.02 + 1.0)
+    assert idle["idle_ms"] == pytest.approx(0.255)
+    assert idle["idle_by_gap_size"]["0.1-1 ms"] == dict(gaps=1, ms=pytest.approx(0.25))
+    assert idle["idle_by_gap_size"]["< 10 us"] == dict(gaps=1, ms=pytest.approx(0.005))
+    largest = idle["largest_gaps"][0]
+    assert (largest["before"], largest["after"]) == ("b", "c")
+    assert largest["ms"] == pytest.approx(0.25) and largest["at_ms"] == pytest.approx(0.15)
+    assert prof.idle_time([]) == {}
+    top = prof.top_kernels(kernels * 2, steps=2)
+    assert [t["name"] for t in top[:2]] == ["d", "a"] and top[0]["calls"] == 1 and top[0]["ms"] == 1.0
 
 
 def test_step_profile_groups_kernels_as_the_profile_table_does():
