@@ -55,6 +55,20 @@ for shape in ((37, 70), (301, 100), (45, 768), (29, 1280), (13, 3072), (11, 5120
             assert ((s - s_ref).abs() <= tol * s_ref).all() and (q.int() - q_ref.int()).abs().max() <= 1, (
                 shape
             )
+        if shape in ((37, 70), (29, 1280), (11, 5120)):
+            # the activation backward by whole rows (g and h read once): gh, act(h), q, scale, column sum
+            h = torch.randn(shape).to(inp.dtype)
+            for activation, want_act in (("gelu", True), ("quick_gelu", False)):
+                got = ops.act_backward_quantize_colsum(
+                    inp, h, torch.int8, activation, want_act, options=KernelOptions(act_backward_impl="rows")
+                )
+                want = ref.act_backward_quantize_colsum(inp, h, torch.int8, activation, want_act)
+                tol = 1e-5 if inp.dtype == torch.float32 else 2**-7
+                torch.testing.assert_close(got[0], want[0], rtol=tol, atol=1e-5)  # gh
+                torch.testing.assert_close(got[1], want[1], rtol=tol, atol=1e-5)  # act(h) or empty
+                assert ((got[3] - want[3]).abs() <= tol * want[3]).all(), (shape, activation)
+                assert (got[2].int() - want[2].int()).abs().max() <= 1, (shape, activation)
+                torch.testing.assert_close(got[4], want[4], rtol=1e-4, atol=tol * shape[0] ** 0.5 * 10)
 quantize._sm_count = sm_count
 q, s = ops.quantize_rowwise(x, torch.int8)
 assert torch.equal(ops.dequantize_rowwise(q, s, torch.float32), ref.dequantize_rowwise(q, s, torch.float32))

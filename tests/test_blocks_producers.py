@@ -132,10 +132,10 @@ def test_fused_activation_trains_like_the_stock_mlp(kind, with_norm, monkeypatch
     want = loss_and_grads(apply_switchback(copy.deepcopy(base), STOCK))
     model = apply_switchback(copy.deepcopy(base), STOCK.replace(fuse_activation=True, fuse_norm=with_norm))
     activations, norms = count_calls(monkeypatch, "act_and_quantize_rowwise"), count_calls(monkeypatch)
+    backwards = count_calls(monkeypatch, "act_backward_quantize_colsum")
     assert_within_own_error(loss_and_grads(model), want, exact)
-    assert len(activations) == 4 and len(norms) == (
-        4 if with_norm else 0
-    )  # one MLP (and LayerNorm 2) a layer
+    # one MLP (and LayerNorm 2) a layer; fc1's output gradient quantized in the activation's backward
+    assert len(activations) == len(backwards) == 4 and len(norms) == (4 if with_norm else 0)
     assert fused_layers(model) == (4 if with_norm else 0)
 
 

@@ -222,7 +222,10 @@ def test_compiled_fused_mlp_activation_passes_match_eager(triton_act_quantize, w
     _, codes = run_and_get_code(lambda: outputs(compiled))
     code = "\n".join(codes)
     assert ("_rowwise_kernel" in code) == triton_act_quantize
-    backward_kernel = "_act_backward_tiles_kernel" if width > 4096 else "_act_backward_colsum_kernel"
+    from hf_switchback.kernels.quantize import act_backward_impl
+
+    tiled = act_backward_impl(width) == "tiles"
+    backward_kernel = "_act_backward_tiles_kernel" if tiled else "_act_backward_rows_kernel"
     assert (backward_kernel in code) == triton_act_quantize
     assert "torch.ops.hf_switchback.act" not in code  # traced launches, no opaque op call per step
     got, want = outputs(compiled), outputs(block)

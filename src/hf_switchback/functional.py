@@ -137,41 +137,75 @@ class _SwitchBackLinearFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         spec, x_dtype, bias_dtype = ctx.config
-        weight_scaling, memory_efficient, _, grad_qdtype, backend, options, wgrad = spec
-        if memory_efficient:
-            x_q, x_scale, weight = ctx.saved_tensors
+        grads = linear_grads(spec, x_dtype, bias_dtype, ctx.needs_input_grad[:3], ctx.saved_tensors, grad_out)
+        return *grads, None, None, None, None
+
+
+def linear_spec(config: SwitchBackConfig, fwd_qdtype: torch.dtype, grad_qdtype: torch.dtype) -> tuple:
+    """The constant arguments of a SwitchBack linear's autograd op as one tuple (see _SwitchBackLinearFn)."""
+    return (
+        config.weight_scaling,
+        config.memory_efficient,
+        fwd_qdtype,
+        grad_qdtype,
+        config.backend,
+        config.kernel_options,
+        config.wgrad_precision,
+    )
+
+
+def linear_grads(
+    spec: tuple,
+    x_dtype: torch.dtype,
+    bias_dtype: torch.dtype | None,
+    needs_input_grad: tuple[bool, bool, bool],
+    saved: tuple[torch.Tensor, ...],
+    grad_out: torch.Tensor,
+    quantized_grad: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """(grad_x, grad_w, grad_b) of a SwitchBack linear from its output gradient (M, N).
+
+    saved: what its forward saved, (x, weight), or (x_q, x_scale, weight) with memory_efficient.
+    quantized_grad: grad_out's row-wise 8-bit form and float32 column sum (g_q, g_scale, g_colsum) when the
+    kernel that produced grad_out wrote them (the activation backward before fc1), else None.
+    """
+    weight_scaling, memory_efficient, _, grad_qdtype, backend, options, wgrad = spec
+    if memory_efficient:
+        x_q, x_scale, weight = saved
+    else:
+        x, weight = saved
+    kernels = get_kernels(backend, grad_out.device, options)
+    grad_out = grad_out.contiguous()
+    grad_x = grad_w = grad_b = g_colsum = None
+    needs_grad_b = bias_dtype is not None and needs_input_grad[2]
+
+    if needs_input_grad[0]:
+        if quantized_grad is not None:
+            g_q, g_scale, g_colsum = quantized_grad
+        elif needs_grad_b and options.fused_bias_grad:
+            # One pass over grad_out yields its 8-bit form and the bias gradient (column sum).
+            g_q, g_scale, g_colsum = kernels.quantize_rowwise_colsum(grad_out, grad_qdtype, options=options)
         else:
-            x, weight = ctx.saved_tensors
-        kernels = get_kernels(backend, grad_out.device, options)
-        grad_out = grad_out.contiguous()
-        grad_x = grad_w = grad_b = g_colsum = None
-        needs_grad_b = bias_dtype is not None and ctx.needs_input_grad[2]
+            g_q, g_scale = kernels.quantize_rowwise(grad_out, grad_qdtype, options=options)
+        if weight_scaling == "tensor":
+            wt_q, wt_scale = kernels.quantize_tensorwise_transposed(weight, grad_qdtype, options=options)
+        else:
+            wt_q, wt_scale = kernels.quantize_rowwise_transposed(weight, grad_qdtype, options=options)
+        grad_x = kernels.scaled_matmul(g_q, wt_q, g_scale, wt_scale, None, x_dtype, options=options)
+    elif quantized_grad is not None:
+        g_colsum = quantized_grad[2]
 
-        if ctx.needs_input_grad[0]:
-            if needs_grad_b and options.fused_bias_grad:
-                # One pass over grad_out yields its 8-bit form and the bias gradient (column sum).
-                g_q, g_scale, g_colsum = kernels.quantize_rowwise_colsum(
-                    grad_out, grad_qdtype, options=options
-                )
-            else:
-                g_q, g_scale = kernels.quantize_rowwise(grad_out, grad_qdtype, options=options)
-            if weight_scaling == "tensor":
-                wt_q, wt_scale = kernels.quantize_tensorwise_transposed(weight, grad_qdtype, options=options)
-            else:
-                wt_q, wt_scale = kernels.quantize_rowwise_transposed(weight, grad_qdtype, options=options)
-            grad_x = kernels.scaled_matmul(g_q, wt_q, g_scale, wt_scale, None, x_dtype, options=options)
+    if needs_input_grad[1]:
+        if memory_efficient:
+            x = RowQuantized(x_q, x_scale, x_dtype)
+        grad_w = weight_grad(grad_out, x, weight.dtype, wgrad, kernels, options)
 
-        if ctx.needs_input_grad[1]:
-            if memory_efficient:
-                x = RowQuantized(x_q, x_scale, x_dtype)
-            grad_w = weight_grad(grad_out, x, weight.dtype, wgrad, kernels, options)
+    if needs_grad_b:
+        if g_colsum is None:
+            g_colsum = grad_out.sum(dim=0, dtype=torch.float32)
+        grad_b = g_colsum.to(bias_dtype)
 
-        if needs_grad_b:
-            if g_colsum is None:
-                g_colsum = grad_out.sum(dim=0, dtype=torch.float32)
-            grad_b = g_colsum.to(bias_dtype)
-
-        return grad_x, grad_w, grad_b, None, None, None, None
+    return grad_x, grad_w, grad_b
 
 
 class _SwitchBackMLPFn(torch.autograd.Function):
@@ -374,15 +408,7 @@ def switchback_linear(
         None if x_q is not None else _shared_input_slot(x, (fwd_qdtype, config.backend, x2d.dtype, x2d.shape))
     )
     with _autocast_off(device_type):
-        spec = (
-            config.weight_scaling,
-            config.memory_efficient,
-            fwd_qdtype,
-            grad_qdtype,
-            config.backend,
-            config.kernel_options,
-            config.wgrad_precision,
-        )
+        spec = linear_spec(config, fwd_qdtype, grad_qdtype)
         out = _SwitchBackLinearFn.apply(x2d.contiguous(), weight, bias, spec, shared, x_q, x_scale)
     return out.reshape(*leading, weight.shape[0])
 
@@ -448,6 +474,8 @@ __all__ = [
     "check_quantized_input",
     "grad_precision",
     "has_fp8_tensor_cores",
+    "linear_grads",
+    "linear_spec",
     "quantize_weight",
     "quantized_dtypes",
     "runs_8bit",

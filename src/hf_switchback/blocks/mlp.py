@@ -13,7 +13,9 @@ cache) and otherwise runs the stock CLIPMLP forward, so a later change never sil
 With `config.fuse_norm` or `fuse_activation` (and fuse_mlp off) the block's class is swapped too, and its
 forward runs fc1's SwitchBack op, the activation and fc2 as the stock forward does, so that fc1 can take its
 input's 8-bit form as `quantized_input` when the LayerNorm before it wrote that form (blocks/encoder_layer.py)
-and, with fuse_activation, the activation writes fc2's 8-bit input in the same kernel (blocks/producers.py).
+and, with fuse_activation, the activation writes fc2's 8-bit input in the same kernel; where fc1 runs its 8-bit
+path too, fc1 and the activation are one backward node whose activation backward also writes fc1's 8-bit output
+gradient (blocks/linear_activation.py), else the activation alone (blocks/producers.py).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from ..functional import runs_8bit, switchback_linear, switchback_mlp
 from ..modules import SwitchBackLinear
 from ..stock_blocks import runs_stock_forward
 from ..weight_cache import has_weight_cache
+from .linear_activation import switchback_linear_activation
 from .producers import activation_quantize
 
 # Instance attribute set on blocks of our class: (activation name for the kernels or None, type of activation_fn
@@ -127,9 +130,9 @@ def quantized_input_config(module: nn.Module):
     return cfg if cfg is not None and cfg.fuse_norm else None
 
 
-def _activation_feeds_fc2(module: nn.Module, cfg, h: torch.Tensor) -> str | None:
+def _activation_feeds_fc2(module: nn.Module, cfg, x: torch.Tensor) -> str | None:
     """The activation kind when the activation should write fc2's 8-bit input right now (fuse_activation, fc2 a
-    plain layer of the same config running its 8-bit path), else None."""
+    plain layer of the same config running its 8-bit path for the block's input x), else None."""
     kind, act_type, _ = getattr(module, _ACTIVATION_ATTR)
     fc2 = module.fc2
     if (
@@ -141,7 +144,7 @@ def _activation_feeds_fc2(module: nn.Module, cfg, h: torch.Tensor) -> str | None
         return None
     fc2_cfg = fc2.switchback_config
     if not (fc2_cfg is cfg or fc2_cfg == cfg) or not runs_8bit(
-        fc2_cfg, h, (fc2.in_features, fc2.out_features)
+        fc2_cfg, x, (fc2.in_features, fc2.out_features)
     ):
         return None
     return kind
@@ -169,8 +172,14 @@ def _fused_forward(
             cfg,
             quantized_input=quantized_input,
         )
+    kind = _activation_feeds_fc2(self, cfg, hidden_states)
+    if kind is not None and runs_8bit(cfg, hidden_states, (fc1.in_features, fc1.out_features)):
+        # fc1 and the activation as one backward node: the activation's backward writes fc1's 8-bit gradient
+        a, a_quantized = switchback_linear_activation(
+            hidden_states, fc1.weight, fc1.bias, kind, cfg, quantized_input=quantized_input
+        )
+        return switchback_linear(a, fc2.weight, fc2.bias, fc2.switchback_config, quantized_input=a_quantized)
     h = switchback_linear(hidden_states, fc1.weight, fc1.bias, cfg, quantized_input=quantized_input)
-    kind = _activation_feeds_fc2(self, cfg, h)
     if kind is None:
         return fc2(self.activation_fn(h))
     a, a_quantized = activation_quantize(h, kind, cfg)

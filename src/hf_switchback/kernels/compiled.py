@@ -15,10 +15,10 @@ Four passes stay ours too, as traced triton_ops, where Inductor's code was measu
   Inductor's version re-read the producer's inputs instead (GELU backward: grad and h) in a slow persistent
   reduction that cost more for the fc1 gradients alone than our kernel for every gradient quantize of the step
   (BENCHMARKS.md, Whole training step). KernelOptions.triton_grad_quantize.
-- the fused MLP's (fuse_mlp, memory_efficient) activation + quantize of fc1's output in forward and its
-  activation backward + quantize + column sum in backward: their input is a GEMM's output, with nothing for
-  Inductor to fuse them into, and its code for them was slower than ours (BENCHMARKS.md, Memory).
-  KernelOptions.triton_act_quantize.
+- the activation + quantize of fc1's output in forward (fused MLP) and the activation backward + quantize +
+  column sum in backward (fused MLP, and fc1 + activation with fuse_activation: blocks/linear_activation.py):
+  their input is a GEMM's output, with nothing for Inductor to fuse them into, and its code for them was
+  slower than ours (BENCHMARKS.md, Memory). KernelOptions.triton_act_quantize.
 - the fp8 grad-weight operands (wgrad_precision="fp8", kernels/wgrad.py: quantize_over_tokens and, from a
   memory_efficient saved input, requantize_over_tokens): a reduction over every token of each feature, written
   transposed and zero-padded. With the torch twin left to Inductor (a column reduction over a transposed view,
@@ -50,7 +50,6 @@ _INDUCTOR_FUSES = {
     "quantize_tensorwise",
     "quantize_rowwise_transposed",
     "quantize_tensorwise_transposed",
-    "act_backward_quantize_colsum",
 }
 
 
@@ -81,7 +80,7 @@ def _policy(op: KernelOp) -> Route:
 
         return colsum
 
-    if name == "act_quantize_rowwise":
+    if name in ("act_quantize_rowwise", "act_backward_quantize_colsum"):
         return lambda options, args: (
             operator
             if not options.fuse_quantize_under_compile or options.triton_act_quantize

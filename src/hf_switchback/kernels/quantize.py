@@ -8,8 +8,9 @@ column or tensor a NaN scale (as torch's amax does; Triton's own max reductions 
 the results bitwise against the reference run on the CPU.
 
 Row-wise quantizes of rows up to _MAX_SINGLE_PASS values (the output gradient's with its column sum, the plain
-one, the fused MLP's activation + quantize) share one kernel body, _quantize_row_tiles: whole rows in
-registers, read once, the next tile's loads in flight while the current one is quantized.
+one, the activation + quantize of fc2's input, the activation backward + quantize + column sum of fc1's output
+gradient) share one kernel body, _quantize_row_tiles: whole rows in registers, read once, the next tile's loads
+in flight while the current one is quantized.
 
 Shapes: any (M, K) with any strides (the kernels take strides; the hot path gets contiguous rows), any dtype
 that converts to float32. Empty tensors never reach a kernel. This module imports triton; only
@@ -39,10 +40,6 @@ _TL_QDTYPE = {
 }
 # Activations fused into the row quantizes of a SwitchBack MLP (kernels/reference.ACTIVATIONS lists them).
 ACT_CODES = {None: 0, "gelu": 1, "gelu_tanh": 2, "quick_gelu": 3}
-# Rows per program of the activation backward's "rows" kernel: enough programs to fill the GPU, few enough
-# float32 partial sums (cdiv(M, ROWS) x K) that writing and reducing them costs far less than re-reading x.
-_COLSUM_PROGRAMS = 1024
-_COLSUM_MAX_ROWS = 64
 # Launch of the row-tile quantize kernels (_row_tiles_launch says why): the most pieces a row is held in,
 # the most values of a row per thread in one warp and in several, the fewest values of a tile per thread, and
 # warps per SM.
@@ -232,11 +229,21 @@ def _quantize_row_tiles(
     COLSUM: tl.constexpr,
     a_ptr,
     WRITE_ACT: tl.constexpr,
+    h_ptr,
+    stride_hm,
+    stride_hk,
+    BWD: tl.constexpr,
+    act_ptr,
+    WRITE_H_ACT: tl.constexpr,
 ):
     # Row-wise quantize of the rows [pid * rows_per_program, ...) (of act(x) when ACT != 0; act(x) written to
     # a_ptr, with q's strides, only when WRITE_ACT). COLSUM also sums them: part[pid, :] = their float32 column
     # sum, so the bias gradient needs no second pass over x. rows_per_program is a multiple of BLOCK_M; the program walks its rows one tile of
     # BLOCK_M whole rows at a time.
+    # BWD (with ACT != 0): x is the activation's output gradient g and h_ptr its input; the rows quantized
+    # (and summed) are gh = g * act'(h), rounded to g's dtype as the unfused backward stores it, and written
+    # to a_ptr when WRITE_ACT (the 16-bit operand of fc1's grad-weight GEMM); WRITE_H_ACT also writes act(h)
+    # to act_ptr (fc2's grad-weight operand, recomputed rather than saved). g and h are read once.
     #
     # Whole rows stay in registers, so x is read from memory once and never re-read from L2 (a row's absmax
     # is needed before any of its values can be quantized). A row is held as CHUNKS pieces of CHUNK columns
@@ -260,16 +267,36 @@ def _quantize_row_tiles(
     rmask = rows < row_end
     offs = tl.arange(0, CHUNK)
     x_next = _row_chunks(x_ptr, rows, rmask, K, stride_xm, stride_xk, CHUNK, CHUNKS)
+    h_next = x_next
+    if BWD:
+        h_next = _row_chunks(h_ptr, rows, rmask, K, stride_hm, stride_hk, CHUNK, CHUNKS)
     acc = ()
     if COLSUM:
         for _c in tl.static_range(CHUNKS):
             acc = acc + (tl.zeros([BLOCK_M, CHUNK], dtype=tl.float32),)  # noqa: RUF005
     for _ in range(0, rows_per_program, BLOCK_M):
         x = x_next
+        h = h_next
         next_rows = rows + BLOCK_M
         next_rmask = next_rows < row_end
         x_next = _row_chunks(x_ptr, next_rows, next_rmask, K, stride_xm, stride_xk, CHUNK, CHUNKS)
-        if ACT != 0:  # act(x) once per value, held as float32 pieces (zero stays zero in padded lanes)
+        if BWD:
+            h_next = _row_chunks(h_ptr, next_rows, next_rmask, K, stride_hm, stride_hk, CHUNK, CHUNKS)
+        if BWD:  # gh = g * act'(h) per value, held as float32 pieces of g's dtype (zero in padded lanes)
+            grads = ()
+            for c in tl.static_range(CHUNKS):
+                cols = c * CHUNK + offs
+                out_mask = rmask[:, None] & (cols < K)[None, :]
+                act, dact = _act_fwd_bwd(h[c].to(tl.float32), ACT)
+                gh = (x[c].to(tl.float32) * dact).to(x_ptr.dtype.element_ty)
+                if WRITE_ACT:
+                    tl.store(a_ptr + rows[:, None] * stride_qm + cols[None, :], gh, mask=out_mask)
+                if WRITE_H_ACT:
+                    a_out = act_ptr + rows[:, None] * stride_qm + cols[None, :]
+                    tl.store(a_out, act.to(act_ptr.dtype.element_ty), mask=out_mask)
+                grads = grads + (gh.to(tl.float32),)  # noqa: RUF005
+            x = grads
+        elif ACT != 0:  # act(x) once per value, held as float32 pieces (zero stays zero in padded lanes)
             activated = ()
             for c in tl.static_range(CHUNKS):
                 a = _act_fwd(x[c].to(tl.float32), x_ptr, ACT)
@@ -326,6 +353,7 @@ def _rowwise_colsum_kernel(
     _quantize_row_tiles(
         x_ptr, q_ptr, s_ptr, part_ptr, M, K, stride_xm, stride_xk, stride_qm,
         rows_per_program, QMAX_C, IS_INT, BLOCK_M, CHUNK, CHUNKS, 0, True, x_ptr, False,
+        x_ptr, 0, 0, False, x_ptr, False,
     )  # fmt: skip
 
 
@@ -352,6 +380,7 @@ def _rowwise_kernel(
     _quantize_row_tiles(
         x_ptr, q_ptr, s_ptr, s_ptr, M, K, stride_xm, stride_xk, stride_qm,
         rows_per_program, QMAX_C, IS_INT, BLOCK_M, CHUNK, CHUNKS, ACT, False, x_ptr, False,
+        x_ptr, 0, 0, False, x_ptr, False,
     )  # fmt: skip
 
 
@@ -378,15 +407,16 @@ def _act_and_rowwise_kernel(
     _quantize_row_tiles(
         x_ptr, q_ptr, s_ptr, s_ptr, M, K, stride_xm, stride_xk, stride_qm,
         rows_per_program, QMAX_C, IS_INT, BLOCK_M, CHUNK, CHUNKS, ACT, False, a_ptr, True,
+        x_ptr, 0, 0, False, x_ptr, False,
     )  # fmt: skip
 
 
 @triton.jit
-def _act_backward_colsum_kernel(
+def _act_backward_rows_kernel(
     g_ptr,
     h_ptr,
     gh_ptr,
-    a_ptr,
+    act_ptr,
     q_ptr,
     s_ptr,
     part_ptr,
@@ -396,41 +426,24 @@ def _act_backward_colsum_kernel(
     stride_gk,
     stride_hm,
     stride_hk,
+    stride_qm,
+    rows_per_program,
     QMAX_C: tl.constexpr,
     IS_INT: tl.constexpr,
-    Q_DTYPE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    CHUNK: tl.constexpr,
+    CHUNKS: tl.constexpr,
     ACT: tl.constexpr,
     WRITE_A: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    ROWS: tl.constexpr,
 ):
-    # The activation's backward fused with the quantize + column sum of its result: per row, gh = g * act'(h)
-    # (rounded to g's dtype, as the unfused backward would store it), written 16-bit for the grad-weight GEMM
-    # and row-quantized for the grad-input GEMM; its float32 column sum is fc1's bias gradient. WRITE_A also
-    # writes act(h) (fc2's grad-weight operand, recomputed here instead of saved in forward). Outputs are
-    # contiguous. Row handling as in _rowwise_colsum_kernel.
-    pid = tl.program_id(0)
-    offs = tl.arange(0, BLOCK_K)
-    kmask = offs < K
-    colsum = tl.zeros([BLOCK_K], dtype=tl.float32)
-    for r in range(ROWS):
-        row_raw = pid.to(tl.int64) * ROWS + r
-        row = tl.minimum(row_raw, M - 1)
-        g = tl.load(g_ptr + row * stride_gm + offs * stride_gk, mask=kmask, other=0.0).to(tl.float32)
-        h = tl.load(h_ptr + row * stride_hm + offs * stride_hk, mask=kmask, other=0.0).to(tl.float32)
-        act, dact = _act_fwd_bwd(h, ACT)
-        gh = (g * dact).to(gh_ptr.dtype.element_ty)
-        tl.store(gh_ptr + row * K + offs, gh, mask=kmask)
-        if WRITE_A:
-            tl.store(a_ptr + row * K + offs, act.to(a_ptr.dtype.element_ty), mask=kmask)
-        x = gh.to(tl.float32)
-        colsum += tl.where(row_raw < M, x, 0.0)
-        scale = tl.div_rn(_absmax(x, 0), QMAX_C)
-        safe = tl.where(scale == 0.0, 1.0, scale)
-        inv = tl.div_rn(1.0, safe)
-        tl.store(s_ptr + row, scale)
-        tl.store(q_ptr + row * K + offs, _to_q(x, safe, inv, QMAX_C, IS_INT, Q_DTYPE), mask=kmask)
-    tl.store(part_ptr + pid.to(tl.int64) * K + offs, colsum, mask=kmask)
+    # act_backward_quantize_colsum by whole rows: gh = g * act'(h) written 16-bit (fc1's grad-weight operand),
+    # row-quantized (its grad-input operand) and column-summed (its bias gradient), g and h read once;
+    # WRITE_A also writes act(h). Outputs contiguous, with q's row stride.
+    _quantize_row_tiles(
+        g_ptr, q_ptr, s_ptr, part_ptr, M, K, stride_gm, stride_gk, stride_qm,
+        rows_per_program, QMAX_C, IS_INT, BLOCK_M, CHUNK, CHUNKS, ACT, True, gh_ptr, True,
+        h_ptr, stride_hm, stride_hk, True, act_ptr, WRITE_A,
+    )  # fmt: skip
 
 
 @triton.jit
@@ -676,11 +689,7 @@ def colsum_in_one_pass(x: torch.Tensor) -> bool:
     return x.shape[0] > 0 and 0 < x.shape[1] <= _MAX_SINGLE_PASS
 
 
-def _colsum_rows(m: int) -> int:
-    return min(_COLSUM_MAX_ROWS, triton.next_power_of_2(triton.cdiv(m, _COLSUM_PROGRAMS)))
-
-
-def _row_tiles_launch(m: int, k: int, sms: int) -> dict:
+def _row_tiles_launch(m: int, k: int, sms: int, inputs: int = 1) -> dict:
     """Tile, rows per program, grid and warps of _quantize_row_tiles (the one-pass row-wise quantizes, with or
     without column sums) for an (m, k) input on `sms` SMs.
 
@@ -701,12 +710,14 @@ def _row_tiles_launch(m: int, k: int, sms: int) -> dict:
     while triton.cdiv(k, chunk) > _CS_MAX_CHUNKS:
         chunk *= 2
     chunks = triton.cdiv(k, chunk)
+    # a thread holds `inputs` rows' worth of values (the activation backward reads g and h)
+    row = chunk * chunks * inputs
     num_warps = 1
-    if chunk * chunks > 32 * _CS_ONE_WARP_PER_THREAD:
-        while num_warps < 16 and chunk * chunks > 32 * num_warps * _CS_ROW_PER_THREAD:
+    if row > 32 * _CS_ONE_WARP_PER_THREAD:
+        while num_warps < 16 and row > 32 * num_warps * _CS_ROW_PER_THREAD:
             num_warps *= 2
     block_m = 1
-    while block_m < m and 2 * block_m * chunk * chunks <= 32 * num_warps * _CS_MIN_PER_THREAD:
+    while block_m < m and 2 * block_m * row <= 32 * num_warps * _CS_MIN_PER_THREAD:
         block_m *= 2
     programs = max(1, sms * _CS_WARPS_PER_SM // num_warps)
     rows_per_program = block_m * triton.cdiv(triton.cdiv(m, block_m), programs)
@@ -873,11 +884,10 @@ def act_backward_quantize_colsum(
     act = torch.empty((m, k) if want_act else (0,), dtype=h.dtype, device=h.device)
     q = torch.empty((m, k), dtype=qdtype, device=grad.device)
     scale = torch.empty((m,), dtype=torch.float32, device=grad.device)
-    rows = _colsum_rows(m)
-    grid = triton.cdiv(m, rows)
-    part = torch.empty((grid, k), dtype=torch.float32, device=grad.device)
-    block = triton.next_power_of_2(k)
-    (wrap or launch_directly)(_act_backward_colsum_kernel)[(grid,)](
+    launch = _row_tiles_launch(m, k, _sm_count(grad.device), inputs=2)
+    grid = launch.pop("grid")
+    part = torch.empty((grid[0], k), dtype=torch.float32, device=grad.device)
+    (wrap or launch_directly)(_act_backward_rows_kernel)[grid](
         grad,
         h,
         gh,
@@ -891,12 +901,11 @@ def act_backward_quantize_colsum(
         grad.stride(1),
         h.stride(0),
         h.stride(1),
+        q.stride(0),
         ACT=ACT_CODES[activation],
         WRITE_A=want_act,
-        BLOCK_K=block,
-        ROWS=rows,
-        num_warps=max(1, min(16, block // 256)),
-        **_qargs(qdtype),
+        **launch,
+        **_scale_args(qdtype),
     )
     return gh, act, q, scale, part.sum(dim=0)
 
