@@ -186,6 +186,22 @@ def test_row_tiles_launch_tiles_cover_rows_in_one_wave(m, k):
     assert block_m == 1 or per_thread <= quantize._CS_MIN_PER_THREAD or block_m >= m
 
 
+@pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
+def test_row_tiles_launch_of_the_activation_backward():
+    """Two inputs per row (g and h): one input's warps, at least 4 (within 6% of the best warps measured on an
+    H200 at each CLIP width), tiles and grid as for one input."""
+    from hf_switchback.kernels import quantize
+
+    for k, warps in ((1280, 4), (3072, 4), (4096, 4), (5120, 8), (768, 4)):
+        one, two = (
+            quantize._row_tiles_launch(49344, k, 132),
+            quantize._row_tiles_launch(49344, k, 132, inputs=2),
+        )
+        assert two["num_warps"] == max(one["num_warps"], 4) == warps, k
+        assert (two["CHUNK"], two["CHUNKS"]) == (one["CHUNK"], one["CHUNKS"])
+        assert two["grid"][0] * two["num_warps"] <= 132 * quantize._CS_WARPS_PER_SM
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("qdtype", QDTYPES)
 @pytest.mark.parametrize("dtype", FLOATS)
@@ -305,13 +321,13 @@ def test_act_backward_quantize_colsum(shape, dtype, qdtype, activation, want_act
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
-def test_act_backward_impl_picks_rows_up_to_4096_wide():
-    """ "auto" resolves per width (measured crossover, BENCHMARKS.md, GEMM kernels); a bad setting is refused."""
+def test_act_backward_impl_picks_rows_up_to_the_one_pass_limit():
+    """ "auto" resolves per width (measured, BENCHMARKS.md, Whole training step); a bad setting is refused."""
     from hf_switchback.kernels import quantize
 
     assert KernelOptions().act_backward_impl == "auto"
-    picked = [quantize.act_backward_impl(k) for k in (37, 3072, 4096, 4097, 5120)]
-    assert picked == ["rows", "rows", "rows", "tiles", "tiles"]
+    picked = [quantize.act_backward_impl(k) for k in (37, 3072, 4096, 5120, 8192, 8193)]
+    assert picked == ["rows"] * 5 + ["tiles"]
     assert quantize.act_backward_impl(3072, "tiles") == "tiles"
     assert quantize.act_backward_impl(5120, "rows") == "rows"
     with pytest.raises(ValueError, match=r"act_backward_impl must be one of .*got 'row'"):

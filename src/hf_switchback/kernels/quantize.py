@@ -48,10 +48,12 @@ _CS_ONE_WARP_PER_THREAD = 40
 _CS_ROW_PER_THREAD = 32
 _CS_MIN_PER_THREAD = 16
 _CS_WARPS_PER_SM = 16
-# KernelOptions.act_backward_impl "auto": whole rows per program ("rows": reads less, but a row of 4d values
-# must fit in one program's registers, which limits occupancy) up to this width, 2-D tiles ("tiles") above. On
-# the H100 "rows" wins at 4d = 3072 and loses at 4d = 5120 (BENCHMARKS.md, GEMM kernels).
-_ROWS_IMPL_MAX_K = 4096
+_CS_TWO_INPUT_MIN_WARPS = 4
+# KernelOptions.act_backward_impl "auto": whole rows per program ("rows": g and h read once, on the row-tile
+# kernel body) up to the one-pass limit, 2-D tiles ("tiles", which re-read the gradient) above. On an H200
+# "rows" took 0.50-0.59x the time of "tiles" at every CLIP width from 1,280 to 5,120 (BENCHMARKS.md, Whole
+# training step).
+_ROWS_IMPL_MAX_K = _MAX_SINGLE_PASS
 # Tile of the "tiles" activation backward.
 _BWD_TILE_M, _BWD_TILE_K = 32, 256
 
@@ -699,6 +701,9 @@ def _row_tiles_launch(m: int, k: int, sms: int, inputs: int = 1) -> dict:
       trip through shared memory), else the fewest (a power of two, up to 16) with at most
       _CS_ROW_PER_THREAD values per thread: 2 at 2,048, 4 at 3,072, 8 at 5,120. Each thread holds about
       three times that (x, its prefetched successor and the column-sum accumulator).
+    - inputs=2 (the activation backward, which holds g and h): the same warps as one input, at least 4;
+      measured on an H200 (BENCHMARKS.md, Whole training step), 16 warps at 5,120 and 8 at 3,072 were
+      1.1-1.3x slower.
     - BLOCK_M: one row per tile, more only for narrow rows (at least _CS_MIN_PER_THREAD values per thread).
     - Programs: _CS_WARPS_PER_SM warps per SM, one wave, each program walking an equal share of rows.
     Measured on an H200 against tiles of several rows over 4 warps (BENCHMARKS.md, Whole training step):
@@ -710,14 +715,15 @@ def _row_tiles_launch(m: int, k: int, sms: int, inputs: int = 1) -> dict:
     while triton.cdiv(k, chunk) > _CS_MAX_CHUNKS:
         chunk *= 2
     chunks = triton.cdiv(k, chunk)
-    # a thread holds `inputs` rows' worth of values (the activation backward reads g and h)
-    row = chunk * chunks * inputs
+    row = chunk * chunks
     num_warps = 1
-    if row > 32 * _CS_ONE_WARP_PER_THREAD:
+    if row * inputs > 32 * _CS_ONE_WARP_PER_THREAD:
         while num_warps < 16 and row > 32 * num_warps * _CS_ROW_PER_THREAD:
             num_warps *= 2
+    if inputs > 1:  # two rows per thread (the activation backward's g and h): 4 warps at least
+        num_warps = max(num_warps, _CS_TWO_INPUT_MIN_WARPS)
     block_m = 1
-    while block_m < m and 2 * block_m * row <= 32 * num_warps * _CS_MIN_PER_THREAD:
+    while block_m < m and 2 * block_m * row * inputs <= 32 * num_warps * _CS_MIN_PER_THREAD:
         block_m *= 2
     programs = max(1, sms * _CS_WARPS_PER_SM // num_warps)
     rows_per_program = block_m * triton.cdiv(triton.cdiv(m, block_m), programs)
