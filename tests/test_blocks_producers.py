@@ -23,6 +23,7 @@ from torch import nn
 
 from hf_switchback import SwitchBackConfig, apply_switchback, remove_switchback
 from hf_switchback.blocks.encoder_layer import is_fused_layer
+from hf_switchback.blocks.producers import layernorm_quantize, quantize_rows
 from hf_switchback.functional import switchback_linear
 from hf_switchback.kernels import reference
 
@@ -105,17 +106,18 @@ def test_fused_norms_train_like_the_stock_layernorm(kind, modes, monkeypatch):
     assert fused_layers(model) == layers
     calls = count_calls(monkeypatch)
     assert_within_own_error(loss_and_grads(model), want, exact)
-    # both LayerNorms of every layer wrote the 8-bit input; without fuse_qkv only the one before fc1
-    assert len(calls) == (2 if modes.get("fuse_qkv") else 1) * layers
+    # both LayerNorms of every layer wrote the 8-bit input (without fuse_qkv, for the three q/k/v layers)
+    assert len(calls) == 2 * layers
 
 
 @pytest.mark.parametrize("kind", ["clip", "siglip"])
-def test_fused_norms_under_autocast_quantize_the_rounded_output(kind, monkeypatch):
+@pytest.mark.parametrize("fuse_qkv", [True, False])
+def test_fused_norms_under_autocast_quantize_the_rounded_output(kind, fuse_qkv, monkeypatch):
     """Under bf16 autocast the stock LayerNorm runs in float32 and the linear casts its output to bfloat16: the
     fused LayerNorm writes that bfloat16 rounding and quantizes it."""
     base = tiny_pair_model(kind)
     exact = loss_and_grads(copy.deepcopy(base), autocast=True)
-    cfg = STOCK.replace(fuse_qkv=True)
+    cfg = STOCK.replace(fuse_qkv=fuse_qkv)
     want = loss_and_grads(apply_switchback(copy.deepcopy(base), cfg), autocast=True)
     model = apply_switchback(copy.deepcopy(base), cfg.replace(fuse_norm=True))
     calls = count_calls(monkeypatch)
@@ -134,8 +136,8 @@ def test_fused_activation_trains_like_the_stock_mlp(kind, with_norm, monkeypatch
     activations, norms = count_calls(monkeypatch, "act_and_quantize_rowwise"), count_calls(monkeypatch)
     backwards = count_calls(monkeypatch, "act_backward_quantize_colsum")
     assert_within_own_error(loss_and_grads(model), want, exact)
-    # one MLP (and LayerNorm 2) a layer; fc1's output gradient quantized in the activation's backward
-    assert len(activations) == len(backwards) == 4 and len(norms) == (4 if with_norm else 0)
+    # one MLP (and both LayerNorms) a layer; fc1's output gradient quantized in the activation's backward
+    assert len(activations) == len(backwards) == 4 and len(norms) == (8 if with_norm else 0)
     assert fused_layers(model) == (4 if with_norm else 0)
 
 
@@ -206,8 +208,45 @@ def test_a_hooked_or_replaced_layernorm_runs_as_a_module(monkeypatch):
     assert len(seen) == 1 and len(calls) == 8 - 2
 
 
-def test_compiled_fused_layer_has_no_graph_break():
-    model = apply_switchback(tiny_pair_model("clip"), TORCH.replace(fuse_qkv=True))
+def test_layernorm_before_three_projections_sums_their_gradients_in_its_input_dtype():
+    """outputs=3 (q, k, v each read a view): the three 16-bit gradients are summed in x's float32, as the stock
+    autocast graph sums them after each linear's cast, and LayerNorm's backward runs on that sum."""
+    norm = nn.LayerNorm(64)
+    nn.init.normal_(norm.weight)
+    x = torch.randn(6, 64, requires_grad=True)
+    grads = [torch.randn(6, 64).bfloat16() for _ in range(3)]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ys, (q, scale) = layernorm_quantize(x, norm, TORCH, outputs=3)
+    assert len(ys) == 3 and all(y.dtype == torch.bfloat16 for y in ys)
+    assert q.shape == (6, 64) and scale.shape == (6,)
+    torch.autograd.backward(ys, grads)
+    got = (x.grad, norm.weight.grad, norm.bias.grad)
+    x.grad = norm.weight.grad = norm.bias.grad = None
+    torch.nn.functional.layer_norm(x, (64,), norm.weight, norm.bias, norm.eps).backward(
+        sum(g.float() for g in grads)
+    )
+    for g, w in zip(got, (x.grad, norm.weight.grad, norm.bias.grad), strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("fuse_qkv", [False, True])
+def test_out_proj_takes_its_input_from_the_quantize_kernel(fuse_qkv, monkeypatch):
+    """With fuse_norm, every attention block's out_proj runs on quantize_rows' 8-bit form of the attention
+    output (our one-pass kernel under torch.compile too), with or without fuse_qkv."""
+    from hf_switchback.blocks import attention
+
+    seen = []
+    monkeypatch.setattr(
+        attention, "quantize_rows", lambda x, cfg: seen.append(x.shape) or quantize_rows(x, cfg)
+    )
+    model = apply_switchback(tiny_pair_model("clip"), TORCH.replace(fuse_qkv=fuse_qkv))
+    loss_and_grads(model)
+    assert len(seen) == 4
+
+
+@pytest.mark.parametrize("fuse_qkv", [True, False])
+def test_compiled_fused_layer_has_no_graph_break(fuse_qkv):
+    model = apply_switchback(tiny_pair_model("clip"), TORCH.replace(fuse_qkv=fuse_qkv))
     layer = model.vision_model.encoder.layers[0]
     h = torch.randn(3, 5, 64, requires_grad=True)
     want = layer(h, None)
@@ -255,10 +294,12 @@ def test_gpu_fused_norms_match_the_stock_layernorm(precision, modes):
 
 
 @pytest.mark.gpu
-def test_gpu_compiled_fused_norms_match_eager():
+@pytest.mark.parametrize("fuse_qkv", [True, False])
+def test_gpu_compiled_fused_norms_match_eager(fuse_qkv):
+    """Whole model compiled (Inductor: traced kernels, the three-output LayerNorm op without fuse_qkv)."""
     base = tiny_pair_model("clip").cuda()
     exact = loss_and_grads(copy.deepcopy(base), "cuda")
-    cfg = SwitchBackConfig(min_tokens=0, fuse_norm=True, **ALL_PRODUCERS)
+    cfg = SwitchBackConfig(min_tokens=0, fuse_norm=True, fuse_activation=True, fuse_qkv=fuse_qkv)
     want = loss_and_grads(apply_switchback(copy.deepcopy(base), cfg), "cuda", autocast=True)
     model = apply_switchback(copy.deepcopy(base), cfg)
     torch._dynamo.reset()

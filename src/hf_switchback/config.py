@@ -193,10 +193,13 @@ class SwitchBackConfig:
     fuse_qkv: bool = False
     # Quantize in the producer: in a transformers CLIP / SigLIP encoder layer, the LayerNorm before fc1 (fc1
     # converted with this config, the MLP fused or not; with the residual add before it in the same kernel)
-    # and the one before q/k/v (when they run as one op: fuse_qkv) also write that op's row-wise 8-bit input
-    # (blocks/encoder_layer.py), so no separate quantize pass reads their output. Numerics: the unfused add ->
-    # LayerNorm -> quantize pipeline's, y computed in float32 and rounded once to the linear's input dtype
-    # (kernels/reference.py states it; the Triton kernel sums in another order, within one rounding of y).
+    # and the one before q/k/v (one op with fuse_qkv, else the three layers, which read one 8-bit form and whose
+    # gradients are summed in the LayerNorm's input dtype as in the stock graph) also write that op's row-wise
+    # 8-bit input (blocks/encoder_layer.py), so no separate quantize pass reads their output; out_proj's 8-bit
+    # input comes from our one-pass kernel, also under torch.compile (blocks/attention.py). Numerics: the
+    # unfused add -> LayerNorm -> quantize pipeline's, y computed in float32 and rounded once to the linear's
+    # input dtype (kernels/reference.py states it; the Triton kernel sums in another order, within one rounding
+    # of y).
     # On by default: faster under torch.compile and in eager mode (BENCHMARKS.md, Whole training step), for ~4%
     # more peak memory without memory_efficient (the LayerNorm's 16-bit output is saved for fc1's weight gradient,
     # where a compiled stock block recomputes it).
@@ -205,7 +208,10 @@ class SwitchBackConfig:
     # SwitchBack layers (fuse_mlp off) with this config, the activation between them runs as one kernel that
     # writes act(fc1's output) in 16 bits (fc2's grad-weight GEMM reads it) and fc2's row-wise 8-bit input (blocks/mlp.py),
     # instead of the activation then fc2's own quantize pass. Numerics: the unfused pipeline's (act in float32,
-    # rounded once to the 16-bit dtype, that rounding quantized). On by default, as fuse_norm.
+    # rounded once to the 16-bit dtype, that rounding quantized). Where fc1 runs 8-bit too, fc1 and the activation
+    # are one backward node whose activation backward also writes fc1's 8-bit output gradient and bias gradient
+    # (blocks/linear_activation.py; the derivative of kernels/reference.activation_backward, float32, rounded
+    # once). On by default, as fuse_norm.
     fuse_activation: bool = True
     # How the GPU kernels run (kernels/options.py): implementation choices with the same numerics, so a
     # run-time choice rather than part of the model. Not written to config.json (to_dict leaves it out) and not

@@ -144,7 +144,7 @@ def apply_switchback(
     swap_multihead_attention(model, config, attention)
 
     fused = sync_fused_mlps(model)
-    fused_qkv = sync_fused_attention(model)
+    fused_qkv = sync_fused_attention(model)  # (blocks whose q/k/v run as one op)
     fused_norms = sync_fused_layers(model)
     logger.info(
         "hf_switchback: %d linear layers use SwitchBack %s (%d MLP blocks fused, %d q/k/v fused, %d encoder "

@@ -92,4 +92,14 @@ def runs_text(floor: int, precision: str) -> str:
     return f"16-bit below {floor} tokens"
 
 
-__all__ = ["SwitchBackLinear"]
+def is_plain_layer(layer: nn.Module) -> bool:
+    """A SwitchBackLinear whose forward is exactly its op (no subclass, no hooks, no inference cache): a block of
+    ours may call the op in its place (with the 8-bit input a producer wrote)."""
+    return (
+        type(layer) is SwitchBackLinear
+        and not (layer._forward_hooks or layer._forward_pre_hooks)
+        and not has_weight_cache(layer)
+    )
+
+
+__all__ = ["SwitchBackLinear", "is_plain_layer"]

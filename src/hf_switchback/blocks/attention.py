@@ -1,17 +1,21 @@
-"""Fused q/k/v for transformers CLIP / SigLIP attention blocks: the three projections as one SwitchBack op.
+"""Our forward for transformers CLIP / SigLIP attention blocks: q/k/v as one SwitchBack op, or the three layers'
+ops fed by the LayerNorm's 8-bit output.
 
 When apply_switchback converts q_proj, k_proj and v_proj of a `CLIPAttention` (or `SiglipAttention` /
-`Siglip2Attention`) with one config whose `fuse_qkv` is on, the block's class is swapped for a generated
-subclass whose forward computes q, k, v with `blocks.qkv.switchback_qkv` (input quantized once, one N = 3d
-GEMM) and then runs the stock attention and out_proj. With `fuse_norm` too, that forward takes the input's
-8-bit form as `quantized_input` when the LayerNorm before it wrote that form (blocks/encoder_layer.py). Not
-without fuse_qkv: the three separate layers would each return a gradient in the LayerNorm output's 16-bit dtype,
-summed there in 16 bits, where the stock path sums them in float32 under autocast. Nothing else changes: the module is still an instance of
-its class, q_proj / k_proj / v_proj stay the same SwitchBackLinear modules holding the same Parameters, so
-state_dict keys, FSDP2's parameter records and PEFT target names are untouched, and remove_switchback restores
-the original class. The forward re-checks at every call that the block still qualifies (the three layers plain
-SwitchBackLinear with one fusing config, no hooks on them, no inference weight cache) and otherwise runs the
-stock forward: a PEFT LoRA wrapper on q_proj, a narrower re-conversion or hooks get the layer path.
+`Siglip2Attention`) with one config whose `fuse_qkv` or `fuse_norm` is on, the block's class is swapped for a
+generated subclass whose forward is the stock one except that:
+- with fuse_qkv, q, k, v come from `blocks.qkv.switchback_qkv` (input quantized once, one N = 3d GEMM);
+- with fuse_norm, the forward takes its input's 8-bit form as `quantized_input` when the LayerNorm before it
+  wrote that form (blocks/encoder_layer.py). Without fuse_qkv it also takes `projection_inputs`, one view of
+  the LayerNorm's output per projection, so that their three gradients are summed in the LayerNorm's input
+  dtype (float32 under autocast) as in the stock graph, not in the 16-bit dtype the linears return them in;
+- with fuse_norm, out_proj's 8-bit input comes from our one-pass kernel (blocks/producers.quantize_rows).
+Nothing else changes: the module is still an instance of its class, q_proj / k_proj / v_proj stay the same
+SwitchBackLinear modules holding the same Parameters, so state_dict keys, FSDP2's parameter records and PEFT
+target names are untouched, and remove_switchback restores the original class. The forward re-checks at every
+call that the block still qualifies (the three layers plain SwitchBackLinear with one config, no hooks on them,
+no inference weight cache; out_proj likewise for its own path) and otherwise runs the stock forward: a PEFT
+LoRA wrapper on q_proj, a narrower re-conversion or hooks get the layer path.
 """
 
 from __future__ import annotations
@@ -22,9 +26,11 @@ import importlib
 import torch
 from torch import nn
 
-from ..modules import SwitchBackLinear
+from ..functional import runs_8bit, switchback_linear
+from ..modules import SwitchBackLinear, is_plain_layer
 from ..stock_blocks import stock_classes
 from ..weight_cache import has_weight_cache
+from .producers import quantize_rows
 from .qkv import switchback_qkv
 
 _PROJECTIONS = ("q_proj", "k_proj", "v_proj")
@@ -52,20 +58,21 @@ def _stock_class(base: type) -> type | None:
 
 
 def _fusable(module: nn.Module):
-    """The shared SwitchBackConfig when q/k/v of `module` can run fused right now, else None."""
+    """The shared SwitchBackConfig when q/k/v of `module` can run as our forward right now (one op with
+    fuse_qkv, the three layers' ops with fuse_norm), else None."""
     layers = [getattr(module, name, None) for name in _PROJECTIONS]
     # Exact type: a subclass (or a PEFT wrapper, which is not a SwitchBackLinear at all) may compute more.
     if any(type(layer) is not SwitchBackLinear for layer in layers):
         return None
     cfg = layers[0].switchback_config
-    if not cfg.fuse_qkv or any(layer.switchback_config != cfg for layer in layers[1:]):
+    if not (cfg.fuse_qkv or cfg.fuse_norm) or any(layer.switchback_config != cfg for layer in layers[1:]):
         return None
     if (
         len({layer.in_features for layer in layers}) != 1
         or len({layer.bias is None for layer in layers}) != 1
     ):
         return None
-    # The fused op calls no layer's forward: hooks on a layer (or an inference weight cache its forward would
+    # Our forward calls no layer's forward: hooks on a layer (or an inference weight cache its forward would
     # serve) would be skipped, so those blocks take the layer path.
     if any(layer._forward_hooks or layer._forward_pre_hooks or has_weight_cache(layer) for layer in layers):
         return None
@@ -74,9 +81,42 @@ def _fusable(module: nn.Module):
 
 def quantized_input_config(module: nn.Module):
     """The SwitchBackConfig with which `module`'s forward takes its input's 8-bit form (`quantized_input`) right
-    now, else None."""
+    now, else None. Without fuse_qkv the forward also takes `projection_inputs`: one view of the LayerNorm's
+    output per projection (blocks/producers.layernorm_quantize with outputs=3)."""
     cfg = _fusable(module) if type(module) is _FUSED_CLASSES.get(_base_class(module)) else None
     return cfg if cfg is not None and cfg.fuse_norm else None
+
+
+def _out_projection(self, attn_output: torch.Tensor) -> torch.Tensor:
+    """out_proj(attn_output); with fuse_norm, the input's 8-bit form from our one-pass kernel (the attention
+    kernel that writes attn_output cannot quantize it, and under torch.compile a quantize left to Inductor
+    would be a pass of its own that reads each row twice: blocks/producers.quantize_rows)."""
+    out_proj = self.out_proj
+    if not is_plain_layer(out_proj):
+        return out_proj(attn_output)
+    cfg = out_proj.switchback_config
+    if not cfg.fuse_norm or not runs_8bit(cfg, attn_output, (out_proj.in_features, out_proj.out_features)):
+        return out_proj(attn_output)
+    quantized = quantize_rows(attn_output, cfg)
+    return switchback_linear(attn_output, out_proj.weight, out_proj.bias, cfg, quantized_input=quantized)
+
+
+def _projections(self, cfg, hidden_states, quantized_input, projection_inputs):
+    """(queries, keys, values) as (batch, tokens, heads x head_dim)."""
+    layers = [getattr(self, name) for name in _PROJECTIONS]
+    if cfg.fuse_qkv:
+        return switchback_qkv(
+            hidden_states,
+            tuple(m.weight for m in layers),
+            tuple(m.bias for m in layers),
+            cfg,
+            quantized_input=quantized_input,
+        )
+    inputs = projection_inputs or (hidden_states,) * 3
+    return tuple(
+        switchback_linear(x, m.weight, m.bias, cfg, quantized_input=quantized_input)
+        for x, m in zip(inputs, layers, strict=True)
+    )
 
 
 def _fused_forward(
@@ -85,25 +125,20 @@ def _fused_forward(
     attention_mask: torch.Tensor | None = None,
     *,
     quantized_input: tuple[torch.Tensor, torch.Tensor] | None = None,
+    projection_inputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     **kwargs,
 ):
     cls = type(self)
     cfg = _fusable(self)
     if cfg is None:
-        # (a quantized_input is only ever the LayerNorm output's 8-bit form: dropping it changes nothing)
+        # (a quantized_input is only ever the LayerNorm output's 8-bit form, and projection_inputs views of
+        # hidden_states: dropping them changes nothing)
         return getattr(cls, _BASE_ATTR).forward(self, hidden_states, attention_mask, **kwargs)
     if not cfg.fuse_norm:
-        quantized_input = None
+        quantized_input = projection_inputs = None
     attention_functions, eager_attention, passes_kwargs = cls._switchback_attention_impl
 
-    layers = [getattr(self, name) for name in _PROJECTIONS]
-    queries, keys, values = switchback_qkv(
-        hidden_states,
-        tuple(m.weight for m in layers),
-        tuple(m.bias for m in layers),
-        cfg,
-        quantized_input=quantized_input,
-    )
+    queries, keys, values = _projections(self, cfg, hidden_states, quantized_input, projection_inputs)
     input_shape = hidden_states.shape[:-1]
     hidden_shape = (*input_shape, -1, self.head_dim)
     queries = queries.view(hidden_shape).transpose(1, 2)
@@ -124,7 +159,7 @@ def _fused_forward(
         **extra,
     )
     attn_output = attn_output.reshape(*input_shape, -1).contiguous()
-    return self.out_proj(attn_output), attn_weights
+    return _out_projection(self, attn_output), attn_weights
 
 
 # base class -> its generated subclass, as _fused_class made them: read per call by quantized_input_config,
@@ -143,7 +178,7 @@ def _fused_class(base: type) -> type:
         _attention_classes()[stock],
     )
     fused = type(
-        f"SwitchBackQKV{base.__name__}",
+        f"SwitchBack{base.__name__}",
         (base,),
         {
             "forward": _fused_forward,
@@ -156,24 +191,33 @@ def _fused_class(base: type) -> type:
     return fused
 
 
-def is_fused_attention(module: nn.Module) -> bool:
-    """True when `module`'s class is one sync_fused_attention generated."""
+def _has_our_class(module: nn.Module) -> bool:
     return getattr(type(module), _BASE_ATTR, None) is not None
 
 
+def is_fused_attention(module: nn.Module) -> bool:
+    """True when `module` runs q/k/v as one op right now (our class, fuse_qkv): not for a block of our class that
+    runs the three layers' ops with the LayerNorm's 8-bit input (fuse_norm)."""
+    if not _has_our_class(module):
+        return False
+    cfg = _fusable(module)
+    return cfg is not None and cfg.fuse_qkv
+
+
 def sync_fused_attention(model: nn.Module) -> int:
-    """Fuse q/k/v of every attention block that qualifies, unfuse every fused block that no longer does;
-    returns the number fused."""
+    """Give every attention block that qualifies our forward, and every block of ours that no longer does its
+    class back; returns the number whose q/k/v run as one op."""
     fused = 0
     for module in model.modules():
         base = _base_class(module)
-        if _stock_class(base) is not None and _fusable(module) is not None:
-            if not is_fused_attention(module):
+        cfg = _fusable(module) if _stock_class(base) is not None else None
+        if cfg is not None:
+            if not _has_our_class(module):
                 # A subclass of the module's own class that only adds a forward: the instance (Parameters, hooks,
                 # fully_shard's state) is untouched, and no other library's private state is read or written.
                 module.__class__ = _fused_class(base)
-            fused += 1
-        elif is_fused_attention(module) and type(module) is _fused_class(base):
+            fused += cfg.fuse_qkv
+        elif _has_our_class(module) and type(module) is _fused_class(base):
             # (A class derived from ours later, e.g. by fully_shard, is left as is: its forward falls back.)
             module.__class__ = base
     return fused

@@ -2,7 +2,7 @@
 8-bit input (config.fuse_norm).
 
 A stock encoder layer computes x + attn(LN1(x)), then x + mlp(LN2(x)); with SwitchBack, the attention block's
-q/k/v op and the MLP's fc1 op each quantize the LayerNorm's output in a pass of their own. When the attention
+q/k/v op(s) and the MLP's fc1 op each quantize the LayerNorm's output in a pass of their own. When the attention
 block or the MLP runs as one of our generated classes with a fuse_norm config (blocks/attention.py, blocks/mlp.py),
 apply_switchback swaps the layer's class for a generated subclass whose forward is the stock one except that
 the LayerNorm before that block runs as blocks/producers.layernorm_quantize and hands the block its output's
@@ -47,11 +47,15 @@ def _qualifies_now(norm: nn.Module, x: torch.Tensor, dtype: torch.dtype, config,
     return config is not None and fusable_norm(norm, x.shape[-1], dtype) and runs_8bit(config, x, *shapes)
 
 
-def _normalize(norm: nn.Module, x: torch.Tensor, config, shapes) -> tuple[torch.Tensor, dict]:
+def _normalize(norm: nn.Module, x: torch.Tensor, config, shapes, fan_out: bool = False) -> tuple:
     """(norm(x), the keyword arguments that hand the next block its 8-bit form: none where it does not
-    qualify)."""
+    qualify). fan_out: the block's three projections each read norm(x) (attention without fuse_qkv), handed
+    one view each as `projection_inputs` (blocks/attention.py says why)."""
     if not _qualifies_now(norm, x, x.dtype, config, shapes):
         return norm(x), {}
+    if fan_out:
+        ys, quantized = layernorm_quantize(x, norm, config, outputs=len(shapes))
+        return ys[0], {"quantized_input": quantized, "projection_inputs": ys}
     y, quantized = layernorm_quantize(x, norm, config)
     return y, {"quantized_input": quantized}
 
@@ -71,7 +75,8 @@ def _fused_forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tens
     residual = hidden_states
     attn_config = attention_quantized_input_config(attn)
     shapes = _shapes(attn, _PROJECTIONS) if attn_config is not None else ()
-    normed, quantized = _normalize(self.layer_norm1, hidden_states, attn_config, shapes)
+    fan_out = attn_config is not None and not attn_config.fuse_qkv
+    normed, quantized = _normalize(self.layer_norm1, hidden_states, attn_config, shapes, fan_out)
     attn_out, _ = attn(hidden_states=normed, attention_mask=attention_mask, **quantized, **kwargs)
 
     mlp_config = mlp_quantized_input_config(mlp)

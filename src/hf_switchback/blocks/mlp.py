@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from ..functional import runs_8bit, switchback_linear, switchback_mlp
-from ..modules import SwitchBackLinear
+from ..modules import SwitchBackLinear, is_plain_layer
 from ..stock_blocks import runs_stock_forward
 from ..weight_cache import has_weight_cache
 from .linear_activation import switchback_linear_activation
@@ -88,16 +88,6 @@ def _qualifies(module: nn.Module) -> tuple[str | None, bool] | None:
     return None
 
 
-def _plain(layer: nn.Module) -> bool:
-    """A SwitchBackLinear whose forward is exactly its op (no subclass, no hooks, no inference cache): the op may
-    run in its place."""
-    return (
-        type(layer) is SwitchBackLinear
-        and not (layer._forward_hooks or layer._forward_pre_hooks)
-        and not has_weight_cache(layer)
-    )
-
-
 def _fused_config(module: nn.Module):
     """The SwitchBackConfig with which `module` (a block of our class) runs its own forward right now, else None
     (then the stock forward runs)."""
@@ -109,7 +99,11 @@ def _fused_config(module: nn.Module):
         return None
     if not whole:
         # fc1's op replaces fc1's forward: only where that forward is exactly it
-        return cfg if (cfg.fuse_norm or cfg.fuse_activation) and not cfg.fuses_mlp and _plain(fc1) else None
+        return (
+            cfg
+            if (cfg.fuse_norm or cfg.fuse_activation) and not cfg.fuses_mlp and is_plain_layer(fc1)
+            else None
+        )
     if (
         not isinstance(fc2, SwitchBackLinear)
         or not cfg.fuses_mlp
@@ -139,7 +133,7 @@ def _activation_feeds_fc2(module: nn.Module, cfg, x: torch.Tensor) -> str | None
         not cfg.fuse_activation
         or kind is None
         or type(module.activation_fn) is not act_type
-        or not _plain(fc2)
+        or not is_plain_layer(fc2)
     ):
         return None
     fc2_cfg = fc2.switchback_config

@@ -26,22 +26,28 @@ from ..kernels.reference import activation_backward
 
 
 class _LayerNormGradFn(torch.autograd.Function):
-    """Returns y (M, K), LayerNorm(x) as the fused kernel wrote it, with LayerNorm's backward attached.
+    """Returns y (M, K), LayerNorm(x) as the fused kernel wrote it, with LayerNorm's backward attached; with
+    outputs=n > 1, n views of y (one per consumer: q, k and v), whose gradients the backward sums in x's dtype
+    (float32 under autocast), as the stock graph sums them after each linear's autocast cast.
     x (M, K); weight, bias (K,) in x's dtype or None; mean, rstd (M,) float32 from the same kernel."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, y, mean, rstd):
+    def forward(ctx, x, weight, bias, y, mean, rstd, outputs=1):
         ctx.save_for_backward(x, weight, bias, mean, rstd)
-        return y.view_as(y)
+        if outputs == 1:
+            return y.view_as(y)
+        return tuple(y.view_as(y) for _ in range(outputs))
 
     @staticmethod
-    def backward(ctx, grad_y):
+    def backward(ctx, *grads):
         x, weight, bias, mean, rstd = ctx.saved_tensors
         m, k = x.shape
         if not x.is_cuda:  # torch's CPU LayerNorm keeps its statistics in x's dtype (CUDA's: float32)
             mean, rstd = mean.to(x.dtype), rstd.to(x.dtype)
+        present = [g.to(x.dtype) for g in grads if g is not None]
+        grad_y = present[0] if len(present) == 1 else torch.stack(present).sum(0)
         grad_x, grad_w, grad_b = torch.ops.aten.native_layer_norm_backward(
-            grad_y.to(x.dtype),
+            grad_y,
             x,
             [k],
             mean.view(m, 1),
@@ -50,7 +56,7 @@ class _LayerNormGradFn(torch.autograd.Function):
             bias,
             [True, weight is not None, bias is not None],
         )
-        return grad_x, grad_w, grad_b, None, None, None
+        return grad_x, grad_w, grad_b, None, None, None, None
 
 
 def fusable_norm(norm: nn.Module, width: int, dtype: torch.dtype) -> bool:
@@ -89,10 +95,11 @@ def _norm_args(x: torch.Tensor, norm: nn.LayerNorm, config: SwitchBackConfig) ->
 
 
 def layernorm_quantize(
-    x: torch.Tensor, norm: nn.LayerNorm, config: SwitchBackConfig
-) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    x: torch.Tensor, norm: nn.LayerNorm, config: SwitchBackConfig, outputs: int = 1
+) -> tuple[torch.Tensor | tuple[torch.Tensor, ...], tuple[torch.Tensor, torch.Tensor]]:
     """norm(x) as the next SwitchBack linear receives it, and its row-wise 8-bit form in the config's forward
     format: (y (*, K) in the autocast dtype under autocast, else x's; (q (tokens, K), scale (tokens,))).
+    outputs=n > 1: a tuple of n views of y, one per linear that reads it (see _LayerNormGradFn).
     Check fusable_norm first."""
     kernels = get_kernels(config.backend, x.device, config.kernel_options)
     x2d = x.reshape(-1, x.shape[-1])
@@ -100,8 +107,10 @@ def layernorm_quantize(
         x2d.detach(), *_norm_args(x, norm, config), options=config.kernel_options
     )
     with _autocast_off(x.device.type):
-        y = _LayerNormGradFn.apply(x2d, norm.weight, norm.bias, y, mean, rstd)
-    return y.reshape(x.shape), (q, scale)
+        ys = _LayerNormGradFn.apply(x2d, norm.weight, norm.bias, y, mean, rstd, outputs)
+    if outputs == 1:
+        return ys.reshape(x.shape), (q, scale)
+    return tuple(y.reshape(x.shape) for y in ys), (q, scale)
 
 
 def add_layernorm_quantize(
@@ -118,6 +127,21 @@ def add_layernorm_quantize(
         h = _AddGradFn.apply(x2d, delta2d, h)
         y = _LayerNormGradFn.apply(h, norm.weight, norm.bias, y, mean, rstd)
     return h.reshape(x.shape), y.reshape(x.shape), (q, scale)
+
+
+def quantize_rows(x: torch.Tensor, config: SwitchBackConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """The row-wise 8-bit form (q (tokens, K), scale (tokens,)) of x (*, K), in the config's forward format, from
+    our one-pass kernel also under torch.compile, for an input that no compiled kernel can quantize as it
+    writes it: the attention output, written by the attention kernel. (Elsewhere the compiled graph leaves
+    the quantize to Inductor, which fuses it into the producer; here it would be a kernel of its own that
+    reads each row twice: BENCHMARKS.md, Whole training step.)"""
+    qdtype, _ = quantized_dtypes(config, x.device)
+    options = config.kernel_options
+    kernels = get_kernels(config.backend, x.device, options)
+    x2d = x.reshape(-1, x.shape[-1]).detach()
+    if kernels.name == "compiled":  # the traced operator, not the compiled set's choice (Inductor's code)
+        return torch.ops.hf_switchback.quantize_rowwise(x2d, qdtype)
+    return kernels.quantize_rowwise(x2d, qdtype, options=options)
 
 
 _GELU_APPROXIMATE = {"gelu": "none", "gelu_tanh": "tanh"}
@@ -157,4 +181,10 @@ def activation_quantize(
     return a.reshape(h.shape), (q, scale)
 
 
-__all__ = ["activation_quantize", "add_layernorm_quantize", "fusable_norm", "layernorm_quantize"]
+__all__ = [
+    "activation_quantize",
+    "add_layernorm_quantize",
+    "fusable_norm",
+    "layernorm_quantize",
+    "quantize_rows",
+]

@@ -193,7 +193,8 @@ OPS: tuple[KernelOp, ...] = (
     # the LayerNorm before q/k/v or fc1 writing that linear's 8-bit input too (blocks/encoder_layer.py)
     KernelOp("layernorm_quantize_rowwise", _normalized_rows, traceable=True),
     KernelOp("add_layernorm_quantize_rowwise", _added_normalized_rows, traceable=True),
-    KernelOp("quantize_rowwise", _rows),
+    # traced: blocks/producers.quantize_rows launches it from the compiled graph (the attention output)
+    KernelOp("quantize_rowwise", _rows, traceable=True),
     KernelOp("quantize_rowwise_colsum", _rows_colsum, traceable=True),
     KernelOp("quantize_tensorwise", _tensor),
     KernelOp("quantize_rowwise_transposed", _rows_transposed),

@@ -635,9 +635,12 @@ def _quantize_rowwise(x: torch.Tensor, qdtype: torch.dtype, activation: str | No
     return q, scale
 
 
-def quantize_rowwise(x: torch.Tensor, qdtype: torch.dtype = torch.int8) -> tuple[torch.Tensor, torch.Tensor]:
-    """(M, K) float -> (q (M, K) qdtype contiguous, scale (M,) float32), one scale per row."""
-    return _quantize_rowwise(x, qdtype, None)
+def quantize_rowwise(
+    x: torch.Tensor, qdtype: torch.dtype = torch.int8, *, wrap=None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(M, K) float -> (q (M, K) qdtype contiguous, scale (M,) float32), one scale per row.
+    wrap: as in matmul.scaled_matmul."""
+    return _quantize_rowwise(x, qdtype, None, wrap)
 
 
 def act_quantize_rowwise(

@@ -119,13 +119,15 @@ class SwitchBackArguments:
     )
     fuse_norm: bool | None = switch(
         None,
-        "Let each encoder layer's LayerNorm (with the residual add before it) write the next SwitchBack op's 8-bit "
-        "input in the same kernel instead of a separate quantize pass.",
+        "Let each encoder layer's LayerNorms (the second with the residual add before it) write the next "
+        "SwitchBack ops' 8-bit input in the same kernel instead of a separate quantize pass (and out_proj's "
+        "input come from the one-pass quantize kernel).",
         unset="on (the library default)",
     )
     fuse_activation: bool | None = switch(
         None,
-        "Let the MLP activation write fc2's 8-bit input in the same kernel (separate MLP layers).",
+        "Let the MLP activation write fc2's 8-bit input in the same kernel, and its backward fc1's 8-bit output "
+        "gradient (separate MLP layers).",
         unset="on (the library default)",
     )
     # arg() returns a dataclasses.field (default None), not a list shared between instances
