@@ -44,8 +44,12 @@ class _LayerNormGradFn(torch.autograd.Function):
         m, k = x.shape
         if not x.is_cuda:  # torch's CPU LayerNorm keeps its statistics in x's dtype (CUDA's: float32)
             mean, rstd = mean.to(x.dtype), rstd.to(x.dtype)
-        present = [g.to(x.dtype) for g in grads if g is not None]
-        grad_y = present[0] if len(present) == 1 else torch.stack(present).sum(0)
+        grad_y = None
+        for g in grads:
+            if g is not None:
+                # plain adds: a compiled backward fuses them into the LayerNorm backward kernel, as in the stock
+                # graph (a torch.stack(...).sum(0) was a pass of its own that wrote the float32 sum)
+                grad_y = g.to(x.dtype) if grad_y is None else grad_y + g.to(x.dtype)
         grad_x, grad_w, grad_b = torch.ops.aten.native_layer_norm_backward(
             grad_y,
             x,
