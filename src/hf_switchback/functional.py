@@ -452,16 +452,7 @@ def switchback_mlp(
     fwd_qdtype, grad_qdtype = quantized_dtypes(config, x2d.device)
     x_q, x_scale = check_quantized_input("switchback_mlp", quantized_input, x2d, fwd_qdtype)
     with _autocast_off(device_type):
-        spec = (
-            activation,
-            config.weight_scaling,
-            config.memory_efficient,
-            fwd_qdtype,
-            grad_qdtype,
-            config.backend,
-            config.kernel_options,
-            config.wgrad_precision,
-        )
+        spec = (activation, *linear_spec(config, fwd_qdtype, grad_qdtype))
         out = _SwitchBackMLPFn.apply(
             x2d.contiguous(), fc1_weight, fc1_bias, fc2_weight, fc2_bias, spec, x_q, x_scale
         )
