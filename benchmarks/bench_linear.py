@@ -4,15 +4,18 @@ layer (default): fwd+bwd of a d->4d linear ("fc1"), 4d->d ("fc2") and transforme
   `tokens` rows of bf16 input; median of triton's do_bench. Columns: ms, x bf16 (over eager nn.Linear), saved MiB
   (storages autograd keeps for backward, parameters and input excluded). --gemm times the bare 8-bit GEMMs (ours
   portable / TMA, cuBLAS fp8) against cuBLAS bf16, --kernels the (tokens, 4d) row passes.
-crossover: per linear family (K, N) of widths --dims, one training step of bf16 vs SwitchBack (library defaults,
-  min_tokens=0; float32 parameters under bf16 autocast) at each M of --tokens, interleaved, median of --repeats
-  CUDA-event samples. Crossover = the smallest M from which SwitchBack is >= --margin at that and every larger M
-  (null: never). --write_table [DIR] writes the table that SwitchBackConfig(min_tokens=None) reads.
+crossover: per width d in --dims, a stack of encoder layers (transformers' CLIPEncoderLayer, MLP 4d: the unit in
+  which the LayerNorms and the activation write the next linear's 8-bit input), one training step of bf16 vs SwitchBack
+  (library defaults, min_tokens=0; float32 parameters under bf16 autocast) at each M of --tokens, eager and
+  under torch.compile, interleaved, median of --repeats CUDA-event samples. Crossover = the smallest M from which
+  SwitchBack is >= --margin at that and every larger M (null: never), eager and compiled; each linear of the
+  layer gets the layer's. --write_table [DIR] writes the table that SwitchBackConfig(min_tokens=None) reads.
 gemm_configs: every tile config of the portable int8 GEMM at each per-call shape of ViT-B/L/H steps; --write_table
   [DIR] writes the GPU's kernels/gemm_configs table (measured shapes launch their tile without autotuning).
 
     PYTHONPATH=src python benchmarks/bench_linear.py --dims 1280 --tokens 65536 --cases block --compile-cases --gemm
     PYTHONPATH=src python benchmarks/bench_linear.py --mode crossover --write_table   # into the package
+    PYTHONPATH=src python benchmarks/bench_linear.py --mode crossover --dims 1280 1024 --out F; ... --resume --out F
     PYTHONPATH=src python benchmarks/bench_linear.py --mode gemm_configs --json $OUT/gemm_configs.json
     PYTHONPATH=src python benchmarks/bench_linear.py --mode gemm_configs --from_json F --write_table DIR  # no GPU
     PYTHONPATH=src python benchmarks/bench_linear.py --device cpu --tiny [--mode crossover]   # smoke test
@@ -211,18 +214,42 @@ def layer_mode(args) -> None:
 
 # -------------------------------------------------------------------------------------------- crossover mode
 DIMS = [512, 768, 1024, 1280]
-# from 2,048 (8 images of 257 tokens); 19,712 = 256 x 77 text tokens, 50,432 = 256 x 197 ViT-B/16 tokens
-TOKENS = [2048, 4096, 8192, 16384, 19712, 32768, 50432, 65536, 131072]
-SAMPLE_MS, MAX_LOOP = 4.0, 64  # a sample loops the step to about this long: small M is launch-bound
+# 8 to 256 sequences of 256 tokens; 12,288 lies below the text towers of batch 192-256 (14,784-19,712 tokens)
+TOKENS = [2048, 4096, 8192, 12288, 16384, 32768, 65536]
+SEQUENCE = 256  # tokens per sequence of the measured layers' input
+# A sample loops the step to about this long, at least MIN_LOOP times: with one step per sample the host never
+# runs ahead of the GPU and every launch cost lands in the sample (a first H200 run with 4 ms samples measured
+# SwitchBack layers 5-10% slower than the same layers inside a model's step).
+SAMPLE_MS, MIN_LOOP, MAX_LOOP = 50.0, 3, 64
+# Layers per measured stack, each compiled on its own as in a model (one graph, reused by the others): the step's
+# fixed costs (autograd's start, zero_grad) spread over several layers as over a tower's.
+STACK = 4
 
 
-def shapes(dims: list[int]) -> list[tuple[int, int, str]]:
-    """(K, N, family) of every linear family of encoder layers of widths `dims`, without repeats."""
-    out: dict[tuple[int, int], str] = {}
-    for d in dims:
-        for k, n, family in ((d, d, "d->d"), (d, 4 * d, "d->4d"), (4 * d, d, "4d->d")):
-            out.setdefault((k, n), family)
-    return [(k, n, family) for (k, n), family in out.items()]
+def layer_shapes(d: int) -> list[tuple[int, int, str]]:
+    """(K, N, family) of the linears of an encoder layer of width d (MLP 4d): q/k/v/out_proj, fc1, fc2."""
+    return [(d, d, "d->d"), (d, 4 * d, "d->4d"), (4 * d, d, "4d->d")]
+
+
+class EncoderStack(nn.Module):
+    """STACK transformers CLIPEncoderLayers of width d (MLP 4d, heads of 64, erf GELU, SDPA), float32
+    parameters: the layers of one tower, which a model runs one after another."""
+
+    def __init__(self, d: int, layers: int = STACK):
+        super().__init__()
+        from transformers import CLIPVisionConfig
+        from transformers.models.clip.modeling_clip import CLIPEncoderLayer
+
+        config = CLIPVisionConfig(
+            hidden_size=d, intermediate_size=4 * d, num_attention_heads=max(1, d // 64), hidden_act="gelu"
+        )
+        config._attn_implementation = "sdpa"
+        self.layers = nn.ModuleList(CLIPEncoderLayer(config) for _ in range(layers))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x, None)
+        return x
 
 
 def crossover_of(tokens: list[int], speedups: list[float], margin: float) -> int | None:
@@ -251,32 +278,65 @@ def sample_ms(fn, loops: int, device: torch.device) -> float:
     return begin.elapsed_time(end) / loops
 
 
-def time_shape(layers: dict[str, nn.Module], k: int, n: int, m: int, repeats: int, device) -> dict:
-    """Median ms of one training step of each layer at M = m tokens, the variants interleaved."""
-    x = torch.randn(m, k, device=device, dtype=torch.bfloat16, requires_grad=True)
-    grad = torch.randn(m, n, device=device, dtype=torch.bfloat16)
+def time_stacks(stacks: dict[str, nn.Module], d: int, m: int, repeats: int, device) -> dict:
+    """Median ms of one training step (forward, backward) of each stack at M = m tokens, interleaved."""
+    sequence = min(SEQUENCE, m)
+    x = torch.randn(m // sequence, sequence, d, device=device, requires_grad=True)
+    grad = torch.randn_like(x)
 
-    def step_of(layer):
+    def step_of(stack):
         def step() -> None:
-            layer.zero_grad(set_to_none=True)
+            stack.zero_grad(set_to_none=True)
             x.grad = None
             with torch.autocast(device.type, dtype=torch.bfloat16):
-                # a new view per call: SwitchBack reuses the 8-bit form of the input it saw last (q/k/v share one)
-                layer(x.view_as(x)).backward(grad)
+                out = stack(x)
+            out.backward(grad)
 
         return step
 
-    steps = {name: step_of(layer) for name, layer in layers.items()}
+    steps = {name: step_of(stack) for name, stack in stacks.items()}
     for step in steps.values():  # compile / autotune, then warm
         step()
         step()
-    loops = max(1, min(MAX_LOOP, round(SAMPLE_MS / max(sample_ms(steps["bf16"], 1, device), 1e-3))))
+    one = max(sample_ms(steps["bf16+compile"], 1, device), 1e-3)
+    loops = max(MIN_LOOP, min(MAX_LOOP, round(SAMPLE_MS / one)))
     samples: dict[str, list[float]] = {name: [] for name in steps}
     names = list(steps)
     for r in range(repeats):  # the order rotates each round
         for name in names[r % len(names) :] + names[: r % len(names)]:
             samples[name].append(sample_ms(steps[name], loops, device))
     return {name: statistics.median(values) for name, values in samples.items()}
+
+
+def crossover_stacks(d: int, precisions, backend: str, compile_backend: str, device) -> dict[str, nn.Module]:
+    """bf16 and each SwitchBack precision (library defaults, min_tokens=0) of one stack of width d, each eager
+    and with each layer under torch.compile (one static graph per M, as train_clip.py's per-block compile)."""
+    base = EncoderStack(d).to(device)
+    stacks: dict[str, nn.Module] = {"bf16": base}
+    for precision in precisions:
+        config = SwitchBackConfig(precision=precision, backend=backend, min_tokens=0)
+        stacks[precision] = apply_switchback(copy.deepcopy(base), config)
+    for name in list(stacks):
+        compiled = stacks[f"{name}+compile"] = copy.deepcopy(stacks[name])
+        for layer in compiled.layers:
+            layer.compile(dynamic=False, backend=compile_backend)
+    return stacks
+
+
+def resumed(path: Path | None, result: dict) -> dict:
+    """result with the layers an earlier run of the same grid wrote to `path` (--resume), else result as is."""
+    if path is None or not path.exists():
+        return result
+    earlier = json.loads(path.read_text())
+    same = ("tokens", "margin", "repeats", "unit", "step")
+    if any(earlier.get(key) != result[key] for key in same) or set(earlier["precisions"]) != set(
+        result["precisions"]
+    ):
+        raise SystemExit(
+            f"--resume: {path} measured another grid ({', '.join(same)}, precisions); use a new --out"
+        )
+    result["precisions"] = earlier["precisions"]
+    return result
 
 
 def git_commit() -> str:
@@ -298,33 +358,52 @@ def crossover_mode(args) -> dict:
         capability=f"sm{props.major}{props.minor}" if cuda else None, torch=torch.__version__,
         triton=versions(args.device, ("triton",))["triton"], date=datetime.date.today().isoformat(),
         commit=args.commit, command="python " + " ".join(sys.argv), margin=args.margin, repeats=args.repeats,
-        tokens=tokens, step="forward + backward (input and weight gradients), float32 parameters under bf16 autocast",
+        tokens=tokens, unit=f"{STACK} encoder layers",
+        step=f"forward + backward of {STACK} CLIP encoder layers (width d, MLP 4d, sequences of {SEQUENCE} tokens), "
+        "float32 parameters under bf16 autocast; `crossover` eager, `crossover_compiled` with each layer compiled",
         switchback={p: f"SwitchBackConfig(precision={p!r}, min_tokens=0), grad precision here: {grads[p]}" for p in grads},
         precisions={p: {} for p in args.precisions},
     )  # fmt: skip
     table_path = args.write_table and args.write_table / crossover.table_name((props.major, props.minor))
-    started, todo = time.perf_counter(), shapes(args.dims)
-    print(f"{result['device']}, {len(todo)} shapes x {len(tokens)} token counts, {args.precisions}")
-    backend = "torch" if args.tiny else "auto"
-    for i, (k, n, family) in enumerate(todo):
-        layers: dict[str, nn.Module] = {"bf16": nn.Linear(k, n, device=device)}
+    if args.resume:
+        result = resumed(args.out, result)
+    done = {entry["layer"] for entries in result["precisions"].values() for entry in entries.values()}
+    started = time.perf_counter()
+    print(f"{result['device']}, layers of widths {args.dims} x {len(tokens)} token counts, {args.precisions}")
+    backend, compile_backend = ("torch", "eager") if args.tiny else ("auto", "inductor")
+    # every M is its own static graph of every compiled layer
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 4 * len(tokens))
+    for i, d in enumerate(args.dims):
+        if d in done:
+            print(f"[{i + 1}/{len(args.dims)}] d={d}: measured in {args.out}", flush=True)
+            continue
+        stacks = crossover_stacks(d, args.precisions, backend, compile_backend, device)
+        times = {m: time_stacks(stacks, d, m, args.repeats, device) for m in tokens}
         for precision in args.precisions:
-            config = SwitchBackConfig(precision=precision, backend=backend, min_tokens=0)
-            layers[precision] = SwitchBackLinear.from_linear(copy.deepcopy(layers["bf16"]), config)
-        times = {m: time_shape(layers, k, n, m, args.repeats, device) for m in tokens}
-        for precision in args.precisions:
-            speedups = [times[m]["bf16"] / times[m][precision] for m in tokens]
-            result["precisions"][precision][f"{k}x{n}"] = dict(
-                K=k, N=n, family=family, crossover=crossover_of(tokens, speedups, args.margin),
-                bf16_ms={str(m): round(times[m]["bf16"], 4) for m in tokens},
-                switchback_ms={str(m): round(times[m][precision], 4) for m in tokens},
-                speedup={str(m): round(s, 3) for m, s in zip(tokens, speedups, strict=True)},
-            )  # fmt: skip
-        found = {p: result["precisions"][p][f"{k}x{n}"]["crossover"] for p in args.precisions}
+            entry = dict(layer=d)
+            for key, suffix in (("", ""), ("_compiled", "+compile")):
+                speedups = [times[m][f"bf16{suffix}"] / times[m][f"{precision}{suffix}"] for m in tokens]
+                entry[f"crossover{key}"] = crossover_of(tokens, speedups, args.margin)
+                entry[f"bf16{key}_ms"] = {str(m): round(times[m][f"bf16{suffix}"], 4) for m in tokens}
+                entry[f"switchback{key}_ms"] = {
+                    str(m): round(times[m][f"{precision}{suffix}"], 4) for m in tokens
+                }
+                entry[f"speedup{key}"] = {str(m): round(s, 3) for m, s in zip(tokens, speedups, strict=True)}
+            for k, n, family in layer_shapes(d):  # the layer's crossover for each of its linears
+                result["precisions"][precision][f"{k}x{n}"] = dict(K=k, N=n, family=family, **entry)
+        found = {
+            p: tuple(result["precisions"][p][f"{d}x{d}"][f"crossover{key}"] for key in ("", "_compiled"))
+            for p in args.precisions
+        }
         elapsed = time.perf_counter() - started
-        print(f"[{i + 1}/{len(todo)}] {k}->{n}: crossover {found}, {elapsed:.0f} s", flush=True)
+        print(
+            f"[{i + 1}/{len(args.dims)}] d={d}: crossover (eager, compiled) {found}, {elapsed:.0f} s",
+            flush=True,
+        )
         if args.out is not None:
             write_json(args.out, result, indent=1)
+        del stacks
+        torch._dynamo.reset()
     result.update(complete=True, seconds=round(time.perf_counter() - started, 1))
     for path in (args.out, table_path):
         if path is not None:
@@ -463,7 +542,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     cross("--precisions", nargs="+", default=["int8", "fp8"], choices=("int8", "fp8"))
     cross("--repeats", type=int, default=7, help="interleaved timed samples per variant")
     cross("--margin", type=float, default=1.02, help="speed-up SwitchBack must reach to count")
-    cross("--out", type=Path, help="JSON file, rewritten after every shape")
+    cross("--out", type=Path, help="JSON file, rewritten after every layer width")
+    cross(
+        "--resume",
+        action="store_true",
+        help="keep the widths --out already holds (same grid), measure the rest",
+    )
     cross("--commit", default=None, help="recorded in the JSON (default: git's HEAD)")
     tiles = parser.add_argument_group("gemm_configs mode").add_argument
     tiles("--models", nargs="+", choices=list(MODELS), default=list(MODELS))
@@ -479,10 +563,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.mode == "gemm_configs" and not torch.cuda.is_available():
         parser.error("--mode gemm_configs times the Triton GEMM's configs: it needs a CUDA GPU")
     check_device(parser, args)
+    if args.resume and (args.mode != "crossover" or args.out is None):
+        parser.error("--resume continues a crossover run: pass --mode crossover and the --out it wrote")
     if args.write_table and (args.tiny or args.mode == "layer"):
         parser.error("--write_table records a GPU's measurement: --mode crossover / gemm_configs, no --tiny")
     cross = args.mode == "crossover"
-    args.dims = args.dims or ([16, 32] if args.tiny else DIMS if cross else [768, 1024, 1280])
+    args.dims = list(
+        dict.fromkeys(args.dims or ([16, 32] if args.tiny else DIMS if cross else [768, 1024, 1280]))
+    )
     args.tokens = args.tokens or ([8, 16, 32] if args.tiny else TOKENS if cross else [65536, 4096])
     if args.tiny:  # the layer rows on the torch reference path, in seconds
         args.repeats, args.compile_cases, args.gemm, args.kernels = 1, [], False, False

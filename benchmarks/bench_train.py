@@ -65,6 +65,7 @@ TOKENS = {
     "mlp": (dict(target_modules=("fc1", "fc2")), "only the MLP linears 8-bit"),
     "attn": (dict(target_modules=ATTENTION), "only the attention projections 8-bit"),
     "wgrad8": (dict(wgrad_precision="fp8"), "the weight-gradient GEMM in fp8 too"),
+    "all": (dict(min_tokens=0), "no token floor: every linear 8-bit (the text tower too)"),
     "inductor-act": (dict(kernel_changes=dict(triton_act_quantize=False)), "fused MLP's act passes by Inductor"),
 }  # fmt: skip
 TOKENS_HELP = "TOKENs:\n" + "\n".join(f"  -{name:13} {text}" for name, (_, text) in TOKENS.items())

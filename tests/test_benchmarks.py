@@ -428,17 +428,35 @@ def test_bench_crossover_cpu_smoke_writes_a_table_the_loader_reads(tmp_path, cap
     data = json.loads(out.read_text())
     assert data == result and data["complete"] and data["format"] == crossover.FORMAT
     assert set(data["precisions"]) == {"int8", "fp8"}
-    table = crossover.load_table(out)
     for precision, entries in data["precisions"].items():
-        assert {(e["K"], e["N"]) for e in entries.values()} == {(k, n) for k, n, _ in bench.shapes([16, 32])}
+        shapes = {(k, n): d for d in (16, 32) for k, n, _ in bench.layer_shapes(d)}
+        assert {(e["K"], e["N"]) for e in entries.values()} == set(shapes)
         for entry in entries.values():
-            assert set(entry["speedup"]) == {"8", "16", "32"}
-            assert all(t > 0 for t in entry["bf16_ms"].values()) and all(
-                t > 0 for t in entry["switchback_ms"].values()
-            )
-            want = crossover.NEVER if entry["crossover"] is None else entry["crossover"]
-            assert table[(precision, entry["K"], entry["N"])] == want
+            assert entry["layer"] == shapes[(entry["K"], entry["N"])]  # each linear gets its layer's figures
+            for key in ("", "_compiled"):
+                assert set(entry[f"speedup{key}"]) == {"8", "16", "32"}
+                assert all(t > 0 for t in entry[f"bf16{key}_ms"].values())
+                assert all(t > 0 for t in entry[f"switchback{key}_ms"].values())
+            for compiled, key in ((False, "crossover"), (True, "crossover_compiled")):
+                want = crossover.NEVER if entry[key] is None else entry[key]
+                assert crossover.load_table(out, compiled)[(precision, entry["K"], entry["N"])] == want
     assert "crossover" in capsys.readouterr().out
+    # --resume keeps the widths the file holds and measures the others (a run split over several commands)
+    part = tmp_path / "part.json"
+    first = bench.main(
+        ["--mode", "crossover", "--device", "cpu", "--tiny", "--dims", "16", "--out", str(part)]
+    )
+    args = ["--mode", "crossover", "--device", "cpu", "--tiny", "--dims", "16", "32", "--out", str(part)]
+    both = bench.main([*args, "--resume"])
+    for precision, entries in first["precisions"].items():
+        for name, entry in entries.items():
+            assert both["precisions"][precision][name] == entry  # not measured again
+    assert {e["layer"] for e in both["precisions"]["int8"].values()} == {16, 32} and both["complete"]
+    assert "d=16: measured in" in capsys.readouterr().out
+    with pytest.raises(SystemExit):  # another grid in the same file
+        bench.main([*args, "--resume", "--tokens", "8", "16"])
+    with pytest.raises(SystemExit):  # --resume needs the file it continues
+        bench.main(["--mode", "crossover", "--device", "cpu", "--tiny", "--resume"])
     with pytest.raises(SystemExit):  # a table must be measured on the GPU it is for
         bench.main(["--mode", "crossover", "--device", "cpu", "--tiny", "--write_table", str(tmp_path)])
 
@@ -449,8 +467,9 @@ def test_bench_crossover_is_the_first_m_from_which_every_larger_m_pays():
     assert bench.crossover_of(tokens, [0.5, 1.1, 0.99, 1.03, 1.2], 1.02) == 8192  # 2048 paid, 4096 did not
     assert bench.crossover_of(tokens, [1.05] * 5, 1.02) == 1024
     assert bench.crossover_of(tokens, [1.05, 1.05, 1.05, 1.05, 1.01], 1.02) is None  # the largest M must pay
-    families = [(512, 512, "d->d"), (512, 2048, "d->4d"), (2048, 512, "4d->d")]
-    assert bench.shapes([512, 512]) == families  # a repeated width is measured once
+    assert bench.layer_shapes(512) == [(512, 512, "d->d"), (512, 2048, "d->4d"), (2048, 512, "4d->d")]
+    args = bench.parse_args(["--mode", "crossover", "--device", "cpu", "--tiny", "--dims", "16", "16", "32"])
+    assert args.dims == [16, 32]  # a repeated width is measured once
 
 
 def test_bench_memory_budget_context_in_a_fresh_process():

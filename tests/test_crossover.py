@@ -166,6 +166,40 @@ def test_table_threshold_is_a_compile_time_constant(table, on_hopper):
     torch.testing.assert_close(compiled(x), plain(x), rtol=0, atol=0)
 
 
+def test_compiled_thresholds_apply_while_dynamo_traces(tmp_path, monkeypatch, on_hopper):
+    """A table with `crossover_compiled` (bench_linear.py measures the layer eager and compiled): eager calls read
+    `crossover`, a call traced by torch.compile reads `crossover_compiled`; an entry without it uses `crossover`."""
+    import torch._dynamo as dynamo
+
+    data = {
+        "format": crossover.FORMAT,
+        "precisions": {
+            "int8": {
+                "192x48": {"K": 192, "N": 48, "crossover": None, "crossover_compiled": 64},
+                "48x192": {"K": 48, "N": 192, "crossover": 64},
+            }
+        },
+    }
+    (tmp_path / crossover.table_name(HOPPER)).write_text(json.dumps(data))
+    monkeypatch.setattr(crossover, "TABLE_DIR", tmp_path)
+    assert crossover.min_tokens_for(HOPPER, 192, 48, "int8") == crossover.NEVER
+    assert crossover.min_tokens_for(HOPPER, 192, 48, "int8", compiled=True) == 64
+    assert crossover.min_tokens_for(HOPPER, 48, 192, "int8", compiled=True) == 64
+    assert token_floor(SwitchBackConfig(), "cuda", (192, 48)) == crossover.NEVER
+
+    spy = KernelSpy.install(monkeypatch)
+    plain, sb = _pair(192, 48)
+    x = torch.randn(128, 192)
+    torch.testing.assert_close(sb(x), plain(x), rtol=0, atol=0)  # eager: never pays, exact 16-bit
+    assert spy.calls == []
+    dynamo.reset()
+    compiled = torch.compile(sb, backend="eager", fullgraph=True)
+    out = compiled(x)
+    assert "scaled_matmul" in spy.names()  # traced: from 64 rows, the 8-bit path
+    assert not torch.equal(out, plain(x))
+    torch.testing.assert_close(out, plain(x), rtol=0.1, atol=0.05)
+
+
 @pytest.mark.gpu
 def test_real_gpu_reads_the_table_of_its_capability(tmp_path, monkeypatch):
     major, minor = torch.cuda.get_device_capability()

@@ -334,7 +334,8 @@ def token_floor(config: SwitchBackConfig, device: torch.device | str, *shapes: t
     MLP, which then needs both to pay). With min_tokens=None under backend="auto" on CUDA each shape's
     threshold is its measured crossover on this GPU (kernels/crossover; crossover.NEVER where 8-bit never
     paid), else AUTO_MIN_TOKENS_CUDA; no shapes, or memory_efficient (whose point is the memory, and which
-    the tables do not measure), keep AUTO_MIN_TOKENS_CUDA.
+    the tables do not measure), keep AUTO_MIN_TOKENS_CUDA. Under torch.compile (while Dynamo traces) the
+    thresholds measured compiled apply: there the launches and the fused quantizes cost less.
     """
     if config.min_tokens is not None:
         return config.min_tokens
@@ -345,7 +346,8 @@ def token_floor(config: SwitchBackConfig, device: torch.device | str, *shapes: t
         return 0
     if not shapes or config.memory_efficient:
         return AUTO_MIN_TOKENS_CUDA
-    return max(crossover.min_tokens_for(capability, k, n, config.precision) for k, n in shapes)
+    compiled = torch.compiler.is_compiling()
+    return max(crossover.min_tokens_for(capability, k, n, config.precision, compiled) for k, n in shapes)
 
 
 def _flatten_input(

@@ -5,17 +5,21 @@ What `SwitchBackConfig(min_tokens=None)` (the default) uses for CUDA tensors und
 current GPU, so a layer whose 8-bit path does not pay at its call's token count stays 16-bit.
 
 The tables are this folder's `sm<major><minor>.json` (e.g. sm90.json for Hopper), written by
-`benchmarks/bench_linear.py --mode crossover --write_table` on that GPU: per precision ("int8", "fp8") and
-(K, N), the times
-of one forward + backward of bf16 `nn.Linear` and of SwitchBack (library defaults: tensor-wise weight scale,
-grad_precision="auto", default KernelOptions) over a grid of token counts, and `crossover`: the smallest grid M
-from which SwitchBack was at least the table's `margin` faster at that M and every larger one, or null (never
-paid on the grid: the layer stays 16-bit at every M). Between grid points the crossover is conservative (the
-8-bit path starts at the first grid point where it was measured to pay). One table per precision serves every
-config of that precision (row-wise weight scale, grad_precision="int8", other KernelOptions): kept simple, at
-the cost of a crossover measured for the defaults only.
+`benchmarks/bench_linear.py --mode crossover --write_table` on that GPU. The unit it measures is a stack of
+encoder layers of width d (transformers' CLIPEncoderLayer, MLP 4d), because that is where the 8-bit path pays
+or not: the LayerNorms and the activation write the next linear's 8-bit input, so a lone linear (which
+quantizes its own input) is slower than the same linear inside a layer. (A table's `step` field says what it
+measured: the shipped sm90.json predates the stacks and times lone linears, eager, so it has no compiled
+thresholds.) Per precision ("int8", "fp8") and (K, N) of each of the layer's linears: the times of one forward +
+backward of the bf16 and the SwitchBack stack (library defaults) over a grid of token counts, eager and with
+each layer under torch.compile, and two thresholds, `crossover` (eager)
+and `crossover_compiled` (the smallest grid M from which SwitchBack was at least the table's `margin` faster at
+that M and every larger one, or null: never paid on the grid, the layer stays 16-bit at every M). A table
+without `crossover_compiled` uses `crossover` for both. Between grid points the crossover is conservative.
+One table per precision serves every config of that precision (row-wise weight scale, grad_precision="int8",
+other KernelOptions): kept simple, at the cost of a crossover measured for the defaults only.
 
-A layer's threshold, `min_tokens_for(capability, k, n, precision)`:
+A layer's threshold, `min_tokens_for(capability, k, n, precision, compiled)`:
 1. exact (K, N) in the table;
 2. else the nearest measured family: same N/K ratio class (log2(N/K) rounded: 0 for q/k/v/out_proj d->d, 2 for
    fc1 d->4d, -2 for fc2 4d->d) and the closest K*N in log space, within a factor of 4 (NEAREST_MAX_LOG2_AREA);
@@ -70,8 +74,9 @@ def _crossover(value, where: str) -> int:
 
 
 @functools.cache
-def load_table(path: Path) -> dict[tuple[str, int, int], int] | None:
-    """{(precision, K, N): threshold} of a table file (NEVER for a null crossover), or None when it is absent.
+def load_table(path: Path, compiled: bool = False) -> dict[tuple[str, int, int], int] | None:
+    """{(precision, K, N): threshold} of a table file (NEVER for a null crossover), or None when it is absent;
+    `compiled`: the thresholds measured under torch.compile (`crossover_compiled`, else `crossover`).
 
     A file that exists but is not a table is an error: a shipped table must never be silently ignored.
     """
@@ -85,7 +90,8 @@ def load_table(path: Path) -> dict[tuple[str, int, int], int] | None:
             where = f"crossover table {path}, {precision} {name}"
             try:
                 k, n = int(entry["K"]), int(entry["N"])
-                table[(precision, k, n)] = _crossover(entry["crossover"], where)
+                key = "crossover_compiled" if compiled and "crossover_compiled" in entry else "crossover"
+                table[(precision, k, n)] = _crossover(entry[key], f"{where} {key}")
             except (KeyError, TypeError) as err:
                 raise ValueError(f"{where}: needs K, N and crossover ({err!r})") from err
     return table
@@ -109,18 +115,23 @@ def lookup(table: dict[tuple[str, int, int], int], precision: str, k: int, n: in
 
 
 @functools.cache
-def _min_tokens(capability: tuple[int, int], k: int, n: int, precision: str, table_dir: Path) -> int:
+def _min_tokens(
+    capability: tuple[int, int], k: int, n: int, precision: str, table_dir: Path, compiled: bool
+) -> int:
     if k <= 0 or n <= 0:
         return FALLBACK_MIN_TOKENS
-    table = load_table(table_dir / table_name(capability))
+    table = load_table(table_dir / table_name(capability), compiled)
     found = None if table is None else lookup(table, precision, k, n)
     return FALLBACK_MIN_TOKENS if found is None else found
 
 
-def min_tokens_for(capability: tuple[int, int], k: int, n: int, precision: str) -> int:
+def min_tokens_for(
+    capability: tuple[int, int], k: int, n: int, precision: str, compiled: bool = False
+) -> int:
     """Rows from which a (K -> N) SwitchBack linear of `precision` runs 8-bit on a GPU of `capability`
-    (NEVER: it always runs the 16-bit matmul). See the module docstring for how the table is searched."""
-    return _min_tokens(tuple(capability), k, n, precision, TABLE_DIR)
+    (NEVER: it always runs the 16-bit matmul); `compiled`: the threshold measured under torch.compile. See the
+    module docstring for how the table is searched."""
+    return _min_tokens(tuple(capability), k, n, precision, TABLE_DIR, bool(compiled))
 
 
 # What torch.compiler.assume_constant_result does, without importing torch._dynamo (which imports triton):
