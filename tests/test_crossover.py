@@ -11,7 +11,7 @@ import torch
 from helpers import KernelSpy
 from torch import nn
 
-from hf_switchback import SwitchBackConfig, SwitchBackLinear
+from hf_switchback import SwitchBackConfig, SwitchBackLinear, precision_summary
 from hf_switchback.functional import AUTO_MIN_TOKENS_CUDA, switchback_mlp, token_floor
 from hf_switchback.kernels import crossover
 
@@ -198,6 +198,16 @@ def test_compiled_thresholds_apply_while_dynamo_traces(tmp_path, monkeypatch, on
     assert "scaled_matmul" in spy.names()  # traced: from 64 rows, the 8-bit path
     assert not torch.equal(out, plain(x))
     torch.testing.assert_close(out, plain(x), rtol=0.1, atol=0.05)
+
+    # what a layer runs is reported for both: its repr and the model's summary
+    assert "runs=16-bit (int8 never pays here) (under torch.compile: 16-bit below 64 tokens)" in repr(sb)
+    summary = precision_summary(nn.Sequential(sb), "cpu")
+    assert "1 always fall back to 16-bit" in summary
+    assert (
+        "under torch.compile: 0 of 1 swapped layers run int8 at any token count; 1 run int8 from 64"
+        in summary
+    )
+    assert "under torch.compile" not in repr(_pair(48, 192)[1])  # one threshold for both: said once
 
 
 @pytest.mark.gpu

@@ -327,15 +327,20 @@ def check_input(x: torch.Tensor, weight: torch.Tensor) -> None:
         )
 
 
-def token_floor(config: SwitchBackConfig, device: torch.device | str, *shapes: tuple[int, int]) -> int:
+def token_floor(
+    config: SwitchBackConfig,
+    device: torch.device | str,
+    *shapes: tuple[int, int],
+    compiled: bool | None = None,
+) -> int:
     """Rows below which the exact 16-bit matmul runs instead of SwitchBack (see config.min_tokens).
 
     shapes: the (K, N) = (in_features, out_features) of the linears the call runs in 8 bits (two for a fused
     MLP, which then needs both to pay). With min_tokens=None under backend="auto" on CUDA each shape's
     threshold is its measured crossover on this GPU (kernels/crossover; crossover.NEVER where 8-bit never
     paid), else AUTO_MIN_TOKENS_CUDA; no shapes, or memory_efficient (whose point is the memory, and which
-    the tables do not measure), keep AUTO_MIN_TOKENS_CUDA. Under torch.compile (while Dynamo traces) the
-    thresholds measured compiled apply: there the launches and the fused quantizes cost less.
+    the tables do not measure), keep AUTO_MIN_TOKENS_CUDA. `compiled`: whether the thresholds measured under
+    torch.compile apply (there the launches and the fused quantizes cost less); None: while Dynamo traces.
     """
     if config.min_tokens is not None:
         return config.min_tokens
@@ -346,7 +351,8 @@ def token_floor(config: SwitchBackConfig, device: torch.device | str, *shapes: t
         return 0
     if not shapes or config.memory_efficient:
         return AUTO_MIN_TOKENS_CUDA
-    compiled = torch.compiler.is_compiling()
+    if compiled is None:
+        compiled = torch.compiler.is_compiling()
     return max(crossover.min_tokens_for(capability, k, n, config.precision, compiled) for k, n in shapes)
 
 

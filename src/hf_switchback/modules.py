@@ -79,8 +79,13 @@ class SwitchBackLinear(nn.Linear):
         # What this layer runs where its weight is (one linear's floor; a fused MLP block runs from the larger
         # of fc1's and fc2's, see precision_summary), so the repr never claims a path that is not taken.
         cfg = self.switchback_config
-        floor = token_floor(cfg, self.weight.device, (self.in_features, self.out_features))
-        return f"{super().extra_repr()}, switchback={cfg.variant}, backend={cfg.backend}, runs={runs_text(floor, cfg.precision)}"
+        shape = (self.in_features, self.out_features)
+        floor = token_floor(cfg, self.weight.device, shape, compiled=False)
+        runs = runs_text(floor, cfg.precision)
+        compiled = token_floor(cfg, self.weight.device, shape, compiled=True)
+        if compiled != floor:  # a table measured under torch.compile says otherwise there
+            runs += f" (under torch.compile: {runs_text(compiled, cfg.precision)})"
+        return f"{super().extra_repr()}, switchback={cfg.variant}, backend={cfg.backend}, runs={runs}"
 
 
 def runs_text(floor: int, precision: str) -> str:

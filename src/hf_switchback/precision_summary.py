@@ -21,8 +21,9 @@ from .modules import SwitchBackLinear
 _FUSED_MLP_ATTR = "_switchback_activation"
 
 
-def layer_floors(model: nn.Module, device: torch.device | str) -> dict[str, int]:
-    """{dotted name: token floor on `device`} of every SwitchBackLinear of `model`.
+def layer_floors(model: nn.Module, device: torch.device | str, compiled: bool = False) -> dict[str, int]:
+    """{dotted name: token floor on `device`} of every SwitchBackLinear of `model`; `compiled`: the floors that
+    apply under torch.compile (functional.token_floor).
 
     A layer of a fused MLP block gets the block's floor (the larger of fc1's and fc2's), as switchback_mlp does.
     """
@@ -37,7 +38,7 @@ def layer_floors(model: nn.Module, device: torch.device | str) -> dict[str, int]
             if fused:
                 shapes = [(m.in_features, m.out_features) for m in (children["fc1"], children["fc2"])]
             floors[f"{name}.{child_name}" if name else child_name] = token_floor(
-                child.switchback_config, device, *shapes
+                child.switchback_config, device, *shapes, compiled=compiled
             )
     return floors
 
@@ -69,27 +70,32 @@ def precision_summary(model: nn.Module, device: torch.device | str | None = None
     floors = layer_floors(model, device)
     precisions = {m.switchback_config.precision for m in modules.values()}
     label = precisions.pop() if len(precisions) == 1 else "8-bit"
-    always = [n for n, f in floors.items() if f == 0]
-    never = [n for n, f in floors.items() if f >= crossover.NEVER]
-    above = [f for f in floors.values() if 0 < f < crossover.NEVER]
-    total = len(floors)
     if device.type != "cuda":
         where = f"{device.type} (torch reference kernels: the same numerics, no speed-up)"
     else:
         where = f"{device} ({torch.cuda.get_device_name(device)})"
-    parts = [
-        f"hf_switchback on {where}: {len(always)} of {total} swapped layers run {label} at any token count"
-    ]
+    text = f"hf_switchback on {where}: {_describe(floors, label)}"
+    compiled = layer_floors(model, device, compiled=True)
+    if compiled != floors:  # the table holds thresholds measured under torch.compile that differ
+        text += f"; under torch.compile: {_describe(compiled, label)}"
+    if any(f > 0 for f in (*floors.values(), *compiled.values())):
+        fallback = [modules[n] for n in floors if floors[n] > 0 or compiled[n] > 0]
+        text += f"; floors from {_fallback_reason(fallback, device)}"
+    return text
+
+
+def _describe(floors: dict[str, int], label: str) -> str:
+    """How many layers of `floors` run `label` always, from some token count, or never."""
+    always = [n for n, f in floors.items() if f == 0]
+    never = [n for n, f in floors.items() if f >= crossover.NEVER]
+    above = [f for f in floors.values() if 0 < f < crossover.NEVER]
+    parts = [f"{len(always)} of {len(floors)} swapped layers run {label} at any token count"]
     if above:
         span = f"{min(above)}" if min(above) == max(above) else f"{min(above)}-{max(above)}"
         parts.append(f"{len(above)} run {label} from {span} tokens per call and 16-bit below")
     if never:
         parts.append(f"{len(never)} always fall back to 16-bit ({label} never pays for their shapes)")
-    text = "; ".join(parts)
-    if above or never:
-        fallback = [modules[n] for n, f in floors.items() if f > 0]
-        text += f"; floors from {_fallback_reason(fallback, device)}"
-    return text
+    return "; ".join(parts)
 
 
 __all__ = ["layer_floors", "precision_summary"]
