@@ -12,10 +12,10 @@ quantizes its own input) is slower than the same linear inside a layer. (A table
 measured: the shipped sm90.json predates the stacks and times lone linears, eager, so it has no compiled
 thresholds.) Per precision ("int8", "fp8") and (K, N) of each of the layer's linears: the times of one forward +
 backward of the bf16 and the SwitchBack stack (library defaults) over a grid of token counts, eager and with
-each layer under torch.compile, and two thresholds, `crossover` (eager)
-and `crossover_compiled` (the smallest grid M from which SwitchBack was at least the table's `margin` faster at
-that M and every larger one, or null: never paid on the grid, the layer stays 16-bit at every M). A table
-without `crossover_compiled` uses `crossover` for both. Between grid points the crossover is conservative.
+each layer under torch.compile, and two thresholds, `crossover` (eager) and `crossover_compiled`: the smallest
+grid M from which SwitchBack was at least the table's `margin` faster at that M and every larger one, or null
+(never paid on the grid: the layer stays 16-bit at every M). A table without `crossover_compiled` uses
+`crossover` for both. Between grid points the crossover is conservative.
 One table per precision serves every config of that precision (row-wise weight scale, grad_precision="int8",
 other KernelOptions): kept simple, at the cost of a crossover measured for the defaults only.
 
