@@ -214,8 +214,9 @@ def layer_mode(args) -> None:
 
 # -------------------------------------------------------------------------------------------- crossover mode
 DIMS = [512, 768, 1024, 1280]
-# 8 to 256 sequences of 256 tokens; 12,288 lies below the text towers of batch 192-256 (14,784-19,712 tokens)
-TOKENS = [2048, 4096, 8192, 12288, 16384, 32768, 65536]
+# 16 to 256 sequences of 256 tokens (below 4,096 no layer paid in any measurement; each M is a compile per
+# variant); 12,288 lies below the text towers of batch 192-256 (14,784-19,712 tokens)
+TOKENS = [4096, 8192, 12288, 16384, 32768, 65536]
 SEQUENCE = 256  # tokens per sequence of the measured layers' input
 # A sample loops the step to about this long, at least MIN_LOOP times: with one step per sample the host never
 # runs ahead of the GPU and every launch cost lands in the sample (a first H200 run with 4 ms samples measured
