@@ -290,7 +290,8 @@ def time_stacks(stacks: dict[str, nn.Module], d: int, m: int, repeats: int, devi
             stack.zero_grad(set_to_none=True)
             x.grad = None
             with torch.autocast(device.type, dtype=torch.bfloat16):
-                out = stack(x)
+                # a new view per call: an eager SwitchBack linear reuses the 8-bit form of the input it saw last
+                out = stack(x.view_as(x))
             out.backward(grad)
 
         return step
@@ -372,8 +373,9 @@ def crossover_mode(args) -> dict:
     started = time.perf_counter()
     print(f"{result['device']}, layers of widths {args.dims} x {len(tokens)} token counts, {args.precisions}")
     backend, compile_backend = ("torch", "eager") if args.tiny else ("auto", "inductor")
-    # every M is its own static graph of every compiled layer
-    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 4 * len(tokens))
+    # every M is its own static graph per layer forward: bf16's, and one shared by the SwitchBack precisions
+    graphs = (1 + len(args.precisions)) * len(tokens)
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, graphs)
     for i, d in enumerate(args.dims):
         if d in done:
             print(f"[{i + 1}/{len(args.dims)}] d={d}: measured in {args.out}", flush=True)
