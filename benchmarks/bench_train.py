@@ -13,7 +13,7 @@ Variants (then the row grammar of common.py: +ckpt, +budgetF, +compile, @B):
   bf16                     nn.Linear
   int8 / fp8[-TOKEN...]    SwitchBack, library defaults but the token floor pinned at 16,384 (rows measure the
                            8-bit path), changed by each TOKEN (below); int8-default keeps the library
-                           default (on Hopper the crossover table keeps nearly every CLIP linear 16-bit)
+                           default (on Hopper 8-bit per layer where the crossover table says it pays)
   torchao-float8-RECIPE    torchao float8 training on the encoder linears (tensorwise, rowwise, rowwise_with_gw_hp)
   BASE-lora                PEFT LoRA (rank 16) on every encoder linear of a bf16 / SwitchBack base, rest frozen
 """

@@ -8,9 +8,8 @@ The tables are this folder's `sm<major><minor>.json` (e.g. sm90.json for Hopper)
 `benchmarks/bench_linear.py --mode crossover --write_table` on that GPU. The unit it measures is a stack of
 encoder layers of width d (transformers' CLIPEncoderLayer, MLP 4d), because that is where the 8-bit path pays
 or not: the LayerNorms and the activation write the next linear's 8-bit input, so a lone linear (which
-quantizes its own input) is slower than the same linear inside a layer. (A table's `step` field says what it
-measured: the shipped sm90.json predates the stacks and times lone linears, eager, so it has no compiled
-thresholds.) Per precision ("int8", "fp8") and (K, N) of each of the layer's linears: the times of one forward +
+quantizes its own input) is slower than the same linear inside a layer (a table's `step` field says what it
+measured). Per precision ("int8", "fp8") and (K, N) of each of the layer's linears: the times of one forward +
 backward of the bf16 and the SwitchBack stack (library defaults) over a grid of token counts, eager and with
 each layer under torch.compile, and two thresholds, `crossover` (eager) and `crossover_compiled`: the smallest
 grid M from which SwitchBack was at least the table's `margin` faster at that M and every larger one, or null
