@@ -123,12 +123,12 @@ def _launch(x, delta, weight, bias, eps, qdtype, out_dtype, wrap) -> tuple:
         else torch.empty((m, k), dtype=torch.promote_types(x.dtype, delta.dtype), device=device)
     )
     q = torch.empty((m, k), dtype=qdtype, device=device)
-    scale = torch.zeros((m,), dtype=torch.float32, device=device)
-    mean = torch.zeros((m,), dtype=torch.float32, device=device)
-    rstd = torch.zeros((m,), dtype=torch.float32, device=device)
     y = torch.empty((m, k), dtype=out_dtype, device=device)
-    if m == 0 or k == 0:
+    if m == 0 or k == 0:  # statistics of empty rows are 0, as the twin's
+        scale, mean, rstd = (torch.zeros((m,), dtype=torch.float32, device=device) for _ in range(3))
         return h, q, scale, y, mean, rstd
+    # The kernel writes every row's statistics: no fill kernels before it (launches fewer per call).
+    scale, mean, rstd = (torch.empty((m,), dtype=torch.float32, device=device) for _ in range(3))
     block = triton.next_power_of_2(k)
     rows, warps = _launch_shape(block)
     (wrap or launch_directly)(_layernorm_quantize_kernel)[(triton.cdiv(m, rows),)](

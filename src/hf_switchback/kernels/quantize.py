@@ -598,9 +598,10 @@ def launch_directly(kernel):
 def _quantize_rowwise(x: torch.Tensor, qdtype: torch.dtype, activation: str | None, wrap=None):
     m, k = x.shape
     q = torch.empty((m, k), dtype=qdtype, device=x.device)
-    scale = torch.zeros((m,), dtype=torch.float32, device=x.device)
-    if m == 0 or k == 0:
-        return q, scale
+    if m == 0 or k == 0:  # an empty row's scale is 0, as the twin's
+        return q, torch.zeros((m,), dtype=torch.float32, device=x.device)
+    # Every kernel below writes every row's scale: no fill kernel before it (one launch fewer per call).
+    scale = torch.empty((m,), dtype=torch.float32, device=x.device)
     launch_with = wrap or launch_directly
     if k > _MAX_SINGLE_PASS:
         launch_with(_rowwise_long_kernel)[(m,)](
@@ -667,9 +668,9 @@ def act_and_quantize_rowwise(
         return (a, *_quantize_rowwise(a, qdtype, None, wrap))
     a = torch.empty((m, k), dtype=h.dtype, device=h.device)
     q = torch.empty((m, k), dtype=qdtype, device=h.device)
-    scale = torch.zeros((m,), dtype=torch.float32, device=h.device)
     if m == 0 or k == 0:
-        return a, q, scale
+        return a, q, torch.zeros((m,), dtype=torch.float32, device=h.device)
+    scale = torch.empty((m,), dtype=torch.float32, device=h.device)  # every row written by the kernel
     launch = _row_tiles_launch(m, k, _sm_count(h.device))
     grid = launch.pop("grid")
     (wrap or launch_directly)(_act_and_rowwise_kernel)[grid](
