@@ -127,7 +127,7 @@ def _launch(x, delta, weight, bias, eps, qdtype, out_dtype, wrap) -> tuple:
     if m == 0 or k == 0:  # statistics of empty rows are 0, as the twin's
         scale, mean, rstd = (torch.zeros((m,), dtype=torch.float32, device=device) for _ in range(3))
         return h, q, scale, y, mean, rstd
-    # The kernel writes every row's statistics: no fill kernels before it (launches fewer per call).
+    # The kernel writes every row's statistics: no fill kernels before it (eager: launches fewer a call).
     scale, mean, rstd = (torch.empty((m,), dtype=torch.float32, device=device) for _ in range(3))
     block = triton.next_power_of_2(k)
     rows, warps = _launch_shape(block)

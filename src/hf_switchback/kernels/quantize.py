@@ -600,7 +600,7 @@ def _quantize_rowwise(x: torch.Tensor, qdtype: torch.dtype, activation: str | No
     q = torch.empty((m, k), dtype=qdtype, device=x.device)
     if m == 0 or k == 0:  # an empty row's scale is 0, as the twin's
         return q, torch.zeros((m,), dtype=torch.float32, device=x.device)
-    # Every kernel below writes every row's scale: no fill kernel before it (one launch fewer per call).
+    # Every kernel below writes every row's scale: no fill kernel before it (eager: one launch fewer a call).
     scale = torch.empty((m,), dtype=torch.float32, device=x.device)
     launch_with = wrap or launch_directly
     if k > _MAX_SINGLE_PASS:
