@@ -263,8 +263,29 @@ def test_the_shipped_hopper_table_is_complete_and_its_crossovers_follow_its_own_
         for d in (512, 768, 1024, 1280):
             for k, n in ((d, d), (d, 4 * d), (4 * d, d)):
                 entry = entries[f"{k}x{n}"]
-                speedup = {m: entry["bf16_ms"][str(m)] / entry["switchback_ms"][str(m)] for m in tokens}
-                paying = [m for i, m in enumerate(tokens) if all(speedup[t] >= margin for t in tokens[i:])]
-                assert entry["crossover"] == (paying[0] if paying else None), (precision, k, n)
-                expected = crossover.NEVER if entry["crossover"] is None else entry["crossover"]
-                assert crossover.min_tokens_for(HOPPER, k, n, precision) == expected
+                for compiled, suffix in ((False, ""), (True, "_compiled")):  # eager, then each layer compiled
+                    bf16, switchback = entry[f"bf16{suffix}_ms"], entry[f"switchback{suffix}_ms"]
+                    speedup = {m: bf16[str(m)] / switchback[str(m)] for m in tokens}
+                    paying = [
+                        m for i, m in enumerate(tokens) if all(speedup[t] >= margin for t in tokens[i:])
+                    ]
+                    crossover_m = entry[f"crossover{suffix}"]
+                    assert crossover_m == (paying[0] if paying else None), (precision, k, n, compiled)
+                    expected = crossover.NEVER if crossover_m is None else crossover_m
+                    assert crossover.min_tokens_for(HOPPER, k, n, precision, compiled) == expected
+
+
+def test_the_hopper_default_runs_8bit_where_the_model_rows_gained():
+    """What README's default row says, read from the shipped table under torch.compile: ViT-H/14's vision
+    linears (width 1,280) 8-bit from batch 128 (32,896 tokens) but not at batch 64 (16,448), ViT-L/14's (1,024)
+    at batch 256 (65,792), width 768 (ViT-B/16, SigLIP B/16) never."""
+    vit_h = ((1280, 1280), (1280, 5120), (5120, 1280))
+    vit_l = ((1024, 1024), (1024, 4096), (4096, 1024))
+    width_768 = ((768, 768), (768, 3072), (3072, 768))
+    for precision in ("int8", "fp8"):
+        for shapes, pays_at, not_at in ((vit_h, 128 * 257, 64 * 257), (vit_l, 256 * 257, 128 * 257)):
+            for k, n in shapes:
+                floor = crossover.min_tokens_for(HOPPER, k, n, precision, True)
+                assert not_at < floor <= pays_at, (precision, k, n, floor)
+        for k, n in width_768:
+            assert crossover.min_tokens_for(HOPPER, k, n, precision, True) == crossover.NEVER
