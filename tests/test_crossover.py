@@ -278,14 +278,14 @@ def test_the_shipped_hopper_table_is_complete_and_its_crossovers_follow_its_own_
 def test_the_hopper_default_runs_8bit_where_the_model_rows_gained():
     """What README's default row says, read from the shipped table under torch.compile: ViT-H/14's vision
     linears (width 1,280) 8-bit from batch 128 (32,896 tokens) but not at batch 64 (16,448), ViT-L/14's (1,024)
-    at batch 256 (65,792), width 768 (ViT-B/16, SigLIP B/16) never."""
+    at batch 256 (65,792), widths 768 (ViT-B/16, SigLIP B/16) and 512 (text towers) never."""
     vit_h = ((1280, 1280), (1280, 5120), (5120, 1280))
     vit_l = ((1024, 1024), (1024, 4096), (4096, 1024))
-    width_768 = ((768, 768), (768, 3072), (3072, 768))
+    narrow = ((768, 768), (768, 3072), (3072, 768), (512, 512), (512, 2048), (2048, 512))
     for precision in ("int8", "fp8"):
         for shapes, pays_at, not_at in ((vit_h, 128 * 257, 64 * 257), (vit_l, 256 * 257, 128 * 257)):
             for k, n in shapes:
                 floor = crossover.min_tokens_for(HOPPER, k, n, precision, True)
                 assert not_at < floor <= pays_at, (precision, k, n, floor)
-        for k, n in width_768:
+        for k, n in narrow:
             assert crossover.min_tokens_for(HOPPER, k, n, precision, True) == crossover.NEVER
