@@ -8,6 +8,8 @@ line and rewritten to --json at once, so a killed process keeps what it measured
     PYTHONPATH=src python benchmarks/bench_train.py --models vit-b-16 --compile layers \\
         --variants bf16+compile int8+compile --steps 10 --profile $OUT/prof --json $OUT/train.json
     PYTHONPATH=src python benchmarks/bench_train.py --device cpu --tiny --variants bf16 int8 --steps 1  # smoke
+    PYTHONPATH=src python benchmarks/bench_train.py --models vit-b-16 --compile layers --processes 3 \
+        --variants bf16+compile fp8-all+compile  # each row in 3 interleaved processes, the median reported
 
 Variants (then the row grammar of common.py: +ckpt, +budgetF, +compile, @B):
   bf16                     nn.Linear
@@ -27,6 +29,7 @@ import json
 import math
 import os
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -343,6 +346,10 @@ def print_table(rows: list[dict]) -> None:
     ]
     lead = [("model", "model", 11), ("variant", "variant", 42)]
     common.print_table(rows, lead, cols, "ms_per_step")
+    for r in rows:
+        if "ms_per_step_processes" in r:  # --processes: the spread behind each median
+            spread = " / ".join(f"{ms:.1f}" for ms in r["ms_per_step_processes"])
+            print(f"{r['model']} {r['variant']}: ms/step per process {spread}")
     step_profile.print_profiles(rows)
 
 
@@ -356,6 +363,41 @@ def run(args: argparse.Namespace) -> list[dict]:
             key = dict(model=name, variant=variant)
             rows.append(attempt(key, args.device, clock, run_row, name, variant, args, bool(args.profile)))
             common.emit(rows, env, args.json)
+    print_table(rows)
+    return rows
+
+
+def median_row(samples: list[dict]) -> dict:
+    """One row for the samples of a (model, variant) measured in several processes: the sample whose step time
+    is the (lower) median, with every process's step time (`ms_per_step_processes`); the first failure when
+    no process measured it."""
+    measured = sorted((r for r in samples if "ms_per_step" in r), key=lambda r: r["ms_per_step"])
+    if not measured:
+        return samples[0]
+    times = [r["ms_per_step"] for r in samples if "ms_per_step" in r]
+    return dict(measured[(len(measured) - 1) // 2], ms_per_step_processes=times, processes=len(samples))
+
+
+def run_in_processes(args: argparse.Namespace, argv: list[str]) -> list[dict]:
+    """Every row in --processes fresh processes, interleaved (each row once, then each again), so that what
+    differs between processes (the host's speed, where the step is host-bound) spreads over every row alike;
+    the median process per row is reported (median_row)."""
+    child = common.without_flags(argv, {"--models", "--variants", "--processes", "--json"})
+    env = dict(common.versions(args.device), args=vars(args))
+    print(json.dumps(env), flush=True)
+    samples: dict[tuple[str, str], list[dict]] = {}
+    with tempfile.TemporaryDirectory(prefix="bench_train_") as tmp:
+        for repeat in range(args.processes):
+            for name in args.models:
+                for variant in args.variants:
+                    out = Path(tmp) / f"{repeat}_{name}_{variant}.json"
+                    command = [__file__, *child, "--models", name, "--variants", variant, "--json", str(out)]
+                    row = dict(common.row_in_process(command, out), model=name, variant=variant)
+                    samples.setdefault((name, variant), []).append(row)
+                    print(json.dumps(dict(row, process=repeat)), flush=True)
+    rows = [median_row(s) for s in samples.values()]
+    if args.json:
+        Path(args.json).write_text(json.dumps(dict(env=env, rows=rows), indent=1))
     print_table(rows)
     return rows
 
@@ -387,9 +429,24 @@ def main() -> None:
         parser.add_argument(f"--{flag}", action="store_true", help=f"A/B: {text} ({field}={value})")
     # one row per process: a second save of one process reads back as only what it added
     parser.add_argument("--compile_artifacts", metavar="FILE", help="torch.compile's caches: load, then save")
+    parser.add_argument(
+        "--processes",
+        type=int,
+        default=1,
+        metavar="N",
+        help="time every row in N fresh processes, interleaved, and report the median: a host-bound step "
+        "moves between processes by up to 13%% (BENCHMARKS.md, width 768 depends on the host)",
+    )
     args = parser.parse_args()
     if args.compile_artifacts and len(args.models) * len(args.variants) > 1:
         parser.error("--compile_artifacts measures one row per process: pass one model and one variant")
+    if args.processes < 1:
+        parser.error(f"--processes must be at least 1, got {args.processes}")
+    if args.processes > 1 and (args.profile or args.compile_artifacts or args.time_budget_s):
+        parser.error(
+            "--processes runs each row in processes of its own: drop --profile, --compile_artifacts "
+            "and --time_budget_s (run one process for those)"
+        )
     if (
         args.compile_mode == "reduce-overhead"
         and args.compile == "layers"
@@ -399,7 +456,10 @@ def main() -> None:
         parser.error("--compile_mode reduce-overhead with +ckpt rows needs --compile model")
     common.check_device(parser, args)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    run(args)
+    if args.processes > 1:
+        run_in_processes(args, sys.argv[1:])
+    else:
+        run(args)
 
 
 if __name__ == "__main__":

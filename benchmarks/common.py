@@ -19,6 +19,8 @@ import json
 import math
 import platform
 import statistics
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import NamedTuple
@@ -139,6 +141,33 @@ def emit(rows: list[dict], env: dict, json_path: str | None) -> None:
     print(json.dumps(rows[-1]), flush=True)
     if json_path:
         Path(json_path).write_text(json.dumps(dict(env=env, rows=rows), indent=1))
+
+
+def row_in_process(
+    argv: list[str], json_path: Path, env: dict | None = None, timeout: float | None = None
+) -> dict:
+    """Run a benchmark script (argv: the script and its flags, which must make it write its rows to json_path)
+    in a fresh Python process: its first row, or a row with status "error" saying why there is none."""
+    try:
+        proc = subprocess.run(
+            [sys.executable, *argv], env=env, capture_output=True, text=True, timeout=timeout
+        )
+    except subprocess.TimeoutExpired:
+        return dict(status="error", error=f"timed out after {timeout} s")
+    if proc.returncode != 0 or not json_path.exists():
+        return dict(status="error", error=f"exit {proc.returncode}: {proc.stderr.strip()[-300:]}")
+    return json.loads(json_path.read_text())["rows"][0]
+
+
+def without_flags(argv: list[str], flags: set[str]) -> list[str]:
+    """argv without each option in `flags` (as --flag or --flag=value) and the values that follow it."""
+    kept, dropping = [], False
+    for token in argv:
+        if token.startswith("-"):
+            dropping = token.split("=", 1)[0] in flags
+        if not dropping:
+            kept.append(token)
+    return kept
 
 
 def parser_of(doc: str, **kwargs) -> argparse.ArgumentParser:

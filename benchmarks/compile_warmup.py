@@ -13,9 +13,7 @@ reading the libraries from disk does not land on the first row. Flags it does no
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -32,17 +30,11 @@ def run_row(model: str, variant: str, cache: Path, args, extra: list[str]) -> di
     env = dict(
         os.environ, TORCHINDUCTOR_CACHE_DIR=str(cache / "inductor"), TRITON_CACHE_DIR=str(cache / "triton")
     )
-    command = [sys.executable, str(HERE / "bench_train.py"), "--models", model, "--variants", variant]
+    command = [str(HERE / "bench_train.py"), "--models", model, "--variants", variant]
     command += ["--json", str(out), "--steps", str(args.steps), "--warmup", str(args.warmup)]
     command += ["--device", args.device, *(["--batch", str(args.batch)] if args.batch else [])]
     command += [*(["--tiny"] if args.tiny else []), *extra]
-    try:
-        proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=args.timeout_s)
-    except subprocess.TimeoutExpired:
-        return dict(status="error", error=f"timed out after {args.timeout_s} s")
-    if proc.returncode != 0 or not out.exists():
-        return dict(status="error", error=f"exit {proc.returncode}: {proc.stderr.strip()[-300:]}")
-    return json.loads(out.read_text())["rows"][0]
+    return common.row_in_process(command, out, env, args.timeout_s)
 
 
 def measure(args, extra: list[str]) -> list[dict]:

@@ -103,6 +103,81 @@ def test_bench_train_time_budget_skips_and_keeps_rows(tmp_path, monkeypatch):
         bench.run_row("vit-b-16", "int4", args)
 
 
+def test_bench_train_processes_interleave_rows_and_report_each_rows_median(tmp_path, monkeypatch, capsys):
+    """--processes 3: each row runs in 3 processes of its own, every row once before any runs again, each child
+    with one model and one variant and the other flags as given; each row reports its median process."""
+    bench = load_script("bench_train")
+    calls, step_ms = [], {"bf16": [30.0, 10.0, 20.0], "int8": [5.0, 50.0, 40.0]}
+
+    def fake_process(argv, json_path, env=None, timeout=None):
+        variant = argv[argv.index("--variants") + 1]
+        calls.append(argv)
+        ms = step_ms[variant][sum(variant in c for c in calls) - 1]
+        return dict(
+            model="vit-b-16",
+            variant=variant,
+            batch=8,
+            ms_per_step=ms,
+            samples_per_s=8e3 / ms,
+            peak_mem_gib=None,
+            first_step_s=1.0,
+        )
+
+    monkeypatch.setattr(bench.common, "row_in_process", fake_process)
+    out = tmp_path / "rows.json"
+    argv = [
+        "bench_train.py",
+        "--device",
+        "cpu",
+        "--tiny",
+        "--variants",
+        "bf16",
+        "int8",
+        "--models",
+        "vit-b-16",
+    ]
+    argv += ["--processes", "3", "--steps", "2", "--json", str(out)]
+    monkeypatch.setattr(sys, "argv", argv)
+    bench.main()
+    assert [c[c.index("--variants") + 1] for c in calls] == ["bf16", "int8"] * 3  # interleaved
+    for child in calls:
+        assert "--processes" not in child and child.count("--json") == 1 and child.count("--models") == 1
+        assert child[child.index("--steps") + 1] == "2" and "--tiny" in child and str(out) not in child
+        assert child[child.index("--models") + 1 :][:2] == ["vit-b-16", "--variants"]
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["variant"], r["ms_per_step"], r["processes"]) for r in rows] == [
+        ("bf16", 20.0, 3),
+        ("int8", 40.0, 3),
+    ]
+    assert rows[1]["ms_per_step_processes"] == [5.0, 50.0, 40.0]
+    assert "vit-b-16 int8: ms/step per process 5.0 / 50.0 / 40.0" in capsys.readouterr().out
+
+
+def test_bench_train_processes_median_row_and_refusals(monkeypatch, capsys):
+    bench = load_script("bench_train")
+    failed = dict(model="m", variant="v", status="error", error="exit 1")
+    assert bench.median_row([failed, failed]) == failed  # nothing measured: the failure says why
+    both = bench.median_row([failed, dict(failed, status="ok", ms_per_step=3.0), dict(ms_per_step=1.0)])
+    assert (
+        both["ms_per_step"] == 1.0 and both["ms_per_step_processes"] == [3.0, 1.0] and both["processes"] == 3
+    )
+    for extra, message in (
+        (["--processes", "0"], "at least 1"),
+        (["--processes", "2", "--profile", "d"], "drop"),
+    ):
+        monkeypatch.setattr(sys, "argv", ["bench_train.py", "--device", "cpu", "--tiny", *extra])
+        with pytest.raises(SystemExit):
+            bench.main()
+        assert message in capsys.readouterr().err
+
+
+def test_common_without_flags_drops_options_and_their_values():
+    common = load_script("common")
+    argv = ["--models", "a", "b", "--tiny", "--json=x.json", "--steps", "3", "--variants", "bf16", "int8"]
+    kept = common.without_flags(argv, {"--models", "--variants", "--json"})
+    assert kept == ["--tiny", "--steps", "3"]
+
+
 def test_bench_train_refuses_per_layer_cuda_graphs_with_checkpointing(monkeypatch, capsys):
     bench = load_script("bench_train")
     argv = [
