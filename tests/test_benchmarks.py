@@ -125,18 +125,8 @@ def test_bench_train_processes_interleave_rows_and_report_each_rows_median(tmp_p
 
     monkeypatch.setattr(bench.common, "row_in_process", fake_process)
     out = tmp_path / "rows.json"
-    argv = [
-        "bench_train.py",
-        "--device",
-        "cpu",
-        "--tiny",
-        "--variants",
-        "bf16",
-        "int8",
-        "--models",
-        "vit-b-16",
-    ]
-    argv += ["--processes", "3", "--steps", "2", "--json", str(out)]
+    argv = ["bench_train.py", "--device", "cpu", "--tiny", "--models", "vit-b-16"]
+    argv += ["--variants", "bf16", "int8", "--processes", "3", "--steps", "2", "--json", str(out)]
     monkeypatch.setattr(sys, "argv", argv)
     bench.main()
     assert [c[c.index("--variants") + 1] for c in calls] == ["bf16", "int8"] * 3  # interleaved
