@@ -8,7 +8,7 @@ line and rewritten to --json at once, so a killed process keeps what it measured
     PYTHONPATH=src python benchmarks/bench_train.py --models vit-b-16 --compile layers \\
         --variants bf16+compile int8+compile --steps 10 --profile $OUT/prof --json $OUT/train.json
     PYTHONPATH=src python benchmarks/bench_train.py --device cpu --tiny --variants bf16 int8 --steps 1  # smoke
-    PYTHONPATH=src python benchmarks/bench_train.py --models vit-b-16 --compile layers --processes 3 \
+    PYTHONPATH=src python benchmarks/bench_train.py --models vit-b-16 --compile layers --processes 3 \\
         --variants bf16+compile fp8-all+compile  # each row in 3 interleaved processes, the median reported
 
 Variants (then the row grammar of common.py: +ckpt, +budgetF, +compile, @B):
