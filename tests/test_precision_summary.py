@@ -57,7 +57,8 @@ def test_hopper_table_sends_never_paying_shapes_to_16_bit(hopper):
     assert precision_summary(model, "cuda:0") == (
         "hf_switchback on cuda:0 (NVIDIA H100 80GB HBM3): 0 of 2 swapped layers run int8 at any token count; "
         "1 run int8 from 16384 tokens per call and 16-bit below; 1 always fall back to 16-bit (int8 never "
-        "pays for their shapes); floors from the measured crossover, kernels/crossover/sm90.json"
+        "pays for their shapes); floors from the measured crossover, kernels/crossover/sm90.json "
+        "(SwitchBackConfig(min_tokens=0) forces 8-bit)"
     )
 
 
