@@ -81,9 +81,8 @@ def precision_summary(model: nn.Module, device: torch.device | str | None = None
     if any(f > 0 for f in (*floors.values(), *compiled.values())):
         fallback = [modules[n] for n in floors if floors[n] > 0 or compiled[n] > 0]
         text += f"; floors from {_fallback_reason(fallback, device)}"
-        if not any(
-            m.switchback_config.min_tokens for m in fallback
-        ):  # the library chose: say how to override
+        # the library chose these floors (no min_tokens of the user's): say how to override them
+        if not any(m.switchback_config.min_tokens for m in fallback):
             text += " (SwitchBackConfig(min_tokens=0) forces 8-bit)"
     return text
 
