@@ -3,7 +3,8 @@
 layer (default): fwd+bwd of a d->4d linear ("fc1"), 4d->d ("fc2") and transformers' CLIPMLP ("block"), at
   `tokens` rows of bf16 input; median of triton's do_bench. Columns: ms, x bf16 (over eager nn.Linear), saved MiB
   (storages autograd keeps for backward, parameters and input excluded). --gemm times the bare 8-bit GEMMs (ours
-  portable / TMA, cuBLAS fp8) against cuBLAS bf16, --kernels the (tokens, 4d) row passes.
+  portable / TMA, cuBLAS fp8) against cuBLAS bf16, --kernels the (tokens, 4d) row passes, --wgrad the
+  weight-gradient GEMMs (cuBLAS bf16 against fp8 with per-feature, per-tensor and 1 x 128 tile scales).
 crossover: per width d in --dims, a stack of encoder layers (transformers' CLIPEncoderLayer, MLP 4d: the unit in
   which the LayerNorms and the activation write the next linear's 8-bit input), one training step of bf16 vs SwitchBack
   (library defaults, min_tokens=0; float32 parameters under bf16 autocast) at each M of --tokens, eager and
@@ -14,6 +15,7 @@ gemm_configs: every tile config of the portable int8 GEMM at each per-call shape
   [DIR] writes the GPU's kernels/gemm_configs table (measured shapes launch their tile without autotuning).
 
     PYTHONPATH=src python benchmarks/bench_linear.py --dims 1280 --tokens 65536 --cases block --compile-cases --gemm
+    PYTHONPATH=src python benchmarks/bench_linear.py --dims 1280 768 --tokens 49408 --cases --wgrad
     PYTHONPATH=src python benchmarks/bench_linear.py --mode crossover --write_table   # into the package
     PYTHONPATH=src python benchmarks/bench_linear.py --mode crossover --dims 1280 1024 --out F; ... --resume --out F
     PYTHONPATH=src python benchmarks/bench_linear.py --mode gemm_configs --json $OUT/gemm_configs.json
@@ -174,6 +176,58 @@ def bench_gemms(d: int, tokens: int) -> None:
         print(f"| gemm {name} d={d} M={tokens} | " + " | ".join(cells) + " |", flush=True)
 
 
+def _tile_scaled(x_t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(R, M) -> e4m3 q (R, M) and float32 scales (R, M / 128) stored column-major: one per 1 x 128 tile."""
+    r, m = x_t.shape
+    tiles = x_t.float().reshape(r, m // 128, 128)
+    scale = (tiles.abs().amax(-1) / 448.0).clamp_min(2**-120)
+    q = (tiles / scale[..., None]).clamp(-448, 448).to(torch.float8_e4m3fn).reshape(r, m)
+    return q, scale.t().contiguous().t()
+
+
+def _wgrad_timings(m: int, n: int, k: int) -> dict:
+    """ms of dW (n, k) = Gᵀ X over m tokens per GEMM and operand pass (see bench_wgrad_gemms)."""
+    from torch.nn.functional import ScalingType, scaled_mm
+
+    bf = dict(device="cuda", dtype=torch.bfloat16)
+    one = torch.ones((), device="cuda")
+    g, x = torch.randn(m, n, **bf), torch.randn(m, k, **bf)
+    g_q, g_s = ops.quantize_over_tokens(g, torch.float8_e5m2)
+    x_q, x_s = ops.quantize_over_tokens(x, torch.float8_e4m3fn)
+    (gt_q, gt_s), (xt_q, xt_s) = _tile_scaled(g.t().contiguous()), _tile_scaled(x.t().contiguous())
+    bf16 = dict(out_dtype=torch.bfloat16)
+    runs = {
+        "cuBLAS bf16": lambda: g.t() @ x,
+        "fp8 per feature": lambda: torch._scaled_mm(g_q, x_q.t(), g_s[:, None], x_s[None, :], **bf16),
+        "fp8 per tensor": lambda: torch._scaled_mm(g_q, x_q.t(), one, one, **bf16),
+        "fp8 per tensor, fast accum": lambda: torch._scaled_mm(
+            g_q, x_q.t(), one, one, **bf16, use_fast_accum=True
+        ),
+        "e4m3 1x128 tiles": lambda: scaled_mm(
+            gt_q, xt_q.t(), gt_s, ScalingType.BlockWise1x128, xt_s, ScalingType.BlockWise1x128
+        ),
+        "G operand pass (e5m2)": lambda: ops.quantize_over_tokens(g, torch.float8_e5m2, 16),
+        "X operand pass (e4m3)": lambda: ops.quantize_over_tokens(x, torch.float8_e4m3fn, 16),
+    }
+    return {label: do_bench(fn) for label, fn in runs.items()}
+
+
+def bench_wgrad_gemms(d: int, tokens: int) -> None:
+    """The weight-gradient GEMMs of a layer, dW = Gᵀ X over `tokens` (rounded down to whole 128-token tiles):
+    cuBLAS bf16 against cuBLAS fp8 with per-feature scales (what wgrad_precision="fp8" runs), one scale per
+    tensor (fast accumulation off / on) and 1 x 128 token tiles (DeepSeek-V3's scaling, e4m3 only), plus the
+    per-feature operand passes wgrad_precision="fp8" adds."""
+    m = tokens - tokens % 128
+    for name, n, k in (("d x d", d, d), ("4d x d", 4 * d, d), ("d x 4d", d, 4 * d)):
+        ms = _wgrad_timings(m, n, k)
+        base = ms["cuBLAS bf16"]
+        cells = [
+            f"{label} {t:.3f} ms" + ("" if "pass" in label else f" ({base / t:.2f}x)")
+            for label, t in ms.items()
+        ]
+        print(f"| wgrad {name} d={d} M={m} | " + " | ".join(cells) + " |", flush=True)
+
+
 def bench_row_kernels(d: int, tokens: int) -> None:
     """The (tokens, 4d) passes of a block, each alone: the fused kernels vs the torch ops they replace."""
     bf = dict(device="cuda", dtype=torch.bfloat16)
@@ -210,6 +264,8 @@ def layer_mode(args) -> None:
             bench_row_kernels(d, tokens)
         if args.gemm:
             bench_gemms(d, tokens)
+        if args.wgrad:
+            bench_wgrad_gemms(d, tokens)
 
 
 # -------------------------------------------------------------------------------------------- crossover mode
@@ -541,6 +597,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     layer("--only", nargs="*", help="only variants whose name contains one of these")
     layer("--gemm", action="store_true", help="also time the bare GEMMs of each d x tokens")
     layer("--kernels", action="store_true", help="also time the (tokens, 4d) row kernels one by one")
+    layer("--wgrad", action="store_true", help="also time the weight-gradient GEMMs in bf16 and fp8 scalings")
     cross = parser.add_argument_group("crossover mode").add_argument
     cross("--precisions", nargs="+", default=["int8", "fp8"], choices=("int8", "fp8"))
     cross("--repeats", type=int, default=7, help="interleaved timed samples per variant")
@@ -566,6 +623,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.mode == "gemm_configs" and not torch.cuda.is_available():
         parser.error("--mode gemm_configs times the Triton GEMM's configs: it needs a CUDA GPU")
     check_device(parser, args)
+    if (args.gemm or args.wgrad or args.kernels) and not torch.cuda.is_available():
+        parser.error("--gemm, --kernels and --wgrad time CUDA kernels: they need a CUDA GPU")
     if args.resume and (args.mode != "crossover" or args.out is None):
         parser.error("--resume continues a crossover run: pass --mode crossover and the --out it wrote")
     if args.write_table and (args.tiny or args.mode == "layer"):

@@ -526,6 +526,28 @@ def test_bench_crossover_cpu_smoke_writes_a_table_the_loader_reads(tmp_path, cap
         bench.main(["--mode", "crossover", "--device", "cpu", "--tiny", "--write_table", str(tmp_path)])
 
 
+def test_bench_linear_kernel_timings_are_refused_without_a_gpu(capsys):
+    bench = load_script("bench_linear")
+    for flag in ("--gemm", "--kernels", "--wgrad"):
+        with pytest.raises(SystemExit):
+            bench.parse_args(["--device", "cpu", "--tiny", flag])
+        assert "time CUDA kernels: they need a CUDA GPU" in capsys.readouterr().err
+
+
+def test_bench_wgrad_tiles_scale_each_128_tokens_of_a_feature():
+    """The 1 x 128 operand of the wgrad GEMM timings: e4m3 q times its tile's scale gives the input back to
+    e4m3's rounding (2^-4 relative), scales stored as torch's blockwise GEMM wants them (column-major)."""
+    bench = load_script("bench_linear")
+    x = torch.randn(6, 256) * torch.logspace(-3, 3, 256)  # tiles of very different ranges along the tokens
+    q, scale = bench._tile_scaled(x)
+    assert q.dtype == torch.float8_e4m3fn and scale.shape == (6, 2) and scale.stride() == (1, 6)
+    tiles = x.reshape(6, 2, 128)
+    back = q.float().reshape(6, 2, 128) * scale[..., None]
+    # e4m3 rounds to 2^-4 relative, or by at most half its smallest subnormal step (2^-10) in scaled units
+    assert ((back - tiles).abs() <= 2**-4 * tiles.abs() + 2**-10 * scale[..., None]).all()
+    torch.testing.assert_close(scale, tiles.abs().amax(-1) / 448)
+
+
 def test_bench_crossover_is_the_first_m_from_which_every_larger_m_pays():
     bench = load_script("bench_linear")
     tokens = [1024, 2048, 4096, 8192, 16384]
