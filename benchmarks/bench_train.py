@@ -275,6 +275,7 @@ def run_row(name: str, variant: str, args, profile: bool = False, batch: int | N
         synchronize(device)
         saved = torch.cuda.memory_allocated() - resting if cuda else 0
         finish(loss)
+        retries = torch.cuda.memory_stats().get("num_alloc_retries", 0) if cuda else 0
         ms, loss = timed(lambda: finish(forward()), args.steps, device)
         if not torch.isfinite(loss).item():
             raise FloatingPointError(f"loss is {loss.item()}")
@@ -283,6 +284,9 @@ def run_row(name: str, variant: str, args, profile: bool = False, batch: int | N
             peak = torch.cuda.max_memory_allocated()
             fixed = resting + sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
             row.update(peak_mem_gib=peak / 2**30, fixed_gib=fixed / 2**30)
+            # Times the caching allocator found no free block, freed its cache (a device-wide synchronize) and
+            # retried, over the timed steps: memory pressure that stalls the host, not the GPU.
+            row["alloc_retries"] = torch.cuda.memory_stats().get("num_alloc_retries", 0) - retries
             per_sample = dict(saved_mib_per_sample=saved, peak_mib_per_sample=peak - fixed)
             row.update({key: value / batch / 2**20 for key, value in per_sample.items()})
         if profile:  # after the row's figures, so the profiled steps do not enter its peak memory
