@@ -187,9 +187,7 @@ def test_compiled_block_uses_inductor_quantize_and_matches_eager(trace_gemm):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("triton_act_quantize", [True, False])
-@pytest.mark.parametrize(
-    "width", [1024, 5120]
-)  # 5120: ViT-H's fc1 width, where "auto" runs the tiled kernels
+@pytest.mark.parametrize("width", [1024, 5120])  # 5120: ViT-H's fc1 width
 def test_compiled_fused_mlp_activation_passes_match_eager(triton_act_quantize, width):
     """A compiled fused SwitchBack MLP (memory_efficient) runs its two activation passes as our Triton kernels
     launched from Inductor's code (default) or as Inductor's own; either way output and every gradient agree

@@ -202,6 +202,25 @@ def test_row_tiles_launch_of_the_activation_backward():
         assert two["grid"][0] * two["num_warps"] <= 132 * quantize._CS_WARPS_PER_SM
 
 
+@pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
+def test_row_tiles_launch_of_the_activation_forward():
+    """The activation forward (act + quantize): at most 4 warps, four times the plain launch's warps in flight
+    per SM (more rows to hide the activation's arithmetic), the same row pieces; tiles still cover M."""
+    from hf_switchback.kernels import quantize
+
+    for m in (37, 14784, 49344):
+        for k, warps in ((768, 1), (1280, 1), (3072, 4), (4096, 4), (5120, 4)):
+            plain = quantize._row_tiles_launch(m, k, 132)
+            act = quantize._row_tiles_launch(m, k, 132, activation=True)
+            assert act["num_warps"] == min(plain["num_warps"], 4) == warps, (m, k)
+            assert (act["CHUNK"], act["CHUNKS"]) == (plain["CHUNK"], plain["CHUNKS"])
+            (grid,), rows = act["grid"], act["rows_per_program"]
+            assert rows % act["BLOCK_M"] == 0 and (grid - 1) * rows < m <= grid * rows
+            assert grid * warps <= 132 * quantize._ACT_WARPS_PER_SM
+            if m == 49344:  # enough rows: about 64 warps' worth of programs per SM, 16 before
+                assert grid * warps > 132 * quantize._CS_WARPS_PER_SM * 2
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("qdtype", QDTYPES)
 @pytest.mark.parametrize("dtype", FLOATS)

@@ -71,8 +71,9 @@ class KernelOptions:
     # eager steps; BENCHMARKS.md, Whole training step). False: through the custom ops.
     direct_eager: bool = True
     # The fused MLP's activation backward + quantize on CUDA: "rows" (one pass, whole rows per program),
-    # "tiles" (two 2-D tiled passes, full occupancy) or "auto" (rows up to 4096 wide, tiles above: the
-    # measured crossover on the H100, BENCHMARKS.md, GEMM kernels). All three give bitwise the same q and scale.
+    # "tiles" (two 2-D tiled passes, full occupancy) or "auto" (rows up to the one-pass limit, 8,192 wide, tiles
+    # above: rows measured faster at every CLIP width, BENCHMARKS.md, Whole training step). All three give
+    # bitwise the same q and scale.
     act_backward_impl: str = "auto"
     # The persistent TMA 8-bit GEMM on Hopper (sm90) for M >= 1024 and aligned operands; elsewhere, or if it
     # cannot be built here (then a warning, once per device), the portable kernel. Off by default: alone it

@@ -49,6 +49,14 @@ _CS_ROW_PER_THREAD = 32
 _CS_MIN_PER_THREAD = 16
 _CS_WARPS_PER_SM = 16
 _CS_TWO_INPUT_MIN_WARPS = 4
+# The activation forward (act + quantize of fc1's output, fc2's input): it spends ~20 arithmetic operations per
+# value on the activation (erf or a sigmoid) where the plain quantize spends a few, so more rows in flight hide
+# more latency than the one-input rule's warps. At most 4 warps a program and 64 warps' worth of programs per
+# SM: on an H100, bitwise the same q and scale, 0.479 vs 0.551 ms (GELU, 49,344 x 5,120), 0.344 vs 0.408
+# (tanh GELU), 0.289 vs 0.312 (GELU, 50,432 x 3,072), 0.117 vs 0.123 (GELU, 14,784 x 4,096) (BENCHMARKS.md,
+# GEMM kernels: row kernels alone).
+_ACT_MAX_WARPS = 4
+_ACT_WARPS_PER_SM = 64
 # KernelOptions.act_backward_impl "auto": whole rows per program ("rows": g and h read once, on the row-tile
 # kernel body) up to the one-pass limit, 2-D tiles ("tiles", which re-read the gradient) above. On an H200
 # "rows" took 0.50-0.59x the time of "tiles" at every CLIP width from 1,280 to 5,120 (BENCHMARKS.md, Whole
@@ -618,7 +626,7 @@ def _quantize_rowwise(x: torch.Tensor, qdtype: torch.dtype, activation: str | No
             **_qargs(qdtype),
         )
         return q, scale
-    launch = _row_tiles_launch(m, k, _sm_count(x.device))
+    launch = _row_tiles_launch(m, k, _sm_count(x.device), activation=activation is not None)
     grid = launch.pop("grid")
     launch_with(_rowwise_kernel)[grid](
         x,
@@ -671,7 +679,7 @@ def act_and_quantize_rowwise(
     if m == 0 or k == 0:
         return a, q, torch.zeros((m,), dtype=torch.float32, device=h.device)
     scale = torch.empty((m,), dtype=torch.float32, device=h.device)  # every row written by the kernel
-    launch = _row_tiles_launch(m, k, _sm_count(h.device))
+    launch = _row_tiles_launch(m, k, _sm_count(h.device), activation=True)
     grid = launch.pop("grid")
     (wrap or launch_directly)(_act_and_rowwise_kernel)[grid](
         h,
@@ -695,7 +703,7 @@ def colsum_in_one_pass(x: torch.Tensor) -> bool:
     return x.shape[0] > 0 and 0 < x.shape[1] <= _MAX_SINGLE_PASS
 
 
-def _row_tiles_launch(m: int, k: int, sms: int, inputs: int = 1) -> dict:
+def _row_tiles_launch(m: int, k: int, sms: int, inputs: int = 1, activation: bool = False) -> dict:
     """Tile, rows per program, grid and warps of _quantize_row_tiles (the one-pass row-wise quantizes, with or
     without column sums) for an (m, k) input on `sms` SMs.
 
@@ -710,6 +718,8 @@ def _row_tiles_launch(m: int, k: int, sms: int, inputs: int = 1) -> dict:
       1.1-1.3x slower.
     - BLOCK_M: one row per tile, more only for narrow rows (at least _CS_MIN_PER_THREAD values per thread).
     - Programs: _CS_WARPS_PER_SM warps per SM, one wave, each program walking an equal share of rows.
+    - activation=True (the activation forward, one input): at most _ACT_MAX_WARPS warps and
+      _ACT_WARPS_PER_SM warps' worth of programs per SM (see there).
     Measured on an H200 against tiles of several rows over 4 warps (BENCHMARKS.md, Whole training step):
     small programs of one row per warp were 1.1-1.8x faster from 4,928 to 50,432 rows at widths 512 to
     2,048, and as fast at 3,072 and 5,120 (the float32 partial sums they write, programs x k, stay far
@@ -726,10 +736,12 @@ def _row_tiles_launch(m: int, k: int, sms: int, inputs: int = 1) -> dict:
             num_warps *= 2
     if inputs > 1:  # two rows per thread (the activation backward's g and h): 4 warps at least
         num_warps = max(num_warps, _CS_TWO_INPUT_MIN_WARPS)
+    if activation:
+        num_warps = min(num_warps, _ACT_MAX_WARPS)
     block_m = 1
     while block_m < m and 2 * block_m * row * inputs <= 32 * num_warps * _CS_MIN_PER_THREAD:
         block_m *= 2
-    programs = max(1, sms * _CS_WARPS_PER_SM // num_warps)
+    programs = max(1, sms * (_ACT_WARPS_PER_SM if activation else _CS_WARPS_PER_SM) // num_warps)
     rows_per_program = block_m * triton.cdiv(triton.cdiv(m, block_m), programs)
     return dict(
         grid=(triton.cdiv(m, rows_per_program),),
