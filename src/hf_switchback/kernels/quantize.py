@@ -49,12 +49,12 @@ _CS_ROW_PER_THREAD = 32
 _CS_MIN_PER_THREAD = 16
 _CS_WARPS_PER_SM = 16
 _CS_TWO_INPUT_MIN_WARPS = 4
-# The activation forward (act + quantize of fc1's output, fc2's input): it spends ~20 arithmetic operations per
-# value on the activation (erf or a sigmoid) where the plain quantize spends a few, so more rows in flight hide
-# more latency than the one-input rule's warps. At most 4 warps a program and 64 warps' worth of programs per
-# SM: on an H100, bitwise the same q and scale, 0.479 vs 0.551 ms (GELU, 49,344 x 5,120), 0.344 vs 0.408
-# (tanh GELU), 0.289 vs 0.312 (GELU, 50,432 x 3,072), 0.117 vs 0.123 (GELU, 14,784 x 4,096) (BENCHMARKS.md,
-# GEMM kernels: row kernels alone).
+# The activation forward (act + quantize of fc1's output, fc2's input) spends tens of arithmetic operations per
+# value on the activation (erf, or a sigmoid's exp and division) where the plain quantize spends a few, so more
+# rows in flight hide more of that latency than the one-input rule's warps do. At most 4 warps a program and 64
+# warps' worth of programs per SM: on an H100, bitwise the same q and scale, ms against the one-input rule's
+# launch: 0.484 vs 0.551 (GELU, 49,344 x 5,120), 0.347 vs 0.408 (tanh GELU), 0.291 vs 0.312 (GELU, 50,432 x
+# 3,072), 0.117 vs 0.123 (GELU, 14,784 x 4,096) (BENCHMARKS.md, GEMM kernels: row kernels alone).
 _ACT_MAX_WARPS = 4
 _ACT_WARPS_PER_SM = 64
 # KernelOptions.act_backward_impl "auto": whole rows per program ("rows": g and h read once, on the row-tile
