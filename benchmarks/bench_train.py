@@ -243,6 +243,14 @@ def row_batch(name: str, spec: common.Variant, args) -> int:
     return spec.batch or args.batch or (TINY_BATCH if args.tiny else MODELS[name]["batch"])
 
 
+def first_step_profile_path(args, name: str, variant: str) -> Path | None:
+    """--first_step_profile: a file of its own per process (compile_warmup.py runs one row per process)."""
+    folder = getattr(args, "first_step_profile", None)
+    if not folder:
+        return None
+    return Path(folder) / f"{name}_{variant.replace('+', '_')}_{time.time_ns()}.prof"
+
+
 def run_row(name: str, variant: str, args, profile: bool = False, batch: int | None = None):
     """One training row: first step (compile + autotune), --warmup steps, one step split to read the memory its
     forward saves, --steps timed steps; with `profile`, --profile_steps more under torch.profiler."""
@@ -260,13 +268,16 @@ def run_row(name: str, variant: str, args, profile: bool = False, batch: int | N
         artifacts = getattr(args, "compile_artifacts", None)
         if artifacts:  # before the first step, where the model compiles
             load_compile_artifacts(artifacts)
-        caches_before = common.cache_counts()
-        first_step_s, _ = timed(lambda: finish(forward()), 1, device)
+        caches_before, phases_before = common.cache_counts(), common.compile_phase_seconds()
+        with common.python_profile(first_step_profile_path(args, name, variant)):
+            first_step_s, _ = timed(lambda: finish(forward()), 1, device)
         first_step_s /= 1000
         if artifacts:
             save_compile_artifacts(artifacts)
         row = dict(model=name, variant=variant, batch=batch, first_step_s=first_step_s)
         row["first_step_caches"] = common.first_step_caches(caches_before, common.cache_counts())
+        phases = common.compile_phase_seconds()
+        row["first_step_compile_s"] = {k: round(v - phases_before.get(k, 0.0), 3) for k, v in phases.items()}
         timed(lambda: finish(forward()), args.warmup, device)
         if cuda:  # steady state, not the compile / autotune step
             torch.cuda.reset_peak_memory_stats()
@@ -433,6 +444,11 @@ def main() -> None:
         parser.add_argument(f"--{flag}", action="store_true", help=f"A/B: {text} ({field}={value})")
     # one row per process: a second save of one process reads back as only what it added
     parser.add_argument("--compile_artifacts", metavar="FILE", help="torch.compile's caches: load, then save")
+    parser.add_argument(
+        "--first_step_profile",
+        metavar="DIR",
+        help="cProfile each row's first step (compile + autotune) into DIR: where the host's seconds go",
+    )
     parser.add_argument(
         "--processes",
         type=int,

@@ -84,6 +84,41 @@ def cache_counts() -> dict[str, int]:
     return {name: int(counters[group][key]) for name, group, key in CACHE_COUNTERS}
 
 
+def compile_phase_seconds() -> dict[str, float]:
+    """Seconds so far in each of torch.compile's timed phases (Dynamo, AOT autograd, Inductor lowering, code
+    generation, module loading, ...), summed over calls; {} where torch keeps no such timers."""
+    try:
+        from torch._dynamo.utils import compilation_time_metrics
+    except ImportError:
+        return {}
+    return {name: round(sum(times), 3) for name, times in compilation_time_metrics.items()}
+
+
+@contextlib.contextmanager
+def python_profile(path: Path | None, top: int = 60):
+    """cProfile what runs inside, where `path` is given: the stats file at `path` and, beside it, the `top`
+    functions by cumulative and by own time as text (path + '.txt'). Nothing without a path."""
+    if path is None:
+        yield
+        return
+    import cProfile
+    import io
+    import pstats
+
+    profiler = cProfile.Profile()
+    profiler.enable()
+    try:
+        yield
+    finally:
+        profiler.disable()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        profiler.dump_stats(str(path))
+        text = io.StringIO()
+        for order in ("cumulative", "tottime"):
+            pstats.Stats(profiler, stream=text).sort_stats(order).print_stats(top)
+        Path(f"{path}.txt").write_text(text.getvalue())
+
+
 def first_step_caches(before: dict, after: dict) -> dict[str, int]:
     """The first step's cache outcomes, from `cache_counts()` taken before and after it."""
     if not before or not after:

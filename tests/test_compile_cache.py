@@ -74,13 +74,20 @@ def test_switchback_layer_comes_back_from_the_compile_cache_when_allowed(tmp_pat
 
 
 @needs_cxx
-def test_without_it_torch_retraces_the_switchback_layer(tmp_path, monkeypatch):
-    # torch's default: the reason allow_compile_cache exists (if this starts hitting, torch changed its default)
-    first, second = _aot_cache_outcomes(tmp_path, monkeypatch)
-    assert first["autograd_cache_bypass"] == 1 and second == {
-        "autograd_cache_hit": 0,
-        "autograd_cache_bypass": 1,
-    }
+def test_the_switchback_layer_is_cached_without_it_keyed_by_the_package(tmp_path, monkeypatch):
+    # The layer's op is a graph leaf (kernels/graph_leaf.py): no custom Function in Dynamo's graph, so torch's
+    # default caches it, under the key of the package's files.
+    import torch._inductor.config as inductor_config
+
+    from hf_switchback.kernels import graph_leaf
+
+    with inductor_config.patch(unsafe_marked_cacheable_functions={}):
+        monkeypatch.setattr(graph_leaf, "_registered", False)  # register again, into the patched setting
+        first, second = _aot_cache_outcomes(tmp_path, monkeypatch)
+        marked = dict(inductor_config.unsafe_marked_cacheable_functions)
+    assert first == {"autograd_cache_hit": 0, "autograd_cache_bypass": 0}
+    assert second == {"autograd_cache_hit": 1, "autograd_cache_bypass": 0}
+    assert marked == {"hf_switchback.kernels.graph_leaf._leaf": graph_leaf.source_key()}
 
 
 def test_train_clip_compile_allows_the_cache_and_plain_runs_leave_torch_alone(monkeypatch):

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from .config import SwitchBackConfig
-from .kernels import crossover
+from .kernels import crossover, graph_leaf
 from .kernels.backends import KernelSet, get_kernels
 from .kernels.cublas import has_fp8_tensor_cores
 from .kernels.options import KernelOptions
@@ -132,13 +132,20 @@ class _SwitchBackLinearFn(torch.autograd.Function):
         else:
             ctx.save_for_backward(x, weight)
         ctx.config = (spec, x.dtype, None if bias is None else bias.dtype)
+        ctx.kernels = kernels  # backward runs the forward's set (kernels/graph_leaf.py says why)
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
         spec, x_dtype, bias_dtype = ctx.config
-        grads = linear_grads(spec, x_dtype, bias_dtype, ctx.needs_input_grad[:3], ctx.saved_tensors, grad_out)
+        needs = ctx.needs_input_grad[:3]
+        grads = linear_grads(
+            spec, x_dtype, bias_dtype, needs, ctx.saved_tensors, grad_out, kernels=ctx.kernels
+        )
         return *grads, None, None, None, None
+
+
+graph_leaf.op("switchback_linear")(_SwitchBackLinearFn.apply)
 
 
 def linear_spec(config: SwitchBackConfig, fwd_qdtype: torch.dtype, grad_qdtype: torch.dtype) -> tuple:
@@ -162,19 +169,21 @@ def linear_grads(
     saved: tuple[torch.Tensor, ...],
     grad_out: torch.Tensor,
     quantized_grad: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    kernels: KernelSet | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """(grad_x, grad_w, grad_b) of a SwitchBack linear from its output gradient (M, N).
 
     saved: what its forward saved, (x, weight), or (x_q, x_scale, weight) with memory_efficient.
     quantized_grad: grad_out's row-wise 8-bit form and float32 column sum (g_q, g_scale, g_colsum) when the
     kernel that produced grad_out wrote them (the activation backward before fc1), else None.
+    kernels: the kernel set the forward ran (None: the one for grad_out's device now).
     """
     weight_scaling, memory_efficient, _, grad_qdtype, backend, options, wgrad = spec
     if memory_efficient:
         x_q, x_scale, weight = saved
     else:
         x, weight = saved
-    kernels = get_kernels(backend, grad_out.device, options)
+    kernels = kernels or get_kernels(backend, grad_out.device, options)
     grad_out = grad_out.contiguous()
     grad_x = grad_w = grad_b = g_colsum = None
     needs_grad_b = bias_dtype is not None and needs_input_grad[2]
@@ -241,13 +250,14 @@ class _SwitchBackMLPFn(torch.autograd.Function):
         else:
             ctx.save_for_backward(x, h, w1, w2)
         ctx.config = (spec, x.dtype, None if b1 is None else b1.dtype, None if b2 is None else b2.dtype)
+        ctx.kernels = kernels  # as in _SwitchBackLinearFn
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
         spec, x_dtype, b1_dtype, b2_dtype = ctx.config
-        activation, weight_scaling, memory_efficient, _, gq, backend, options, wgrad = spec
-        kernels = get_kernels(backend, grad_out.device, options)
+        activation, weight_scaling, memory_efficient, _, gq, _, options, wgrad = spec
+        kernels = ctx.kernels
         if memory_efficient:
             x_q, x_scale, w1, b1, w2 = ctx.saved_tensors
             w1_q, w1_scale = quantize_weight(kernels, w1, weight_scaling, x_q.dtype, options)
@@ -296,6 +306,9 @@ class _SwitchBackMLPFn(torch.autograd.Function):
         if need_b1:
             grad_b1 = gh_colsum.to(b1_dtype)
         return grad_x, grad_w1, grad_b1, grad_w2, grad_b2, None, None, None
+
+
+graph_leaf.op("switchback_mlp")(_SwitchBackMLPFn.apply)
 
 
 def check_quantized_input(name: str, quantized_input, x2d: torch.Tensor, qdtype: torch.dtype) -> tuple:
@@ -417,7 +430,7 @@ def switchback_linear(
     )
     with _autocast_off(device_type):
         spec = linear_spec(config, fwd_qdtype, grad_qdtype)
-        out = _SwitchBackLinearFn.apply(x2d.contiguous(), weight, bias, spec, shared, x_q, x_scale)
+        out = graph_leaf.call("switchback_linear", x2d.contiguous(), weight, bias, spec, shared, x_q, x_scale)
     return out.reshape(*leading, weight.shape[0])
 
 
@@ -461,8 +474,8 @@ def switchback_mlp(
     x_q, x_scale = check_quantized_input("switchback_mlp", quantized_input, x2d, fwd_qdtype)
     with _autocast_off(device_type):
         spec = (activation, *linear_spec(config, fwd_qdtype, grad_qdtype))
-        out = _SwitchBackMLPFn.apply(
-            x2d.contiguous(), fc1_weight, fc1_bias, fc2_weight, fc2_bias, spec, x_q, x_scale
+        out = graph_leaf.call(
+            "switchback_mlp", x2d.contiguous(), fc1_weight, fc1_bias, fc2_weight, fc2_bias, spec, x_q, x_scale
         )
     return out.reshape(*leading, n_out)
 

@@ -29,6 +29,7 @@ from ..functional import (
     quantize_weight,
     quantized_dtypes,
 )
+from ..kernels import graph_leaf
 from ..kernels.backends import get_kernels
 
 
@@ -36,18 +37,18 @@ class _LinearActivationGradFn(torch.autograd.Function):
     """Returns a = act(h) as the fused kernel wrote it, with the backward of act(fc1(x)) attached."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, a, h, spec, activation, x_q=None, x_scale=None):
+    def forward(ctx, x, weight, bias, a, h, spec, activation, kernels, x_q=None, x_scale=None):
         memory_efficient = spec[1]
         ctx.save_for_backward(h, *((x_q, x_scale, weight) if memory_efficient else (x, weight)))
         ctx.config = (spec, activation, x.dtype, None if bias is None else bias.dtype)
+        ctx.kernels = kernels  # the forward's kernel set (kernels/graph_leaf.py says why)
         return a.view_as(a)
 
     @staticmethod
     def backward(ctx, grad_a):
         spec, activation, x_dtype, bias_dtype = ctx.config
         h, *saved = ctx.saved_tensors
-        grad_qdtype, backend, options = spec[3], spec[4], spec[5]
-        kernels = get_kernels(backend, grad_a.device, options)
+        grad_qdtype, options, kernels = spec[3], spec[5], ctx.kernels
         grad_h, _, g_q, g_scale, g_colsum = kernels.act_backward_quantize_colsum(
             grad_a.contiguous(), h, grad_qdtype, activation, False, options=options
         )
@@ -59,8 +60,26 @@ class _LinearActivationGradFn(torch.autograd.Function):
             tuple(saved),
             grad_h,
             (g_q, g_scale, g_colsum),
+            kernels,
         )
-        return *grads, None, None, None, None, None, None
+        return *grads, None, None, None, None, None, None, None
+
+
+@graph_leaf.op("switchback_linear_activation")
+def _linear_activation(x2d, weight, bias, spec, activation, x_q, x_scale) -> tuple:
+    """(a, a_q, a_scale) of switchback_linear_activation's 8-bit path for a contiguous x2d (M, K)."""
+    weight_scaling, _, fwd_qdtype, _, backend, options, _ = spec
+    kernels = get_kernels(backend, x2d.device, options)
+    with torch.no_grad():
+        if x_q is None:
+            x_q, x_scale = kernels.quantize_rowwise(x2d, fwd_qdtype, options=options)
+        w_q, w_scale = quantize_weight(kernels, weight.detach(), weight_scaling, fwd_qdtype, options)
+        b = None if bias is None else bias.detach()
+        h = kernels.scaled_matmul(x_q, w_q, x_scale, w_scale, b, x2d.dtype, options=options)
+        del w_q
+        a, a_q, a_scale = kernels.act_and_quantize_rowwise(h, fwd_qdtype, activation, options=options)
+    a = _LinearActivationGradFn.apply(x2d, weight, bias, a, h, spec, activation, kernels, x_q, x_scale)
+    return a, a_q, a_scale
 
 
 def switchback_linear_activation(
@@ -88,20 +107,11 @@ def switchback_linear_activation(
         )
     fwd_qdtype, grad_qdtype = quantized_dtypes(config, x2d.device)
     x_q, x_scale = check_quantized_input("switchback_linear_activation", quantized_input, x2d, fwd_qdtype)
-    options = config.kernel_options
-    kernels = get_kernels(config.backend, x2d.device, options)
-    x2d = x2d.contiguous()
-    with torch.no_grad(), _autocast_off(x2d.device.type):
-        if x_q is None:
-            x_q, x_scale = kernels.quantize_rowwise(x2d, fwd_qdtype, options=options)
-        w_q, w_scale = quantize_weight(kernels, weight.detach(), config.weight_scaling, fwd_qdtype, options)
-        b = None if bias is None else bias.detach()
-        h = kernels.scaled_matmul(x_q, w_q, x_scale, w_scale, b, x2d.dtype, options=options)
-        del w_q
-        a, a_q, a_scale = kernels.act_and_quantize_rowwise(h, fwd_qdtype, activation, options=options)
+    spec = linear_spec(config, fwd_qdtype, grad_qdtype)
     with _autocast_off(x2d.device.type):
-        spec = linear_spec(config, fwd_qdtype, grad_qdtype)
-        a = _LinearActivationGradFn.apply(x2d, weight, bias, a, h, spec, activation, x_q, x_scale)
+        a, a_q, a_scale = graph_leaf.call(
+            "switchback_linear_activation", x2d.contiguous(), weight, bias, spec, activation, x_q, x_scale
+        )
     return a.reshape(*leading, weight.shape[0]), (a_q, a_scale)
 
 

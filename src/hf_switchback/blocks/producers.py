@@ -21,6 +21,7 @@ from torch import nn
 
 from ..config import SwitchBackConfig
 from ..functional import _autocast_off, quantized_dtypes
+from ..kernels import graph_leaf
 from ..kernels.backends import get_kernels
 from ..kernels.reference import activation_backward
 
@@ -89,13 +90,27 @@ class _AddGradFn(torch.autograd.Function):
 
 
 def _norm_args(x: torch.Tensor, norm: nn.LayerNorm, config: SwitchBackConfig) -> tuple:
-    """The kernel arguments after x: detached affine parameters, eps, 8-bit and output dtypes."""
+    """The leaf arguments after the input(s): affine parameters, eps, 8-bit and output dtypes, backend, options."""
     device_type = x.device.type
     out_dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else x.dtype
     qdtype, _ = quantized_dtypes(config, x.device)
-    weight, bias = norm.weight, norm.bias
-    detached = (None if p is None else p.detach() for p in (weight, bias))
-    return (*detached, norm.eps, qdtype, out_dtype)
+    return (norm.weight, norm.bias, norm.eps, qdtype, out_dtype, config.backend, config.kernel_options)
+
+
+def _detached(*tensors: torch.Tensor | None) -> tuple:
+    return tuple(None if t is None else t.detach() for t in tensors)
+
+
+@graph_leaf.op("layernorm_quantize")
+def _layernorm_quantize(x2d, weight, bias, eps, qdtype, out_dtype, backend, options, outputs) -> tuple:
+    """(*the `outputs` views of y, q, scale): layernorm_quantize on rows (see there)."""
+    kernels = get_kernels(backend, x2d.device, options)
+    q, scale, y, mean, rstd = kernels.layernorm_quantize_rowwise(
+        *_detached(x2d, weight, bias), eps, qdtype, out_dtype, options=options
+    )
+    with _autocast_off(x2d.device.type):
+        ys = _LayerNormGradFn.apply(x2d, weight, bias, y, mean, rstd, outputs)
+    return (ys, q, scale) if outputs == 1 else (*ys, q, scale)
 
 
 def layernorm_quantize(
@@ -105,16 +120,24 @@ def layernorm_quantize(
     format: (y (*, K) in the autocast dtype under autocast, else x's; (q (tokens, K), scale (tokens,))).
     outputs=n > 1: a tuple of n views of y, one per linear that reads it (see _LayerNormGradFn).
     Check fusable_norm first."""
-    kernels = get_kernels(config.backend, x.device, config.kernel_options)
     x2d = x.reshape(-1, x.shape[-1])
-    q, scale, y, mean, rstd = kernels.layernorm_quantize_rowwise(
-        x2d.detach(), *_norm_args(x, norm, config), options=config.kernel_options
-    )
-    with _autocast_off(x.device.type):
-        ys = _LayerNormGradFn.apply(x2d, norm.weight, norm.bias, y, mean, rstd, outputs)
+    *ys, q, scale = graph_leaf.call("layernorm_quantize", x2d, *_norm_args(x, norm, config), outputs)
     if outputs == 1:
-        return ys.reshape(x.shape), (q, scale)
+        return ys[0].reshape(x.shape), (q, scale)
     return tuple(y.reshape(x.shape) for y in ys), (q, scale)
+
+
+@graph_leaf.op("add_layernorm_quantize")
+def _add_layernorm_quantize(x2d, delta2d, weight, bias, eps, qdtype, out_dtype, backend, options) -> tuple:
+    """(h, y, q, scale): add_layernorm_quantize on rows (see there)."""
+    kernels = get_kernels(backend, x2d.device, options)
+    h, q, scale, y, mean, rstd = kernels.add_layernorm_quantize_rowwise(
+        *_detached(x2d, delta2d, weight, bias), eps, qdtype, out_dtype, options=options
+    )
+    with _autocast_off(x2d.device.type):
+        h = _AddGradFn.apply(x2d, delta2d, h)
+        y = _LayerNormGradFn.apply(h, weight, bias, y, mean, rstd)
+    return h, y, q, scale
 
 
 def add_layernorm_quantize(
@@ -122,14 +145,8 @@ def add_layernorm_quantize(
 ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
     """The residual add x + delta (same shape) and layernorm_quantize of it from one kernel: (h = x + delta in
     torch's promoted dtype, y, (q, scale)). Check fusable_norm on h's dtype first."""
-    kernels = get_kernels(config.backend, x.device, config.kernel_options)
     x2d, delta2d = x.reshape(-1, x.shape[-1]), delta.reshape(-1, x.shape[-1])
-    h, q, scale, y, mean, rstd = kernels.add_layernorm_quantize_rowwise(
-        x2d.detach(), delta2d.detach(), *_norm_args(x, norm, config), options=config.kernel_options
-    )
-    with _autocast_off(x.device.type):
-        h = _AddGradFn.apply(x2d, delta2d, h)
-        y = _LayerNormGradFn.apply(h, norm.weight, norm.bias, y, mean, rstd)
+    h, y, q, scale = graph_leaf.call("add_layernorm_quantize", x2d, delta2d, *_norm_args(x, norm, config))
     return h.reshape(x.shape), y.reshape(x.shape), (q, scale)
 
 
@@ -140,9 +157,13 @@ def quantize_rows(x: torch.Tensor, config: SwitchBackConfig) -> tuple[torch.Tens
     the quantize to Inductor, which fuses it into the producer; here it would be a kernel of its own that
     reads each row twice: BENCHMARKS.md, Whole training step.)"""
     qdtype, _ = quantized_dtypes(config, x.device)
-    options = config.kernel_options
-    kernels = get_kernels(config.backend, x.device, options)
     x2d = x.reshape(-1, x.shape[-1]).detach()
+    return graph_leaf.call("quantize_rows", x2d, qdtype, config.backend, config.kernel_options)
+
+
+@graph_leaf.op("quantize_rows")
+def _quantize_rows(x2d, qdtype, backend, options) -> tuple[torch.Tensor, torch.Tensor]:
+    kernels = get_kernels(backend, x2d.device, options)
     if kernels.name == "compiled":  # the traced operator, not the compiled set's choice (Inductor's code)
         return torch.ops.hf_switchback.quantize_rowwise(x2d, qdtype)
     return kernels.quantize_rowwise(x2d, qdtype, options=options)
@@ -176,13 +197,21 @@ def activation_quantize(
     """act(h) (*, K) in h's dtype, as the stock activation module computes it, and its row-wise 8-bit form in the
     config's forward format: (a, (q (tokens, K), scale (tokens,))). activation: a kernels activation name."""
     qdtype, _ = quantized_dtypes(config, h.device)
-    options = config.kernel_options
-    kernels = get_kernels(config.backend, h.device, options)
     h2d = h.reshape(-1, h.shape[-1])
-    a, q, scale = kernels.act_and_quantize_rowwise(h2d.detach(), qdtype, activation, options=options)
-    with _autocast_off(h.device.type):
-        a = _ActivationGradFn.apply(h2d, a, activation)
+    a, q, scale = graph_leaf.call(
+        "activation_quantize", h2d, qdtype, activation, config.backend, config.kernel_options
+    )
     return a.reshape(h.shape), (q, scale)
+
+
+@graph_leaf.op("activation_quantize")
+def _activation_quantize(h2d, qdtype, activation, backend, options) -> tuple:
+    """(a, q, scale): activation_quantize on rows (see there)."""
+    kernels = get_kernels(backend, h2d.device, options)
+    a, q, scale = kernels.act_and_quantize_rowwise(h2d.detach(), qdtype, activation, options=options)
+    with _autocast_off(h2d.device.type):
+        a = _ActivationGradFn.apply(h2d, a, activation)
+    return a, q, scale
 
 
 __all__ = [

@@ -27,6 +27,7 @@ from ..functional import (
     quantized_dtypes,
     switchback_linear,
 )
+from ..kernels import graph_leaf
 from ..kernels.backends import get_kernels
 from ..kernels.wgrad import RowQuantized, weight_grad
 
@@ -79,16 +80,17 @@ class _SwitchBackQKVFn(torch.autograd.Function):
         ctx.config = (weight_scaling, memory_efficient, gq, backend, options, x.dtype)
         ctx.wgrad = wgrad
         ctx.bias_dtypes = None if bq is None else (bq.dtype, bk.dtype, bv.dtype)
+        ctx.kernels = kernels  # backward runs the forward's set (kernels/graph_leaf.py says why)
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        weight_scaling, memory_efficient, gq, backend, options, x_dtype = ctx.config
+        weight_scaling, memory_efficient, gq, _, options, x_dtype = ctx.config
         if memory_efficient:
             x_q, x_scale, *weights = ctx.saved_tensors
         else:
             x, *weights = ctx.saved_tensors
-        kernels = get_kernels(backend, grad_out.device, options)
+        kernels = ctx.kernels
         g = grad_out.contiguous()
         rows = [w.shape[0] for w in weights]
         need_x = ctx.needs_input_grad[0]
@@ -135,6 +137,9 @@ class _SwitchBackQKVFn(torch.autograd.Function):
         return (grad_x, *grad_w, *grad_b) + (None,) * 9
 
 
+graph_leaf.op("switchback_qkv")(_SwitchBackQKVFn.apply)
+
+
 def switchback_qkv(
     x: torch.Tensor,
     weights: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
@@ -166,7 +171,8 @@ def switchback_qkv(
     fq, gq = quantized_dtypes(config, x2d.device)
     x_q, x_scale = check_quantized_input("switchback_qkv", quantized_input, x2d, fq)
     with _autocast_off(x2d.device.type):
-        out = _SwitchBackQKVFn.apply(
+        out = graph_leaf.call(
+            "switchback_qkv",
             x2d.contiguous(),
             *weights,
             *biases,

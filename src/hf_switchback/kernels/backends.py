@@ -17,7 +17,7 @@ import sys
 
 import torch
 
-from . import library
+from . import graph_leaf, library
 from .library import KernelSet
 from .options import KernelOptions
 
@@ -105,8 +105,9 @@ def get_kernels(backend: str, device: torch.device, options: KernelOptions) -> K
     """The kernel set for a tensor on `device` under config.backend and the layer's kernel options."""
     if _use_triton(backend, device.type):
         # Under torch.compile the quantize passes are left to Inductor to fuse and our kernels are launched from
-        # its code (kernels/compiled.py); is_compiling() is a trace-time constant there and False in eager mode.
-        if torch.compiler.is_compiling():
+        # its code (kernels/compiled.py); compiling() is a trace-time constant there (or true inside a graph leaf,
+        # kernels/graph_leaf.py) and False in eager mode.
+        if graph_leaf.compiling():
             return _PACKAGE.compiled.KERNELS
         return _PACKAGE.ops.KERNELS
     return library.REFERENCE

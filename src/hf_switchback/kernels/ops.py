@@ -18,10 +18,8 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 
-import torch
-
 from . import cublas as _cublas
-from . import library, reference
+from . import graph_leaf, library, reference
 from . import matmul as _matmul
 from . import norm_quant as _norm_quant
 from . import quantize as _quantize
@@ -115,7 +113,7 @@ def _eager_policy(op: KernelOp) -> Route:
     opaque = call_operator(_OPAQUE_GEMM)
 
     def route(options: KernelOptions, args: tuple) -> Callable:
-        compiling = torch.compiler.is_compiling()
+        compiling = graph_leaf.compiling()
         if options.direct_eager and not compiling:
             return direct
         if op is _GEMM and compiling and not options.trace_gemm:

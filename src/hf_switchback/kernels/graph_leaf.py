@@ -1,0 +1,135 @@
+"""SwitchBack's ops as single calls in the graph that Dynamo records.
+
+Dynamo interprets the Python of whatever a compiled forward calls, one bytecode at a time, including each
+`autograd.Function`'s forward and backward: the SwitchBack linear, its kernel-set routes and its backward cost
+Dynamo about 0.065 s of CPU per linear, seven times a stock encoder layer's whole trace (BENCHMARKS.md, Whole
+training step: compile warm-up). Its work is not cached between processes, so every start pays it, the warm
+start too. Under torch.compile each op registered here is instead one call of `_leaf`, which Dynamo is told to
+put into its graph as it is (`torch._dynamo.allow_in_graph`): Dynamo runs it once on fake tensors for the
+output shapes and records one node; AOT autograd then traces the op, forward and backward, in plain Python
+when it builds the joint graph, which its cache keeps. The graph Inductor compiles holds the same operators
+as before.
+
+While a leaf runs (Dynamo's fake run and AOT's trace), `compiling()` is true, so the op picks the kernel set
+for compiled graphs (kernels/backends.py); its autograd backward, which AOT traces after the leaf returned,
+keeps the kernel set its forward picked. Outside torch.compile `call` runs the op directly.
+
+A leaf's arguments are what a graph node can hold: tensors, None, constants (bool, int, float, str,
+torch.dtype) and tuples of them, and KernelOptions, which goes into the node as its field values (AOT
+autograd's cache refuses a graph that builds an object of ours). Dynamo does not look inside a leaf, so a leaf
+must not read state that can change between calls other than through its arguments. This module imports only
+kernels/options.py from the package, and torch._dynamo only once torch.compile already traces (it imports
+triton where installed).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from .options import KernelOptions
+
+_OPS: dict[str, Callable] = {}
+_depth = 0  # leaves running now (a leaf's op may call another's)
+_registered = False
+
+
+def op(name: str) -> Callable[[Callable], Callable]:
+    """Register the decorated function as the op `name`, to be run by `call`."""
+
+    def register(function: Callable) -> Callable:
+        if name in _OPS:
+            raise ValueError(f"graph_leaf: op {name!r} is registered twice")
+        _OPS[name] = function
+        return function
+
+    return register
+
+
+def compiling() -> bool:
+    """Whether the ops are being traced for a compiled graph: inside Dynamo's trace or a leaf."""
+    return _depth > 0 or torch.compiler.is_compiling()
+
+
+# marks KernelOptions' field values in a leaf's arguments
+_OPTIONS = "hf_switchback.KernelOptions"
+
+
+def _encode(arg):
+    if isinstance(arg, KernelOptions):
+        return (_OPTIONS, *arg.values)
+    if type(arg) is tuple:
+        return tuple(_encode(a) for a in arg)
+    return arg
+
+
+@functools.cache
+def _options(values: tuple) -> KernelOptions:
+    return KernelOptions(*values)
+
+
+def _decode(arg):
+    if type(arg) is tuple:
+        if arg and arg[0] == _OPTIONS:
+            return _options(arg[1:])
+        return tuple(_decode(a) for a in arg)
+    return arg
+
+
+def _leaf(name: str, *args):
+    global _depth
+    _depth += 1
+    try:
+        return _OPS[name](*_decode(args))
+    finally:
+        _depth -= 1
+
+
+@functools.cache
+def source_key() -> str:
+    """A hash of the package's files (code and the shipped tables): what a leaf's traced graph depends on
+    beyond its arguments, the torch version and the GPU, which torch's cache keys hold already."""
+    package = Path(__file__).resolve().parents[1]
+    digest = hashlib.sha256()
+    for path in sorted(p for p in package.rglob("*") if p.suffix in (".py", ".json")):
+        digest.update(str(path.relative_to(package)).encode())
+        digest.update(path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def _register_with_dynamo() -> bool:
+    """Dynamo calls this as a constant (it does not trace it), before it first reaches `_leaf`."""
+    global _registered
+    if not _registered:
+        import torch._dynamo
+        import torch._inductor.config as inductor_config
+
+        torch._dynamo.allow_in_graph(_leaf)
+        # AOT autograd's and Inductor's caches refuse graphs that call functions they do not know, unless
+        # marked cacheable with a key of the caller's choosing: a graph of leaves is then cached, keyed by this
+        # package's files (a new release or an edited kernel misses the old entries).
+        marked = getattr(inductor_config, "unsafe_marked_cacheable_functions", None)
+        if marked is not None:
+            name = f"{_leaf.__module__}.{_leaf.__name__}"
+            inductor_config.unsafe_marked_cacheable_functions = {**marked, name: source_key()}
+        _registered = True
+    return True
+
+
+# torch.compiler.assume_constant_result without calling it: importing torch._dynamo at import time would import
+# triton on the CPU path (kernels/backends.py does the same for _use_triton).
+_register_with_dynamo._dynamo_marked_constant = True
+
+
+def call(name: str, *args):
+    """Run the op `name` on `args`: one node of Dynamo's graph under torch.compile, a plain call elsewhere."""
+    if torch.compiler.is_compiling() and _register_with_dynamo():
+        return _leaf(name, *_encode(args))
+    return _OPS[name](*args)
+
+
+__all__ = ["call", "compiling", "op"]
