@@ -15,11 +15,10 @@ for compiled graphs (kernels/backends.py); its autograd backward, which AOT trac
 keeps the kernel set its forward picked. Outside torch.compile `call` runs the op directly.
 
 A leaf's arguments are what a graph node can hold: tensors, None, constants (bool, int, float, str,
-torch.dtype) and tuples of them, and KernelOptions, which goes into the node as its field values (AOT
-autograd's cache refuses a graph that builds an object of ours). Dynamo does not look inside a leaf, so a leaf
-must not read state that can change between calls other than through its arguments. This module imports only
-kernels/options.py from the package, and torch._dynamo only once torch.compile already traces (it imports
-triton where installed).
+torch.dtype), tuples of them and KernelOptions (which Dynamo's graph builds from its fields). Dynamo does not
+look inside a leaf, so a leaf must not read state that can change between calls other than through its
+arguments. This module imports only kernels/options.py from the package, and torch._dynamo only once
+torch.compile already traces (it imports triton where installed).
 """
 
 from __future__ import annotations
@@ -55,36 +54,11 @@ def compiling() -> bool:
     return _depth > 0 or torch.compiler.is_compiling()
 
 
-# marks KernelOptions' field values in a leaf's arguments
-_OPTIONS = "hf_switchback.KernelOptions"
-
-
-def _encode(arg):
-    if isinstance(arg, KernelOptions):
-        return (_OPTIONS, *arg.values)
-    if type(arg) is tuple:
-        return tuple(_encode(a) for a in arg)
-    return arg
-
-
-@functools.cache
-def _options(values: tuple) -> KernelOptions:
-    return KernelOptions(*values)
-
-
-def _decode(arg):
-    if type(arg) is tuple:
-        if arg and arg[0] == _OPTIONS:
-            return _options(arg[1:])
-        return tuple(_decode(a) for a in arg)
-    return arg
-
-
 def _leaf(name: str, *args):
     global _depth
     _depth += 1
     try:
-        return _OPS[name](*_decode(args))
+        return _OPS[name](*args)
     finally:
         _depth -= 1
 
@@ -112,10 +86,11 @@ def _register_with_dynamo() -> bool:
         # AOT autograd's and Inductor's caches refuse graphs that call functions they do not know, unless
         # marked cacheable with a key of the caller's choosing: a graph of leaves is then cached, keyed by this
         # package's files (a new release or an edited kernel misses the old entries).
+        # KernelOptions too: Dynamo's graph builds the one a leaf takes.
         marked = getattr(inductor_config, "unsafe_marked_cacheable_functions", None)
         if marked is not None:
-            name = f"{_leaf.__module__}.{_leaf.__name__}"
-            inductor_config.unsafe_marked_cacheable_functions = {**marked, name: source_key()}
+            ours = {f"{f.__module__}.{f.__qualname__}": source_key() for f in (_leaf, KernelOptions)}
+            inductor_config.unsafe_marked_cacheable_functions = {**marked, **ours}
         _registered = True
     return True
 
@@ -128,7 +103,7 @@ _register_with_dynamo._dynamo_marked_constant = True
 def call(name: str, *args):
     """Run the op `name` on `args`: one node of Dynamo's graph under torch.compile, a plain call elsewhere."""
     if torch.compiler.is_compiling() and _register_with_dynamo():
-        return _leaf(name, *_encode(args))
+        return _leaf(name, *args)
     return _OPS[name](*args)
 
 

@@ -99,10 +99,6 @@ class KernelOptions:
             elif not isinstance(value, bool):
                 raise TypeError(f"KernelOptions.{f.name} must be a bool, got {type(value).__name__}")
 
-        # The field values in order, kept as one attribute: a graph node holds them where it cannot hold the
-        # object (kernels/graph_leaf.py), and reading one attribute is all Dynamo traces for it.
-        object.__setattr__(self, "values", tuple(getattr(self, f.name) for f in dataclasses.fields(self)))
-
     def replace(self, **changes: Any) -> KernelOptions:
         return dataclasses.replace(self, **changes)
 
