@@ -1,4 +1,4 @@
-"""allow_compile_cache: a SwitchBack layer's compiled graph comes back from AOT autograd's disk cache.
+"""allow_compile_cache and graph leaves: a SwitchBack layer's compiled graph comes back from AOT autograd's disk cache.
 save_compile_artifacts / load_compile_artifacts: a second process with empty caches (another node, a fresh
 container) gets every graph of the first one from the saved file; a bad file only warns.
 
@@ -35,8 +35,14 @@ needs_cxx = pytest.mark.skipif(
 @pytest.fixture(autouse=True)
 def _torch_default(monkeypatch):
     """Each test starts from torch's default setting; the process's own comes back afterwards."""
+    import torch._inductor.config as inductor_config
+
     monkeypatch.delenv("TORCHINDUCTOR_AUTOGRAD_CACHE_ALLOW_CUSTOM_AUTOGRAD", raising=False)
-    with functorch_config.patch(autograd_cache_allow_custom_autograd_functions=False):
+    monkeypatch.delenv("TORCHINDUCTOR_STATIC_LAUNCH_USER_DEFINED_TRITON_KERNELS", raising=False)
+    with (
+        functorch_config.patch(autograd_cache_allow_custom_autograd_functions=False),
+        inductor_config.patch(static_launch_user_defined_triton_kernels=False),
+    ):
         yield
 
 
@@ -97,12 +103,17 @@ def test_the_switchback_layer_is_cached_without_it_keyed_by_the_package(tmp_path
 def test_train_clip_compile_allows_the_cache_and_plain_runs_leave_torch_alone(monkeypatch):
     from argparse import Namespace
 
+    import torch._inductor.config as inductor_config
+
     from hf_switchback.training.runtime import dynamo_plugin
 
     assert dynamo_plugin(Namespace(torch_compile=False, compile_mode=None)) is None
     assert functorch_config.autograd_cache_allow_custom_autograd_functions is False
+    assert inductor_config.static_launch_user_defined_triton_kernels is False
     assert dynamo_plugin(Namespace(torch_compile=True, compile_mode=None)) is not None
     assert functorch_config.autograd_cache_allow_custom_autograd_functions is True
+    # a warm start loads our Triton kernels from the cache's cubins (compile_cache.py says why)
+    assert inductor_config.static_launch_user_defined_triton_kernels is True
 
 
 # One process of a run: load the previous run's artifacts (if any), compile a two-layer SwitchBack model, one

@@ -1,22 +1,24 @@
 """Let torch.compile reuse a SwitchBack model's traced graphs in a later process, on this machine or another.
 
 torch.compile keeps two on-disk caches: Inductor's FX graph cache (the generated kernels and code) and, in front of
-it, AOT autograd's cache, which also skips tracing forward and backward again. AOT autograd refuses every graph
-that holds a custom `torch.autograd.Function` unless `torch._functorch.config.
-autograd_cache_allow_custom_autograd_functions` is set: torch's cautious default, since an arbitrary Function may
-depend on Python state its cache key does not see. SwitchBack layers are such Functions, so by default a resumed or
-repeated compiled run traces every layer again, and its first step takes much longer than with the setting
-(BENCHMARKS.md, Whole training step).
+it, AOT autograd's cache, which also skips tracing forward and backward again. A SwitchBack op reaches Dynamo's
+graph as one call of a graph leaf (kernels/graph_leaf.py), which that module marks cacheable under a key of the
+package's files, so both caches take SwitchBack graphs with torch's default settings; a new release of the
+package, or an edited kernel, misses the old entries.
 
-Why the cache key covers SwitchBack's Functions: Dynamo traces their forward and backward into the graph it hashes
-(nothing of them runs as Python afterwards); every choice they make (precision, KernelOptions, the crossover
-thresholds of the current GPU) is a constant of that traced graph; and their Triton kernels run through
-`torch.library.triton_op`s, whose kernel sources torch hashes into the key.
-
-The setting is torch's and process-wide: it admits the other custom Functions of the process too. So this
-module only offers it: `examples/train_clip.py --torch_compile` calls `allow_compile_cache()`, and so can a loop of
-your own that compiles a SwitchBack model. TORCHINDUCTOR_AUTOGRAD_CACHE_ALLOW_CUSTOM_AUTOGRAD=0 in the
-environment still wins (torch reads it over any value set in code).
+What a warm start still pays is the process's own work: Dynamo's trace (not cached by torch) and loading the
+cached kernels. Inductor loads its own kernels with torch's static CUDA launcher, from the cubins its cache
+holds; user-defined Triton kernels, ours among them, go through Triton's compile path again per kernel and
+config (its on-disk cache hits, but the Python around it took 1.4-3.3 s of a 5-8 s warm ViT-B/16 start) unless
+`torch._inductor.config.static_launch_user_defined_triton_kernels` is set (BENCHMARKS.md, Whole training
+step: compile warm-up). `allow_compile_cache()` sets it, and AOT autograd's
+`autograd_cache_allow_custom_autograd_functions`, which custom autograd Functions still traced by Dynamo need
+(torch's cautious default refuses them: an arbitrary Function may depend on Python state its cache key does not
+see). Both settings are torch's and process-wide, so this module only offers them:
+`examples/train_clip.py --torch_compile` calls `allow_compile_cache()`, and so can a loop of your own that
+compiles a SwitchBack model. The environment variables TORCHINDUCTOR_AUTOGRAD_CACHE_ALLOW_CUSTOM_AUTOGRAD=0
+and TORCHINDUCTOR_STATIC_LAUNCH_USER_DEFINED_TRITON_KERNELS=0 still win (torch reads them over any value set
+in code).
 
 Both caches live on one machine (TORCHINDUCTOR_CACHE_DIR, by default under /tmp), so a new node, a fresh
 container or a CI job starts cold. `save_compile_artifacts(path)` writes everything this process's compiles
@@ -39,15 +41,22 @@ import torch
 logger = logging.getLogger(__name__)
 
 _SETTING = "autograd_cache_allow_custom_autograd_functions"
+_STATIC_LAUNCH = "static_launch_user_defined_triton_kernels"
 
 
 def allow_compile_cache() -> bool:
-    """Let AOT autograd cache graphs with custom autograd Functions (SwitchBack layers) across processes.
+    """Settings for a fast warm start of compiled SwitchBack models (see the module docstring): AOT autograd's
+    cache takes graphs with custom autograd Functions, Inductor launches user-defined Triton kernels from its
+    cached cubins.
 
-    Returns whether torch has the setting (False on a torch without it: nothing changes, compiling still works).
+    Returns whether torch has the AOT autograd setting (False on a torch without it: nothing changes, compiling
+    still works).
     """
     import torch._functorch.config as config  # not imported by `import torch`
+    import torch._inductor.config as inductor_config
 
+    if hasattr(inductor_config, _STATIC_LAUNCH):
+        setattr(inductor_config, _STATIC_LAUNCH, True)
     if not hasattr(config, _SETTING):
         return False
     setattr(config, _SETTING, True)
