@@ -186,7 +186,7 @@ def build_model(config, variant, grad_ckpt, compile_mode, device, inductor_mode=
         model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, target_modules=list(LORA_TARGETS)))
     if not variant.endswith("+compile"):
         return model
-    allow_compile_cache()  # as train_clip.py --torch_compile: a warm start loads the traced layers
+    allow_compile_cache()  # as train_clip.py --torch_compile: a warm start launches our kernels from the cache
     options = {} if inductor_mode == "default" else dict(mode=inductor_mode)
     if compile_mode == "model":
         return torch.compile(model, **options)

@@ -125,7 +125,8 @@ class KernelSpy:
     """Records every kernel call the SwitchBack autograd functions make: (function name, options it got).
 
     install() wraps `functional.get_kernels`, so the calls are the ones functional.py makes, whatever kernel
-    set (reference, Triton) serves them. Eager mode only (torch.compile would trace the wrapper).
+    set (reference, Triton) serves them. Eager mode only (under torch.compile the calls happen while a graph is
+    traced, once, not per step).
     """
 
     def __init__(self) -> None:

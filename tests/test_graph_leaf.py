@@ -104,26 +104,56 @@ def _run(gm, example_inputs):
     return make_boxed_func(gm.forward)
 
 
+_PROBE_SEEN: list[bool] = []
+
+
+@graph_leaf.op("test_graph_leaf_probe")
+def _probe(x):
+    _PROBE_SEEN.append(graph_leaf.compiling())
+    return x * 2
+
+
 def test_compiling_is_true_inside_a_leaf_and_outside_only_while_dynamo_traces():
-    name = "test_graph_leaf_probe"
-    seen = []
-    if name not in graph_leaf._OPS:
-
-        @graph_leaf.op(name)
-        def probe(x):
-            seen.append(graph_leaf.compiling())
-            return x * 2
-
-    assert graph_leaf.call(name, torch.ones(2)).tolist() == [2.0, 2.0]  # eager: a plain call
+    _PROBE_SEEN.clear()
+    assert graph_leaf.call("test_graph_leaf_probe", torch.ones(2)).tolist() == [
+        2.0,
+        2.0,
+    ]  # eager: a plain call
     assert graph_leaf.compiling() is False
 
     torch._dynamo.reset()
-    out = torch.compile(lambda x: graph_leaf.call(name, x) + 1, backend="eager", fullgraph=True)(
-        torch.ones(2)
-    )
+    compiled = torch.compile(lambda x: graph_leaf.call("test_graph_leaf_probe", x) + 1, backend="eager")
+    out = compiled(torch.ones(2))
     torch._dynamo.reset()
     assert out.tolist() == [3.0, 3.0]
-    assert seen[0] is False and all(seen[1:]) and len(seen) >= 2  # Dynamo's fake run, then the graph's run
+    # eager first, then Dynamo's run on fake tensors and the graph's run, both inside the leaf
+    assert _PROBE_SEEN[0] is False and len(_PROBE_SEEN) >= 2 and all(_PROBE_SEEN[1:]), _PROBE_SEEN
+
+
+@pytest.mark.parametrize("config", [dict(), dict(fuse_qkv=True, fuse_mlp=True)])
+def test_backward_runs_the_kernel_set_its_forward_chose(monkeypatch, config):
+    # AOT autograd traces an op's backward after the leaf returned, where graph_leaf.compiling() may no longer
+    # hold: a backward that asked for a kernel set again could get another one than its forward ran
+    import inspect
+
+    from hf_switchback import functional
+    from hf_switchback.blocks import linear_activation, producers, qkv
+
+    asked_in_backward = []
+    for module in (functional, linear_activation, producers, qkv):
+        original = module.get_kernels
+
+        def spy(*args, _original=original, **kwargs):
+            frames = [f.function for f in inspect.stack(context=0)[1:]]
+            asked_in_backward.append("backward" in frames)
+            return _original(*args, **kwargs)
+
+        monkeypatch.setattr(module, "get_kernels", spy)
+    layer = _layer(**config)
+    x = torch.randn(2, 16, 64, requires_grad=True)
+    out = layer(x, None)
+    (out[0] if isinstance(out, tuple) else out).square().sum().backward()
+    assert asked_in_backward and not any(asked_in_backward)
 
 
 def test_an_op_name_is_registered_once():

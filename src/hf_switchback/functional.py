@@ -99,7 +99,7 @@ def _shared_input_slot(x: torch.Tensor, key: tuple) -> list | None:
 def _autocast_off(device_type: str):
     """Autocast off for the 8-bit path (its dtypes are chosen here), or no context where autocast is off
     already: an empty autocast region still adds enter / exit calls to a compiled graph, and torch's AOT autograd
-    cache refuses graphs with those (torch 2.13; see compile_cache.py)."""
+    cache refuses graphs with those (torch 2.13). The ops call it inside their graph leaf (kernels/graph_leaf.py)."""
     if torch.is_autocast_enabled(device_type):
         return torch.autocast(device_type, enabled=False)
     return contextlib.nullcontext()
@@ -109,7 +109,7 @@ class _SwitchBackLinearFn(torch.autograd.Function):
     """2-D core. x (M, K) and out (M, N) share a float dtype; weight (N, K) and bias (N,) any float dtype.
     `spec`: the constant arguments, one tuple (weight_scaling, memory_efficient, forward qdtype, gradient
     qdtype, backend, KernelOptions, wgrad = config.wgrad_precision, the format of the grad-weight GEMM in
-    kernels/wgrad.py). One argument, not seven: torch.compile checks each argument of `apply` for tensors.
+    kernels/wgrad.py). One argument, not seven: `apply` checks each argument for tensors, in eager mode per call.
     `shared`: None, or a slot of _shared_input_slot holding (or to hold) x's 8-bit form.
     x_q, x_scale: x's 8-bit form when its producer wrote it (the LayerNorm before q/k/v or fc1), else None."""
 
@@ -145,7 +145,12 @@ class _SwitchBackLinearFn(torch.autograd.Function):
         return *grads, None, None, None, None
 
 
-graph_leaf.op("switchback_linear")(_SwitchBackLinearFn.apply)
+@graph_leaf.op("switchback_linear")
+def _linear_op(x, weight, bias, spec, shared, x_q, x_scale):
+    # autocast off inside the op: under torch.compile Dynamo's graph then holds no autocast region (AOT autograd's
+    # cache refuses one on torch 2.13)
+    with _autocast_off(x.device.type):
+        return _SwitchBackLinearFn.apply(x, weight, bias, spec, shared, x_q, x_scale)
 
 
 def linear_spec(config: SwitchBackConfig, fwd_qdtype: torch.dtype, grad_qdtype: torch.dtype) -> tuple:
@@ -183,7 +188,8 @@ def linear_grads(
         x_q, x_scale, weight = saved
     else:
         x, weight = saved
-    kernels = kernels or get_kernels(backend, grad_out.device, options)
+    if kernels is None:
+        kernels = get_kernels(backend, grad_out.device, options)
     grad_out = grad_out.contiguous()
     grad_x = grad_w = grad_b = g_colsum = None
     needs_grad_b = bias_dtype is not None and needs_input_grad[2]
@@ -308,7 +314,10 @@ class _SwitchBackMLPFn(torch.autograd.Function):
         return grad_x, grad_w1, grad_b1, grad_w2, grad_b2, None, None, None
 
 
-graph_leaf.op("switchback_mlp")(_SwitchBackMLPFn.apply)
+@graph_leaf.op("switchback_mlp")
+def _mlp_op(x, w1, b1, w2, b2, spec, x_q, x_scale):
+    with _autocast_off(x.device.type):  # as in _linear_op
+        return _SwitchBackMLPFn.apply(x, w1, b1, w2, b2, spec, x_q, x_scale)
 
 
 def check_quantized_input(name: str, quantized_input, x2d: torch.Tensor, qdtype: torch.dtype) -> tuple:
@@ -428,9 +437,8 @@ def switchback_linear(
     shared = (
         None if x_q is not None else _shared_input_slot(x, (fwd_qdtype, config.backend, x2d.dtype, x2d.shape))
     )
-    with _autocast_off(device_type):
-        spec = linear_spec(config, fwd_qdtype, grad_qdtype)
-        out = graph_leaf.call("switchback_linear", x2d.contiguous(), weight, bias, spec, shared, x_q, x_scale)
+    spec = linear_spec(config, fwd_qdtype, grad_qdtype)
+    out = graph_leaf.call("switchback_linear", x2d.contiguous(), weight, bias, spec, shared, x_q, x_scale)
     return out.reshape(*leading, weight.shape[0])
 
 
@@ -472,11 +480,10 @@ def switchback_mlp(
 
     fwd_qdtype, grad_qdtype = quantized_dtypes(config, x2d.device)
     x_q, x_scale = check_quantized_input("switchback_mlp", quantized_input, x2d, fwd_qdtype)
-    with _autocast_off(device_type):
-        spec = (activation, *linear_spec(config, fwd_qdtype, grad_qdtype))
-        out = graph_leaf.call(
-            "switchback_mlp", x2d.contiguous(), fc1_weight, fc1_bias, fc2_weight, fc2_bias, spec, x_q, x_scale
-        )
+    spec = (activation, *linear_spec(config, fwd_qdtype, grad_qdtype))
+    out = graph_leaf.call(
+        "switchback_mlp", x2d.contiguous(), fc1_weight, fc1_bias, fc2_weight, fc2_bias, spec, x_q, x_scale
+    )
     return out.reshape(*leading, n_out)
 
 

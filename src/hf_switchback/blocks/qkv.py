@@ -137,7 +137,10 @@ class _SwitchBackQKVFn(torch.autograd.Function):
         return (grad_x, *grad_w, *grad_b) + (None,) * 9
 
 
-graph_leaf.op("switchback_qkv")(_SwitchBackQKVFn.apply)
+@graph_leaf.op("switchback_qkv")
+def _qkv_op(x, *args):
+    with _autocast_off(x.device.type):  # as in functional._linear_op
+        return _SwitchBackQKVFn.apply(x, *args)
 
 
 def switchback_qkv(
@@ -170,22 +173,21 @@ def switchback_qkv(
         return tuple(switchback_linear(x, w, b, config) for w, b in zip(weights, biases, strict=True))
     fq, gq = quantized_dtypes(config, x2d.device)
     x_q, x_scale = check_quantized_input("switchback_qkv", quantized_input, x2d, fq)
-    with _autocast_off(x2d.device.type):
-        out = graph_leaf.call(
-            "switchback_qkv",
-            x2d.contiguous(),
-            *weights,
-            *biases,
-            config.weight_scaling,
-            config.memory_efficient,
-            fq,
-            gq,
-            config.backend,
-            config.kernel_options,
-            config.wgrad_precision,
-            x_q,
-            x_scale,
-        )
+    out = graph_leaf.call(
+        "switchback_qkv",
+        x2d.contiguous(),
+        *weights,
+        *biases,
+        config.weight_scaling,
+        config.memory_efficient,
+        fq,
+        gq,
+        config.backend,
+        config.kernel_options,
+        config.wgrad_precision,
+        x_q,
+        x_scale,
+    )
     return tuple(
         part.reshape(*leading, w.shape[0])
         for part, w in zip(out.split([w.shape[0] for w in weights], dim=1), weights, strict=True)

@@ -17,8 +17,11 @@ keeps the kernel set its forward picked. Outside torch.compile `call` runs the o
 A leaf's arguments are what a graph node can hold: tensors, None, constants (bool, int, float, str,
 torch.dtype), tuples of them and KernelOptions (which Dynamo's graph builds from its fields). Dynamo does not
 look inside a leaf, so a leaf must not read state that can change between calls other than through its
-arguments. This module imports only kernels/options.py from the package, and torch._dynamo only once
-torch.compile already traces (it imports triton where installed).
+arguments; a kernel twin patched at run time (tests do this) is therefore not seen by a graph already traced,
+and the caches key a traced graph by the package's files, not by such patches. `compiling()` reads one counter
+for the process: eager code in another thread while a leaf is being traced would take the compiled kernel set
+(correct results, another code path). This module imports only kernels/options.py from the package, and
+torch._dynamo only once torch.compile already traces (it imports triton where installed).
 """
 
 from __future__ import annotations
@@ -76,22 +79,23 @@ def source_key() -> str:
 
 
 def _register_with_dynamo() -> bool:
-    """Dynamo calls this as a constant (it does not trace it), before it first reaches `_leaf`."""
+    """Dynamo calls this as a constant (it does not trace it) at every trace that reaches a leaf, before `_leaf`."""
     global _registered
-    if not _registered:
-        import torch._dynamo
-        import torch._inductor.config as inductor_config
+    import torch._dynamo
+    import torch._inductor.config as inductor_config
 
+    if not _registered:
         torch._dynamo.allow_in_graph(_leaf)
-        # AOT autograd's and Inductor's caches refuse graphs that call functions they do not know, unless
-        # marked cacheable with a key of the caller's choosing: a graph of leaves is then cached, keyed by this
-        # package's files (a new release or an edited kernel misses the old entries).
-        # KernelOptions too: Dynamo's graph builds the one a leaf takes.
-        marked = getattr(inductor_config, "unsafe_marked_cacheable_functions", None)
-        if marked is not None:
-            ours = {f"{f.__module__}.{f.__qualname__}": source_key() for f in (_leaf, KernelOptions)}
-            inductor_config.unsafe_marked_cacheable_functions = {**marked, **ours}
         _registered = True
+    # AOT autograd's and Inductor's caches refuse graphs that call functions they do not know, unless marked
+    # cacheable with a key of the caller's choosing: a graph of leaves is then cached, keyed by this package's
+    # files (a new release or an edited kernel misses the old entries); KernelOptions too, which Dynamo's graph
+    # builds for the leaf. Checked at every trace: a patched inductor config may have dropped the marks.
+    marked = getattr(inductor_config, "unsafe_marked_cacheable_functions", None)
+    if marked is not None:
+        ours = {f"{f.__module__}.{f.__qualname__}": source_key() for f in (_leaf, KernelOptions)}
+        if any(marked.get(name) != key for name, key in ours.items()):
+            inductor_config.unsafe_marked_cacheable_functions = {**marked, **ours}
     return True
 
 

@@ -27,8 +27,8 @@ def dynamo_plugin(args) -> TorchDynamoPlugin | None:
     """accelerate's torch.compile settings (None without --torch_compile)."""
     if not args.torch_compile:
         return None
-    # A resumed or repeated run then loads the traced SwitchBack layers from torch.compile's disk cache instead
-    # of tracing them again (compile_cache.py says why that is sound for them).
+    # A resumed or repeated run then loads our Triton kernels from torch.compile's disk cache with torch's static
+    # launcher, and custom autograd Functions outside SwitchBack's graph leaves are cached too (compile_cache.py).
     allow_compile_cache()
     regional = compile_scope(args) == "blocks"
     return TorchDynamoPlugin(
