@@ -9,7 +9,7 @@ package, or an edited kernel, misses the old entries.
 What a warm start still pays is the process's own work: Dynamo's trace (not cached by torch) and loading the
 cached kernels. Inductor loads its own kernels with torch's static CUDA launcher, from the cubins its cache
 holds; user-defined Triton kernels, ours among them, go through Triton's compile path again per kernel and
-config (its on-disk cache hits, but the Python around it took 1.4-3.3 s of a 5-8 s warm ViT-B/16 start) unless
+config (its on-disk cache hits, but the Python around it took 1.1-3.3 s of a 5-8 s warm ViT-B/16 start) unless
 `torch._inductor.config.static_launch_user_defined_triton_kernels` is set (BENCHMARKS.md, Whole training
 step: compile warm-up). `allow_compile_cache()` sets it, and AOT autograd's
 `autograd_cache_allow_custom_autograd_functions`, which custom autograd Functions still traced by Dynamo need
