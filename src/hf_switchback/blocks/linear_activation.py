@@ -70,15 +70,15 @@ def _linear_activation(x2d, weight, bias, spec, activation, x_q, x_scale) -> tup
     """(a, a_q, a_scale) of switchback_linear_activation's 8-bit path for a contiguous x2d (M, K)."""
     weight_scaling, _, fwd_qdtype, _, backend, options, _ = spec
     kernels = get_kernels(backend, x2d.device, options)
-    with torch.no_grad(), _autocast_off(x2d.device.type):  # autocast off as in functional._linear_op
-        if x_q is None:
-            x_q, x_scale = kernels.quantize_rowwise(x2d, fwd_qdtype, options=options)
-        w_q, w_scale = quantize_weight(kernels, weight.detach(), weight_scaling, fwd_qdtype, options)
-        b = None if bias is None else bias.detach()
-        h = kernels.scaled_matmul(x_q, w_q, x_scale, w_scale, b, x2d.dtype, options=options)
-        del w_q
-        a, a_q, a_scale = kernels.act_and_quantize_rowwise(h, fwd_qdtype, activation, options=options)
-    with _autocast_off(x2d.device.type):
+    with _autocast_off(x2d.device.type):  # as in functional._linear_op
+        with torch.no_grad():
+            if x_q is None:
+                x_q, x_scale = kernels.quantize_rowwise(x2d, fwd_qdtype, options=options)
+            w_q, w_scale = quantize_weight(kernels, weight.detach(), weight_scaling, fwd_qdtype, options)
+            b = None if bias is None else bias.detach()
+            h = kernels.scaled_matmul(x_q, w_q, x_scale, w_scale, b, x2d.dtype, options=options)
+            del w_q
+            a, a_q, a_scale = kernels.act_and_quantize_rowwise(h, fwd_qdtype, activation, options=options)
         a = _LinearActivationGradFn.apply(x2d, weight, bias, a, h, spec, activation, kernels, x_q, x_scale)
     return a, a_q, a_scale
 
