@@ -60,6 +60,23 @@ def test_a_repeated_specialization_runs_torchs_function_once(counting):
     assert ttir_cache.stats == {"hits": 1, "misses": 1}
 
 
+def test_autotuners_of_a_kernel_share_its_key_with_their_first_config(counting):
+    import triton
+
+    def autotuner():  # a new object per launch, as ours are
+        return triton.autotune(configs=[triton.Config({"BLOCK_M": 2})], key=[])(quantize._rowwise_kernel)
+
+    generate = triton_kernel_wrap.generate_ttir
+    x = torch.empty(1, dtype=torch.bfloat16)
+    kwargs = {name: v for name, v in _kwargs(x).items() if name != "BLOCK_M"}
+    generate(autotuner(), kwargs, {})
+    generate(autotuner(), kwargs, {})
+    generate(quantize._rowwise_kernel, _kwargs(x, block_m=2), {})  # what torch's function traces for them
+    assert len(counting.calls) == 1
+    generate(quantize._rowwise_kernel, _kwargs(x, block_m=1), {})
+    assert len(counting.calls) == 2
+
+
 @pytest.mark.parametrize(
     "change",
     [
@@ -163,7 +180,7 @@ def test_gpu_the_cache_changes_nothing_compiled_and_the_cached_ttir_is_torchs(mo
     assert ttir_cache.install()
     try:
         cached = _compiled_step(layer, x)
-        assert ttir_cache.stats["misses"] > 0 and ttir_cache.stats["hits"] >= ttir_cache.stats["misses"]
+        assert ttir_cache.stats["misses"] > 0 and ttir_cache.stats["hits"] > ttir_cache.stats["misses"]
         original = triton_kernel_wrap.generate_ttir.hf_switchback_original
         for (kernel, arguments, _), (module, _names) in ttir_cache._results.items():
             assert str(module) == str(_regenerate(original, kernel, arguments))

@@ -7,7 +7,8 @@ kernel, and again in each pass over the graph: AOT autograd's metadata pass, its
 lowering. A cold ViT-B/16 int8 first step (per-layer compile, H100) generated TTIR 116 times, and Triton's front
 end took 9.2 of its 42 s of CPU (BENCHMARKS.md, Whole training step: compile warm-up); a bf16 step runs none.
 
-The TTIR depends only on what `generate_ttir` reads of the call: the kernel, its constexpr arguments, the dtype
+The TTIR depends only on what `generate_ttir` reads of the call: the kernel (of an Autotuner, its function with
+the first config's values, as torch's function takes it), its constexpr arguments, the dtype
 of each tensor argument (it replaces every tensor by a fresh 2-element one), the values of the other arguments
 (Triton specializes integers equal to 1 or divisible by 16; symbolic sizes become 2), and the GPU. So for our
 kernels `install()` keeps the result per key made of exactly those, and every other call (another library's
@@ -69,6 +70,12 @@ def call_key(kernel, kwargs: Mapping, tma_descriptor_metadata) -> Hashable | Non
     function = _python_function(kernel)
     if not getattr(function, "__module__", "").startswith(f"{_PACKAGE}.") or tma_descriptor_metadata:
         return None
+    configs = getattr(kernel, "configs", None)
+    if configs is not None:
+        # An Autotuner (ours are built per launch): torch's function traces its first config's JITFunction,
+        # so two autotuners of one kernel and the kernel called with that config's values share the key.
+        kwargs = {**kwargs, **configs[0].kwargs} if configs else kwargs
+        kernel = kernel.fn
     arguments = []
     for name in sorted(kwargs):
         key = _argument_key(kwargs[name])
