@@ -270,7 +270,10 @@ def run_row(name: str, variant: str, args, profile: bool = False, batch: int | N
         if artifacts:  # before the first step, where the model compiles
             load_compile_artifacts(artifacts)
         caches_before, phases_before = common.cache_counts(), common.compile_phase_seconds()
-        with common.python_profile(first_step_profile_path(args, name, variant)):
+        with (
+            common.python_profile(first_step_profile_path(args, name, variant)),
+            common.ttir_generation() as ttir,
+        ):
             first_step_s, _ = timed(lambda: finish(forward()), 1, device)
         first_step_s /= 1000
         if artifacts:
@@ -279,6 +282,7 @@ def run_row(name: str, variant: str, args, profile: bool = False, batch: int | N
         row["first_step_caches"] = common.first_step_caches(caches_before, common.cache_counts())
         phases = common.compile_phase_seconds()
         row["first_step_compile_s"] = {k: round(v - phases_before.get(k, 0.0), 3) for k, v in phases.items()}
+        row["first_step_ttir"] = ttir  # torch's TTIR generations of our kernels: calls and seconds
         timed(lambda: finish(forward()), args.warmup, device)
         if cuda:  # steady state, not the compile / autotune step
             torch.cuda.reset_peak_memory_stats()

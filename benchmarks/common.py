@@ -95,6 +95,47 @@ def compile_phase_seconds() -> dict[str, float]:
 
 
 @contextlib.contextmanager
+def ttir_generation():
+    """Count and time torch.compile's TTIR generations of Triton kernels inside (kernels/ttir_cache.py says what
+    they are): the calls that reach torch's function, behind our cache where it is on. Yields the record
+    {"calls", "s"}; empty where this torch has no such function."""
+    record = {"calls": 0, "s": 0.0}
+    try:
+        from torch._higher_order_ops import triton_kernel_wrap
+
+        from hf_switchback.kernels import ttir_cache
+    except ImportError:
+        yield {}
+        return
+    ttir_cache.install()  # as the first trace would (a no-op with HF_SWITCHBACK_TTIR_CACHE=0)
+    current = getattr(triton_kernel_wrap, "generate_ttir", None)
+    if current is None:
+        yield {}
+        return
+    owner, name = (
+        (current, "hf_switchback_original")
+        if hasattr(current, "hf_switchback_original")
+        else (triton_kernel_wrap, "generate_ttir")
+    )
+    torch_function = getattr(owner, name)
+
+    def timed(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return torch_function(*args, **kwargs)
+        finally:
+            record["calls"] += 1
+            record["s"] += time.perf_counter() - start
+
+    setattr(owner, name, timed)
+    try:
+        yield record
+    finally:
+        setattr(owner, name, torch_function)
+        record["s"] = round(record["s"], 3)
+
+
+@contextlib.contextmanager
 def python_profile(path: Path | None, top: int = 60):
     """cProfile what runs inside, where `path` is given: the stats file at `path` and, beside it, the `top`
     functions by cumulative and by own time as text (path + '.txt'). Nothing without a path."""

@@ -201,3 +201,26 @@ def _regenerate(original, kernel, arguments):
         else:
             kwargs[name] = key[1]
     return original(kernel, kwargs, {})[0]
+
+
+@pytest.mark.parametrize("cache_on", [True, False])
+def test_the_benchmarks_count_what_reaches_torchs_function(monkeypatch, cache_on):
+    from test_benchmarks import load_script
+
+    common = load_script("common")
+    ttir_cache.uninstall()
+    stand_in = _Counting()
+    monkeypatch.setattr(triton_kernel_wrap, "generate_ttir", stand_in)
+    if not cache_on:
+        monkeypatch.setenv("HF_SWITCHBACK_TTIR_CACHE", "0")
+    x = torch.empty(1, dtype=torch.bfloat16)
+    try:
+        with common.ttir_generation() as record:
+            for _ in range(3):
+                triton_kernel_wrap.generate_ttir(quantize._rowwise_kernel, _kwargs(x), {})
+        assert record["calls"] == len(stand_in.calls) == (1 if cache_on else 3) and record["s"] >= 0
+        # the timer is gone afterwards, the cache (where on) stays in front of torch's function
+        current = triton_kernel_wrap.generate_ttir
+        assert (current.hf_switchback_original if cache_on else current) is stand_in
+    finally:
+        ttir_cache.uninstall()

@@ -93,8 +93,8 @@ def _cached(generate_ttir: Callable) -> Callable:
             return generate_ttir(kernel, kwargs, tma_descriptor_metadata, *args, **kw)
         result = _results.get(key)
         stats["hits" if result is not None else "misses"] += 1
-        if result is None:
-            result = generate_ttir(kernel, kwargs, tma_descriptor_metadata)
+        if result is None:  # through the attribute: a benchmark may time torch's function behind the cache
+            result = cached_generate_ttir.hf_switchback_original(kernel, kwargs, tma_descriptor_metadata)
             if len(_results) >= _MAX_ENTRIES:
                 _results.clear()
             _results[key] = result
