@@ -63,7 +63,7 @@ def test_a_repeated_specialization_runs_torchs_function_once(counting):
 def test_autotuners_of_a_kernel_share_its_key_with_their_first_config(counting):
     import triton
 
-    def autotuner():  # a new object per launch, as ours are
+    def autotuner():  # a new object per call, as torch wraps a launch with num_warps
         return triton.autotune(configs=[triton.Config({"BLOCK_M": 2})], key=[])(quantize._rowwise_kernel)
 
     generate = triton_kernel_wrap.generate_ttir

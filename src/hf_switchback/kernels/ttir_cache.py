@@ -72,7 +72,8 @@ def call_key(kernel, kwargs: Mapping, tma_descriptor_metadata) -> Hashable | Non
         return None
     configs = getattr(kernel, "configs", None)
     if configs is not None:
-        # An Autotuner (ours are built per launch): torch's function traces its first config's JITFunction,
+        # An Autotuner (torch wraps a kernel launched with num_warps / num_stages in a new one-config autotuner
+        # at each call): torch's function traces its first config's JITFunction,
         # so two autotuners of one kernel and the kernel called with that config's values share the key.
         kwargs = {**kwargs, **configs[0].kwargs} if configs else kwargs
         kernel = kernel.fn
