@@ -53,7 +53,7 @@ def test_a_repeated_specialization_runs_torchs_function_once(counting):
     generate = triton_kernel_wrap.generate_ttir
     kernel = quantize._rowwise_kernel
     first = generate(kernel, _kwargs(torch.empty(4096, 1280, dtype=torch.bfloat16)), {})
-    # the same dtypes and values, other tensors (sizes do not matter: torch's function replaces every tensor)
+    # the same dtypes and values, other tensors of the same alignment (sizes do not matter to torch's function)
     again = generate(kernel, _kwargs(torch.empty(7, dtype=torch.bfloat16)), {})
     assert len(counting.calls) == 1
     assert again[0] is first[0] and again[1] == first[1] and again[1] is not first[1]  # a list of its own
@@ -218,7 +218,9 @@ def test_the_benchmarks_count_what_reaches_torchs_function(monkeypatch, cache_on
         with common.ttir_generation() as record:
             for _ in range(3):
                 triton_kernel_wrap.generate_ttir(quantize._rowwise_kernel, _kwargs(x), {})
-        assert record["calls"] == len(stand_in.calls) == (1 if cache_on else 3) and record["s"] >= 0
+            tma = {"x_ptr": ("stable", ([64, 64],))}  # a call the cache passes on to torch's function
+            triton_kernel_wrap.generate_ttir(quantize._rowwise_kernel, _kwargs(x), tma)
+        assert record["calls"] == len(stand_in.calls) == (2 if cache_on else 4) and record["s"] >= 0
         # the timer is gone afterwards, the cache (where on) stays in front of torch's function
         current = triton_kernel_wrap.generate_ttir
         assert (current.hf_switchback_original if cache_on else current) is stand_in
