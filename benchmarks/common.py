@@ -98,7 +98,8 @@ def compile_phase_seconds() -> dict[str, float]:
 def ttir_generation():
     """Count and time torch.compile's TTIR generations of Triton kernels inside (kernels/ttir_cache.py says what
     they are): the calls that reach torch's function, behind our cache where it is on. Yields the record
-    {"calls", "s"}; empty where this torch has no such function."""
+    {"calls", "s", "passed_on"} (passed_on: the calls among them the cache did not key, by why); empty where
+    this torch has no such function."""
     record = {"calls": 0, "s": 0.0}
     try:
         from torch._higher_order_ops import triton_kernel_wrap
@@ -128,11 +129,18 @@ def ttir_generation():
             record["s"] += time.perf_counter() - start
 
     setattr(owner, name, timed)
+    passed_on_before = dict(ttir_cache.stats["passed_on"])
     try:
         yield record
     finally:
         setattr(owner, name, torch_function)
         record["s"] = round(record["s"], 3)
+        passed_on = ttir_cache.stats["passed_on"]
+        record["passed_on"] = {
+            why: n - passed_on_before.get(why, 0)
+            for why, n in passed_on.items()
+            if n > passed_on_before.get(why, 0)
+        }
 
 
 @contextlib.contextmanager

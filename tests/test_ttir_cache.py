@@ -16,6 +16,7 @@ from hf_switchback.kernels import ttir_cache
 
 triton_kernel_wrap = pytest.importorskip("torch._higher_order_ops.triton_kernel_wrap")
 quantize = pytest.importorskip("hf_switchback.kernels.quantize")  # imports triton
+tl = pytest.importorskip("triton.language")
 
 
 class _Counting:
@@ -39,9 +40,16 @@ def counting(monkeypatch):
     ttir_cache.uninstall()
 
 
-def _kwargs(x, m=4096, k=1280, block_m=1):
+def _kwargs(x, m=4096, k=1280, block_m=1, q_dtype="int8"):
     return dict(
-        x_ptr=x, q_ptr=torch.empty(0, dtype=torch.int8), M=m, K=k, stride_xm=k, BLOCK_M=block_m, ACT=None
+        x_ptr=x,
+        q_ptr=torch.empty(0, dtype=torch.int8),
+        M=m,
+        K=k,
+        stride_xm=k,
+        BLOCK_M=block_m,
+        ACT=None,
+        Q_DTYPE=tl.dtype(q_dtype),  # a new object of an equal Triton dtype per call
     )
 
 
@@ -57,7 +65,7 @@ def test_a_repeated_specialization_runs_torchs_function_once(counting):
     again = generate(kernel, _kwargs(torch.empty(7, dtype=torch.bfloat16)), {})
     assert len(counting.calls) == 1
     assert again[0] is first[0] and again[1] == first[1] and again[1] is not first[1]  # a list of its own
-    assert ttir_cache.stats == {"hits": 1, "misses": 1}
+    assert ttir_cache.stats == {"hits": 1, "misses": 1, "passed_on": {}}  # the Triton dtype keyed too
 
 
 def test_autotuners_of_a_kernel_share_its_key_with_their_first_config(counting):
@@ -83,8 +91,9 @@ def test_autotuners_of_a_kernel_share_its_key_with_their_first_config(counting):
         dict(x=torch.empty(1, dtype=torch.float16)),  # a tensor's dtype
         dict(m=4097),  # an integer Triton specializes on (divisibility by 16)
         dict(block_m=2),  # a constexpr
+        dict(q_dtype="fp8e4nv"),  # a Triton dtype constexpr
     ],
-    ids=["dtype", "integer", "constexpr"],
+    ids=["dtype", "integer", "constexpr", "triton dtype"],
 )
 def test_what_the_ttir_depends_on_is_in_the_key(counting, change):
     generate = triton_kernel_wrap.generate_ttir
@@ -122,6 +131,12 @@ def test_other_calls_always_run_torchs_function(counting, case):
         generate(kernel, kwargs, tma)
     assert len(counting.calls) == 2
     assert ttir_cache.call_key(kernel, kwargs, tma) is None
+    why = {
+        "foreign kernel": "another library's kernel",
+        "tma descriptors": "TMA descriptors",
+        "unknown argument": "argument of type builtins.object",
+    }[case]
+    assert ttir_cache.stats["passed_on"] == {why: 2}
 
 
 def test_install_once_uninstall_restores_and_the_switch_turns_it_off(monkeypatch, counting):
@@ -181,6 +196,7 @@ def test_gpu_the_cache_changes_nothing_compiled_and_the_cached_ttir_is_torchs(mo
     try:
         cached = _compiled_step(layer, x)
         assert ttir_cache.stats["misses"] > 0 and ttir_cache.stats["hits"] > ttir_cache.stats["misses"]
+        assert ttir_cache.stats["passed_on"] == {}  # every call on our kernels keyed
         original = triton_kernel_wrap.generate_ttir.hf_switchback_original
         for (kernel, arguments, _), (module, _names) in ttir_cache._results.items():
             assert str(module) == str(_regenerate(original, kernel, arguments))
@@ -198,6 +214,10 @@ def _regenerate(original, kernel, arguments):
             kwargs[name] = torch.empty(2, dtype=key[1])
         elif key[0] == "symbolic":
             kwargs[name] = 2
+        elif key[0] == "float":  # keyed by its bits
+            kwargs[name] = float.fromhex(key[1])
+        elif key[0] == "triton dtype":  # keyed by its name
+            kwargs[name] = tl.dtype(key[1])
         else:
             kwargs[name] = key[1]
     return original(kernel, kwargs, {})[0]

@@ -10,8 +10,9 @@ end took 9.2 of its 42 s of CPU (BENCHMARKS.md, Whole training step: compile war
 The TTIR depends only on what `generate_ttir` reads of the call: the kernel (of an Autotuner, its function with
 the first config's values, as torch's function takes it), its constexpr arguments, the dtype
 of each tensor argument (it replaces every fake tensor by a fresh 2-element one; of a real one Triton also reads
-the alignment), the values of the other arguments
-(Triton specializes integers equal to 1 or divisible by 16; symbolic sizes become 2), and the GPU. So for our
+the alignment), the values of the other arguments (Triton specializes integers equal to 1 or divisible by 16;
+symbolic sizes become 2; a Triton dtype such as tl.int8, the constexpr of an 8-bit output, is one by its name),
+and the GPU. So for our
 kernels `install()` keeps the result per key made of those (not of Triton's process-wide compile settings, which
 torch's function reads too and a compiling process does not change), and every other call (another library's
 kernel, TMA descriptor arguments, an argument it cannot key) runs torch's function unchanged. Installed by
@@ -35,7 +36,9 @@ _MAX_ENTRIES = (
     256  # above the distinct specializations of a model's graphs (tens); each holds an MLIR context
 )
 _results: dict[Hashable, tuple] = {}
-stats = {"hits": 0, "misses": 0}  # calls answered from the cache / by torch's function, since install
+# Since install: calls answered from the cache / by torch's function for a new key, and the calls passed on to
+# torch's function uncached, counted by why (what a benchmark reads to find the calls the key should cover).
+stats = {"hits": 0, "misses": 0, "passed_on": {}}
 
 
 def _python_function(kernel) -> object:
@@ -57,6 +60,8 @@ def _argument_key(value) -> Hashable | None:
         if isinstance(value, FakeTensor):  # torch's function replaces it by a fresh (aligned) tensor
             return ("tensor", value.dtype)
         return ("tensor", value.dtype, value.data_ptr() % 16 == 0)  # a real one: Triton specializes alignment
+    if type(value).__name__ == "dtype" and type(value).__module__.startswith("triton.language"):
+        return ("triton dtype", str(value))  # a constexpr such as the 8-bit output's tl.int8: by its name
     if isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)):
         return ("symbolic",)
     if type(value).__name__ == "TensorBox" and hasattr(
@@ -77,9 +82,16 @@ def _device_key() -> Hashable:
 def call_key(kernel, kwargs: Mapping, tma_descriptor_metadata) -> Hashable | None:
     """The key of one generate_ttir call, or None where torch's function must run (not our kernel, TMA
     descriptors, an argument of an unknown kind)."""
+    return _key_or_reason(kernel, kwargs, tma_descriptor_metadata)[0]
+
+
+def _key_or_reason(kernel, kwargs: Mapping, tma_descriptor_metadata) -> tuple[Hashable | None, str | None]:
+    """(key, None), or (None, why the call must go to torch's function)."""
     function = _python_function(kernel)
-    if not getattr(function, "__module__", "").startswith(f"{_PACKAGE}.") or tma_descriptor_metadata:
-        return None
+    if not getattr(function, "__module__", "").startswith(f"{_PACKAGE}."):
+        return None, "another library's kernel"
+    if tma_descriptor_metadata:
+        return None, "TMA descriptors"
     configs = getattr(kernel, "configs", None)
     if configs is not None:
         # An Autotuner (torch wraps a kernel launched with num_warps / num_stages in a new one-config autotuner
@@ -89,18 +101,24 @@ def call_key(kernel, kwargs: Mapping, tma_descriptor_metadata) -> Hashable | Non
         kernel = kernel.fn
     arguments = []
     for name in sorted(kwargs):
-        key = _argument_key(kwargs[name])
+        value = kwargs[name]
+        key = _argument_key(value)
         if key is None:
-            return None
+            return None, f"argument of type {type(value).__module__}.{type(value).__qualname__}"
         arguments.append((name, key))
-    return (kernel, tuple(arguments), _device_key())  # kernels hash by identity
+    return (kernel, tuple(arguments), _device_key()), None  # kernels hash by identity
 
 
 def _cached(generate_ttir: Callable) -> Callable:
     @functools.wraps(generate_ttir)
     def cached_generate_ttir(kernel, kwargs, tma_descriptor_metadata, *args, **kw):
-        key = None if args or kw else call_key(kernel, kwargs, tma_descriptor_metadata)
+        key, why = (
+            (None, "extra arguments")
+            if args or kw
+            else _key_or_reason(kernel, kwargs, tma_descriptor_metadata)
+        )
         if key is None:  # torch's function, through the attribute (where a benchmark's timer may be) as below
+            stats["passed_on"][why] = stats["passed_on"].get(why, 0) + 1
             return cached_generate_ttir.hf_switchback_original(
                 kernel, kwargs, tma_descriptor_metadata, *args, **kw
             )
@@ -146,7 +164,7 @@ def uninstall() -> None:
     if current is not None and hasattr(current, "hf_switchback_original"):
         triton_kernel_wrap.generate_ttir = current.hf_switchback_original
     _results.clear()
-    stats.update(hits=0, misses=0)
+    stats.update(hits=0, misses=0, passed_on={})
 
 
 __all__ = ["call_key", "install", "uninstall"]
