@@ -98,6 +98,7 @@ def test_the_switchback_layer_is_cached_without_it_keyed_by_the_package(tmp_path
     assert marked == {
         "hf_switchback.kernels.graph_leaf._leaf": key,
         "hf_switchback.kernels.options.KernelOptions": key,
+        "hf_switchback.config.SwitchBackConfig": key,  # the whole-call leaves take it
     }
 
 

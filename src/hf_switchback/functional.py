@@ -25,6 +25,8 @@ from .kernels.options import KernelOptions
 from .kernels.reference import ACTIVATIONS, apply_activation
 from .kernels.wgrad import RowQuantized, check_device, weight_grad
 
+graph_leaf.argument_class(SwitchBackConfig)  # the whole-call leaves below take the config
+
 FP8_FORMATS = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 # min_tokens=None (automatic) with backend="auto" on CUDA, where no measured per-shape crossover applies
@@ -86,7 +88,7 @@ def _drop_shared(ref) -> None:
 def _shared_input_slot(x: torch.Tensor, key: tuple) -> list | None:
     """The slot for quantizing `x` (the caller's tensor) under `key`: [x_q, x_scale] when an earlier call filled
     it, [] to fill, None where no sharing applies (while compiling; inference tensors have no version)."""
-    if torch.compiler.is_compiling() or x.is_inference():
+    if graph_leaf.compiling() or x.is_inference():
         return None
     entry = _SHARED_INPUT.get("entry")
     if entry is not None and entry[0]() is x and entry[1] == x._version and entry[2] == key:
@@ -362,7 +364,8 @@ def token_floor(
     threshold is its measured crossover on this GPU (kernels/crossover; crossover.NEVER where 8-bit never
     paid), else AUTO_MIN_TOKENS_CUDA; no shapes, or memory_efficient (whose point is the memory, and which
     the tables do not measure), keep AUTO_MIN_TOKENS_CUDA. `compiled`: whether the thresholds measured under
-    torch.compile apply (there the launches and the fused quantizes cost less); None: while Dynamo traces.
+    torch.compile apply (there the launches and the fused quantizes cost less); None: while torch.compile
+    traces (graph_leaf.compiling(), inside a leaf too).
     """
     if config.min_tokens is not None:
         return config.min_tokens
@@ -374,8 +377,15 @@ def token_floor(
     if not shapes or config.memory_efficient:
         return AUTO_MIN_TOKENS_CUDA
     if compiled is None:
-        compiled = torch.compiler.is_compiling()
+        compiled = graph_leaf.compiling()
     return max(crossover.min_tokens_for(capability, k, n, config.precision, compiled) for k, n in shapes)
+
+
+def check_config(name: str, config) -> None:
+    """Before a whole-call leaf: a graph node holds a SwitchBackConfig (graph_leaf marks it cacheable), not any
+    object, so a wrong type fails here with its name, not inside torch.compile."""
+    if config is not None and not isinstance(config, SwitchBackConfig):
+        raise TypeError(f"{name}: config must be a SwitchBackConfig, got {type(config).__name__}")
 
 
 def _flatten_input(
@@ -422,6 +432,15 @@ def switchback_linear(
     float32) when its producer already wrote it (blocks/encoder_layer.py: the LayerNorm before the linear); the
     op then runs no quantize of its own. Ignored where the 16-bit path runs (below the token floor).
     """
+    check_config("switchback_linear", config)
+    return graph_leaf.call("switchback_linear_call", x, weight, bias, config, quantized_input)
+
+
+# Under torch.compile the whole call is one leaf (kernels/graph_leaf.py): Dynamo records it without interpreting
+# the checks and the choice of path below (about 500 of its bytecode steps per linear, every process, the warm
+# start too), and AOT autograd traces them in plain Python. In eager mode graph_leaf.call runs it directly.
+@graph_leaf.op("switchback_linear_call")
+def _switchback_linear(x, weight, bias, config, quantized_input):
     shape = (weight.shape[1], weight.shape[0])
     config, x2d, leading, exact = _flatten_input("switchback_linear", x, weight, config, (shape,))
     device_type = x2d.device.type
@@ -461,6 +480,13 @@ def switchback_mlp(
     fc1's output saved for backward (x in 8-bit when config.memory_efficient). quantized_input: as in
     switchback_linear.
     """
+    check_config("switchback_mlp", config)
+    args = (x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, activation, config, quantized_input)
+    return graph_leaf.call("switchback_mlp_call", *args)
+
+
+@graph_leaf.op("switchback_mlp_call")  # one leaf under torch.compile, as switchback_linear
+def _switchback_mlp(x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, activation, config, quantized_input):
     if activation not in ACTIVATIONS:
         raise ValueError(f"switchback_mlp: activation must be one of {ACTIVATIONS}, got {activation!r}")
     if fc2_weight.shape[1] != fc1_weight.shape[0]:
@@ -489,6 +515,7 @@ def switchback_mlp(
 
 __all__ = [
     "AUTO_MIN_TOKENS_CUDA",
+    "check_config",
     "check_input",
     "check_quantized_input",
     "grad_precision",

@@ -33,7 +33,6 @@ from ..weight_cache import has_weight_cache
 from .producers import quantize_rows
 from .qkv import switchback_qkv
 
-_PROJECTIONS = ("q_proj", "k_proj", "v_proj")
 # Class attribute of the generated subclasses: the stock class they were made from.
 _BASE_ATTR = "_switchback_attention_base"
 
@@ -60,23 +59,37 @@ def _stock_class(base: type) -> type | None:
 def _fusable(module: nn.Module):
     """The shared SwitchBackConfig when q/k/v of `module` can run as our forward right now (one op with
     fuse_qkv, the three layers' ops with fuse_norm), else None."""
-    layers = [getattr(module, name, None) for name in _PROJECTIONS]
+    # Runs at every forward, twice per block, and torch.compile's Dynamo interprets it each time it traces (every
+    # process, the warm start too): plain comparisons, no generator expressions (each one a frame to trace).
+    q, k, v = (
+        getattr(module, "q_proj", None),
+        getattr(module, "k_proj", None),
+        getattr(module, "v_proj", None),
+    )
     # Exact type: a subclass (or a PEFT wrapper, which is not a SwitchBackLinear at all) may compute more.
-    if any(type(layer) is not SwitchBackLinear for layer in layers):
+    if type(q) is not SwitchBackLinear or type(k) is not SwitchBackLinear or type(v) is not SwitchBackLinear:
         return None
-    cfg = layers[0].switchback_config
-    if not (cfg.fuse_qkv or cfg.fuse_norm) or any(layer.switchback_config != cfg for layer in layers[1:]):
+    cfg = q.switchback_config
+    if not (cfg.fuse_qkv or cfg.fuse_norm) or not (_same_config(k, cfg) and _same_config(v, cfg)):
         return None
-    if (
-        len({layer.in_features for layer in layers}) != 1
-        or len({layer.bias is None for layer in layers}) != 1
+    if not (q.in_features == k.in_features == v.in_features) or not (
+        (q.bias is None) == (k.bias is None) == (v.bias is None)
     ):
         return None
     # Our forward calls no layer's forward: hooks on a layer (or an inference weight cache its forward would
     # serve) would be skipped, so those blocks take the layer path.
-    if any(layer._forward_hooks or layer._forward_pre_hooks or has_weight_cache(layer) for layer in layers):
+    if not (_unhooked(q) and _unhooked(k) and _unhooked(v)):
         return None
     return cfg
+
+
+def _same_config(layer: SwitchBackLinear, cfg) -> bool:
+    # identity first: one config object is the usual case, and comparing two dataclasses is ~30 traced steps
+    return layer.switchback_config is cfg or layer.switchback_config == cfg
+
+
+def _unhooked(layer: SwitchBackLinear) -> bool:
+    return not (layer._forward_hooks or layer._forward_pre_hooks or has_weight_cache(layer))
 
 
 def quantized_input_config(module: nn.Module):
@@ -103,19 +116,21 @@ def _out_projection(self, attn_output: torch.Tensor) -> torch.Tensor:
 
 def _projections(self, cfg, hidden_states, quantized_input, projection_inputs):
     """(queries, keys, values) as (batch, tokens, heads x head_dim)."""
-    layers = [getattr(self, name) for name in _PROJECTIONS]
+    q, k, v = self.q_proj, self.k_proj, self.v_proj
     if cfg.fuse_qkv:
         return switchback_qkv(
             hidden_states,
-            tuple(m.weight for m in layers),
-            tuple(m.bias for m in layers),
+            (q.weight, k.weight, v.weight),
+            (q.bias, k.bias, v.bias),
             cfg,
             quantized_input=quantized_input,
         )
-    inputs = projection_inputs or (hidden_states,) * 3
-    return tuple(
-        switchback_linear(x, m.weight, m.bias, cfg, quantized_input=quantized_input)
-        for x, m in zip(inputs, layers, strict=True)
+    # (three calls written out: a generator expression is one more frame for torch.compile's Dynamo to trace)
+    x_q, x_k, x_v = projection_inputs or (hidden_states,) * 3
+    return (
+        switchback_linear(x_q, q.weight, q.bias, cfg, quantized_input=quantized_input),
+        switchback_linear(x_k, k.weight, k.bias, cfg, quantized_input=quantized_input),
+        switchback_linear(x_v, v.weight, v.bias, cfg, quantized_input=quantized_input),
     )
 
 

@@ -40,7 +40,11 @@ def _is_stock(base: type) -> bool:
 
 
 def _shapes(block: nn.Module, names: tuple[str, ...]) -> tuple[tuple[int, int], ...]:
-    return tuple((getattr(block, n).in_features, getattr(block, n).out_features) for n in names)
+    shapes = []  # a loop, not a generator expression: a frame of its own for torch.compile's Dynamo to trace
+    for name in names:
+        layer = getattr(block, name)
+        shapes.append((layer.in_features, layer.out_features))
+    return tuple(shapes)
 
 
 def _qualifies_now(norm: nn.Module, x: torch.Tensor, dtype: torch.dtype, config, shapes) -> bool:

@@ -23,6 +23,7 @@ from ..config import SwitchBackConfig
 from ..functional import (
     _autocast_off,
     _flatten_input,
+    check_config,
     check_quantized_input,
     linear_grads,
     linear_spec,
@@ -99,6 +100,16 @@ def switchback_linear_activation(
     switchback_linear. The 8-bit path only: callers check functional.runs_8bit first (below the token floor
     the separate layers run their exact 16-bit path).
     """
+    check_config("switchback_linear_activation", config)
+    a, a_q, a_scale = graph_leaf.call(
+        "switchback_linear_activation_call", x, weight, bias, activation, config, quantized_input
+    )
+    return a, (a_q, a_scale)
+
+
+# one leaf under torch.compile, as functional.switchback_linear
+@graph_leaf.op("switchback_linear_activation_call")
+def _switchback_linear_activation(x, weight, bias, activation, config, quantized_input) -> tuple:
     shape = (weight.shape[1], weight.shape[0])
     config, x2d, leading, exact = _flatten_input("switchback_linear_activation", x, weight, config, (shape,))
     if exact:
@@ -112,7 +123,7 @@ def switchback_linear_activation(
     a, a_q, a_scale = graph_leaf.call(
         "switchback_linear_activation", x2d.contiguous(), weight, bias, spec, activation, x_q, x_scale
     )
-    return a.reshape(*leading, weight.shape[0]), (a_q, a_scale)
+    return a.reshape(*leading, weight.shape[0]), a_q, a_scale
 
 
 __all__ = ["switchback_linear_activation"]

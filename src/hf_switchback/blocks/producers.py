@@ -72,7 +72,8 @@ def fusable_norm(norm: nn.Module, width: int, dtype: torch.dtype) -> bool:
         return False
     if tuple(norm.normalized_shape) != (width,):
         return False
-    return all(p is None or p.dtype == dtype for p in (norm.weight, norm.bias))
+    weight, bias = norm.weight, norm.bias  # no generator expression: Dynamo traces this at every compile
+    return (weight is None or weight.dtype == dtype) and (bias is None or bias.dtype == dtype)
 
 
 class _AddGradFn(torch.autograd.Function):
@@ -89,28 +90,33 @@ class _AddGradFn(torch.autograd.Function):
         return grad_h.to(x_dtype), grad_h.to(delta_dtype), None
 
 
-def _norm_args(x: torch.Tensor, norm: nn.LayerNorm, config: SwitchBackConfig) -> tuple:
-    """The leaf arguments after the input(s): affine parameters, eps, 8-bit and output dtypes, backend, options."""
+def _dtypes(x: torch.Tensor, config: SwitchBackConfig) -> tuple[torch.dtype, torch.dtype]:
+    """(the 8-bit dtype, the output dtype: autocast's under autocast, else x's), read inside the leaf."""
     device_type = x.device.type
     out_dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else x.dtype
-    qdtype, _ = quantized_dtypes(config, x.device)
-    return (norm.weight, norm.bias, norm.eps, qdtype, out_dtype, config.backend, config.kernel_options)
+    return quantized_dtypes(config, x.device)[0], out_dtype
 
 
 def _detached(*tensors: torch.Tensor | None) -> tuple:
     return tuple(None if t is None else t.detach() for t in tensors)
 
 
+# The public functions below hand the whole call to one leaf (kernels/graph_leaf.py), the config included: under
+# torch.compile Dynamo records it without interpreting the dtype choices and reshapes, which AOT autograd traces.
 @graph_leaf.op("layernorm_quantize")
-def _layernorm_quantize(x2d, weight, bias, eps, qdtype, out_dtype, backend, options, outputs) -> tuple:
-    """(*the `outputs` views of y, q, scale): layernorm_quantize on rows (see there)."""
-    kernels = get_kernels(backend, x2d.device, options)
+def _layernorm_quantize(x, weight, bias, eps, config, outputs) -> tuple:
+    """(*the `outputs` views of y, q, scale): layernorm_quantize (see there)."""
+    x2d = x.reshape(-1, x.shape[-1])
+    qdtype, out_dtype = _dtypes(x, config)
+    options = config.kernel_options
+    kernels = get_kernels(config.backend, x2d.device, options)
     q, scale, y, mean, rstd = kernels.layernorm_quantize_rowwise(
         *_detached(x2d, weight, bias), eps, qdtype, out_dtype, options=options
     )
     with _autocast_off(x2d.device.type):
         ys = _LayerNormGradFn.apply(x2d, weight, bias, y, mean, rstd, outputs)
-    return (ys, q, scale) if outputs == 1 else (*ys, q, scale)
+    ys = (ys,) if outputs == 1 else ys
+    return (*(y.view(x.shape) for y in ys), q, scale)
 
 
 def layernorm_quantize(
@@ -120,24 +126,26 @@ def layernorm_quantize(
     format: (y (*, K) in the autocast dtype under autocast, else x's; (q (tokens, K), scale (tokens,))).
     outputs=n > 1: a tuple of n views of y, one per linear that reads it (see _LayerNormGradFn).
     Check fusable_norm first."""
-    x2d = x.reshape(-1, x.shape[-1])
-    *ys, q, scale = graph_leaf.call("layernorm_quantize", x2d, *_norm_args(x, norm, config), outputs)
-    if outputs == 1:
-        return ys[0].reshape(x.shape), (q, scale)
-    return tuple(y.reshape(x.shape) for y in ys), (q, scale)
+    *ys, q, scale = graph_leaf.call(
+        "layernorm_quantize", x, norm.weight, norm.bias, norm.eps, config, outputs
+    )
+    return (ys[0] if outputs == 1 else tuple(ys)), (q, scale)
 
 
 @graph_leaf.op("add_layernorm_quantize")
-def _add_layernorm_quantize(x2d, delta2d, weight, bias, eps, qdtype, out_dtype, backend, options) -> tuple:
-    """(h, y, q, scale): add_layernorm_quantize on rows (see there)."""
-    kernels = get_kernels(backend, x2d.device, options)
+def _add_layernorm_quantize(x, delta, weight, bias, eps, config) -> tuple:
+    """(h, y, q, scale): add_layernorm_quantize (see there)."""
+    x2d, delta2d = x.reshape(-1, x.shape[-1]), delta.reshape(-1, x.shape[-1])
+    qdtype, out_dtype = _dtypes(x, config)
+    options = config.kernel_options
+    kernels = get_kernels(config.backend, x2d.device, options)
     h, q, scale, y, mean, rstd = kernels.add_layernorm_quantize_rowwise(
         *_detached(x2d, delta2d, weight, bias), eps, qdtype, out_dtype, options=options
     )
     with _autocast_off(x2d.device.type):
         h = _AddGradFn.apply(x2d, delta2d, h)
         y = _LayerNormGradFn.apply(h, weight, bias, y, mean, rstd)
-    return h, y, q, scale
+    return h.view(x.shape), y.view(x.shape), q, scale
 
 
 def add_layernorm_quantize(
@@ -145,9 +153,10 @@ def add_layernorm_quantize(
 ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
     """The residual add x + delta (same shape) and layernorm_quantize of it from one kernel: (h = x + delta in
     torch's promoted dtype, y, (q, scale)). Check fusable_norm on h's dtype first."""
-    x2d, delta2d = x.reshape(-1, x.shape[-1]), delta.reshape(-1, x.shape[-1])
-    h, y, q, scale = graph_leaf.call("add_layernorm_quantize", x2d, delta2d, *_norm_args(x, norm, config))
-    return h.reshape(x.shape), y.reshape(x.shape), (q, scale)
+    h, y, q, scale = graph_leaf.call(
+        "add_layernorm_quantize", x, delta, norm.weight, norm.bias, norm.eps, config
+    )
+    return h, y, (q, scale)
 
 
 def quantize_rows(x: torch.Tensor, config: SwitchBackConfig) -> tuple[torch.Tensor, torch.Tensor]:
@@ -156,17 +165,17 @@ def quantize_rows(x: torch.Tensor, config: SwitchBackConfig) -> tuple[torch.Tens
     writes it: the attention output, written by the attention kernel. (Elsewhere the compiled graph leaves
     the quantize to Inductor, which fuses it into the producer; here it would be a kernel of its own that
     reads each row twice: BENCHMARKS.md, Whole training step.)"""
-    qdtype, _ = quantized_dtypes(config, x.device)
-    x2d = x.reshape(-1, x.shape[-1]).detach()
-    return graph_leaf.call("quantize_rows", x2d, qdtype, config.backend, config.kernel_options)
+    return graph_leaf.call("quantize_rows", x, config)
 
 
 @graph_leaf.op("quantize_rows")
-def _quantize_rows(x2d, qdtype, backend, options) -> tuple[torch.Tensor, torch.Tensor]:
-    kernels = get_kernels(backend, x2d.device, options)
+def _quantize_rows(x, config) -> tuple[torch.Tensor, torch.Tensor]:
+    qdtype, _ = quantized_dtypes(config, x.device)
+    x2d = x.reshape(-1, x.shape[-1]).detach()
+    kernels = get_kernels(config.backend, x2d.device, config.kernel_options)
     if kernels.name == "compiled":  # the traced operator, not the compiled set's choice (Inductor's code)
         return torch.ops.hf_switchback.quantize_rowwise(x2d, qdtype)
-    return kernels.quantize_rowwise(x2d, qdtype, options=options)
+    return kernels.quantize_rowwise(x2d, qdtype, options=config.kernel_options)
 
 
 _GELU_APPROXIMATE = {"gelu": "none", "gelu_tanh": "tanh"}
@@ -196,22 +205,21 @@ def activation_quantize(
 ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
     """act(h) (*, K) in h's dtype, as the stock activation module computes it, and its row-wise 8-bit form in the
     config's forward format: (a, (q (tokens, K), scale (tokens,))). activation: a kernels activation name."""
-    qdtype, _ = quantized_dtypes(config, h.device)
-    h2d = h.reshape(-1, h.shape[-1])
-    a, q, scale = graph_leaf.call(
-        "activation_quantize", h2d, qdtype, activation, config.backend, config.kernel_options
-    )
-    return a.reshape(h.shape), (q, scale)
+    a, q, scale = graph_leaf.call("activation_quantize", h, activation, config)
+    return a, (q, scale)
 
 
 @graph_leaf.op("activation_quantize")
-def _activation_quantize(h2d, qdtype, activation, backend, options) -> tuple:
-    """(a, q, scale): activation_quantize on rows (see there)."""
-    kernels = get_kernels(backend, h2d.device, options)
+def _activation_quantize(h, activation, config) -> tuple:
+    """(a, q, scale): activation_quantize (see there)."""
+    qdtype, _ = quantized_dtypes(config, h.device)
+    h2d = h.reshape(-1, h.shape[-1])
+    options = config.kernel_options
+    kernels = get_kernels(config.backend, h2d.device, options)
     a, q, scale = kernels.act_and_quantize_rowwise(h2d.detach(), qdtype, activation, options=options)
     with _autocast_off(h2d.device.type):
         a = _ActivationGradFn.apply(h2d, a, activation)
-    return a, q, scale
+    return a.view(h.shape), q, scale
 
 
 __all__ = [

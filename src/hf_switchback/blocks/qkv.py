@@ -22,6 +22,7 @@ from ..config import SwitchBackConfig
 from ..functional import (
     _autocast_off,
     _flatten_input,
+    check_config,
     check_quantized_input,
     quantize_weight,
     quantized_dtypes,
@@ -157,6 +158,13 @@ def switchback_qkv(
     (or the autocast dtype). Below the config's token floor the three exact 16-bit matmuls run instead.
     quantized_input: as in switchback_linear.
     """
+    check_config("switchback_qkv", config)
+    return graph_leaf.call("switchback_qkv_call", x, tuple(weights), tuple(biases), config, quantized_input)
+
+
+# one leaf under torch.compile, as functional.switchback_linear
+@graph_leaf.op("switchback_qkv_call")
+def _switchback_qkv(x, weights, biases, config, quantized_input) -> tuple:
     if len(weights) != 3 or len(biases) != 3:
         raise ValueError(
             f"switchback_qkv: expected 3 weights and 3 biases, got {len(weights)} and {len(biases)}"

@@ -15,7 +15,8 @@ for compiled graphs (kernels/backends.py); its autograd backward, which AOT trac
 keeps the kernel set its forward picked. Outside torch.compile `call` runs the op directly.
 
 A leaf's arguments are what a graph node can hold: tensors, None, constants (bool, int, float, str,
-torch.dtype), tuples of them and KernelOptions (which Dynamo's graph builds from its fields). Dynamo does not
+torch.dtype), tuples of them and the frozen dataclasses of `argument_class` (KernelOptions, SwitchBackConfig:
+Dynamo's graph builds them from their fields). Dynamo does not
 look inside a leaf, so a leaf must not read state that can change between calls other than through its
 arguments; a kernel twin patched at run time (tests do this) is therefore not seen by a graph already traced,
 and the caches key a traced graph by the package's files, not by such patches. `compiling()` reads one counter
@@ -37,6 +38,9 @@ from . import ttir_cache
 from .options import KernelOptions
 
 _OPS: dict[str, Callable] = {}
+# Classes whose instances leaves take as arguments (frozen dataclasses: Dynamo's graph builds them from their
+# fields), marked cacheable with the leaf: KernelOptions, and SwitchBackConfig (functional.py adds it).
+_ARGUMENT_CLASSES: list[type] = [KernelOptions]
 _depth = 0  # leaves running now (a leaf's op may call another's)
 _registered = False
 
@@ -51,6 +55,13 @@ def op(name: str) -> Callable[[Callable], Callable]:
         return function
 
     return register
+
+
+def argument_class(cls: type) -> type:
+    """Let leaves take instances of `cls` (a frozen dataclass of constants) as arguments; returns `cls`."""
+    if cls not in _ARGUMENT_CLASSES:
+        _ARGUMENT_CLASSES.append(cls)
+    return cls
 
 
 def compiling() -> bool:
@@ -91,11 +102,11 @@ def _register_with_dynamo() -> bool:
         _registered = True
     # AOT autograd's and Inductor's caches refuse graphs that call functions they do not know, unless marked
     # cacheable with a key of the caller's choosing: a graph of leaves is then cached, keyed by this package's
-    # files (a new release or an edited kernel misses the old entries); KernelOptions too, which Dynamo's graph
-    # builds for the leaf. Checked at every trace: a patched inductor config may have dropped the marks.
+    # files (a new release or an edited kernel misses the old entries); the argument classes too, which Dynamo's
+    # graph builds for the leaf. Checked at every trace: a patched inductor config may have dropped the marks.
     marked = getattr(inductor_config, "unsafe_marked_cacheable_functions", None)
     if marked is not None:
-        ours = {f"{f.__module__}.{f.__qualname__}": source_key() for f in (_leaf, KernelOptions)}
+        ours = {f"{f.__module__}.{f.__qualname__}": source_key() for f in (_leaf, *_ARGUMENT_CLASSES)}
         if any(marked.get(name) != key for name, key in ours.items()):
             inductor_config.unsafe_marked_cacheable_functions = {**marked, **ours}
     return True
@@ -113,4 +124,4 @@ def call(name: str, *args):
     return _OPS[name](*args)
 
 
-__all__ = ["call", "compiling", "op"]
+__all__ = ["argument_class", "call", "compiling", "op"]
