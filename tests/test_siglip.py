@@ -106,3 +106,35 @@ def test_quantizer_round_trip_and_plain_reload(model_cls, tmp_path):
     assert not switchback_modules(bare) and not getattr(bare.config, "quantization_config", None)
     for name, value in plain.state_dict().items():
         assert torch.equal(bare.state_dict()[name], value), name
+
+
+def test_compiled_per_layer_each_tower_traces_one_graph_as_the_stock_model_does():
+    """A fused encoder layer returns a contiguous tensor where the stock layer keeps its input's layout, and
+    SigLIP's vision embeddings are a transposed view: the encoder's pre-hook makes its input contiguous, else
+    the first vision layer would compile a graph of its own (other strides than the layers after it)."""
+    from hf_switchback import remove_switchback
+    from hf_switchback.blocks.encoder_layer import _contiguous_input
+
+    def dynamo_graphs(model) -> int:
+        graphs = []
+
+        def backend(gm, example_inputs):
+            graphs.append(gm)
+            return gm.forward
+
+        torch._dynamo.reset()
+        for tower in (model.vision_model, model.text_model):
+            for layer in tower.encoder.layers:
+                layer.compile(dynamic=False, backend=backend)
+        model(**inputs(model), return_loss=True).loss.backward()
+        torch._dynamo.reset()
+        return len(graphs)
+
+    torch.manual_seed(0)
+    assert dynamo_graphs(SiglipModel(tiny_config())) == 2
+    model = apply_switchback(SiglipModel(tiny_config()), TORCH)
+    encoder = model.vision_model.encoder
+    assert list(encoder._forward_pre_hooks.values()) == [_contiguous_input]
+    assert dynamo_graphs(model) == 2
+    remove_switchback(model)
+    assert _contiguous_input not in encoder._forward_pre_hooks.values()

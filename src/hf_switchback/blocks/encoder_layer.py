@@ -120,10 +120,37 @@ def _qualifies(module: nn.Module) -> bool:
     )
 
 
+def _contiguous_input(encoder: nn.Module, args: tuple, kwargs: dict):
+    """Forward pre-hook of an encoder that holds fused layers: its input made contiguous (same values).
+
+    A fused layer returns a contiguous tensor, where the stock layer keeps its input's layout. SigLIP's vision
+    embeddings are a transposed view (no class token is concatenated, as in CLIP), so without this the first
+    layer of a compiled-per-layer tower would see other strides than the rest, and torch.compile would compile
+    that tower's layer twice (a third graph, its Dynamo trace and Inductor compile, every start)."""
+    if args and isinstance(args[0], torch.Tensor) and not args[0].is_contiguous():
+        return (args[0].contiguous(), *args[1:]), kwargs
+    x = kwargs.get("inputs_embeds")
+    if isinstance(x, torch.Tensor) and not x.is_contiguous():
+        return args, {**kwargs, "inputs_embeds": x.contiguous()}
+    return None
+
+
+def _sync_encoder_hook(encoder: nn.Module, fused: bool) -> None:
+    # found by value in the module's hook dict (no handle kept: nothing extra to copy or pickle with the model)
+    ours = [key for key, hook in encoder._forward_pre_hooks.items() if hook is _contiguous_input]
+    if fused and not ours:
+        encoder.register_forward_pre_hook(_contiguous_input, with_kwargs=True)
+    elif not fused:
+        for key in ours:
+            del encoder._forward_pre_hooks[key]
+            encoder._forward_pre_hooks_with_kwargs.pop(key, None)
+
+
 def sync_fused_layers(model: nn.Module) -> int:
     """Give every encoder layer whose attention block or MLP takes an 8-bit input from its LayerNorm the fused
     forward, and every fused layer that no longer qualifies its class back; returns the number fused. Run after
-    sync_fused_attention and sync_fused_mlps (which give the blocks their classes)."""
+    sync_fused_attention and sync_fused_mlps (which give the blocks their classes). An encoder (a module with
+    `layers`) holding a fused layer gets _contiguous_input as a forward pre-hook, removed with the last one."""
     fused = 0
     for module in model.modules():
         base = _base_class(module)
@@ -134,6 +161,10 @@ def sync_fused_layers(model: nn.Module) -> int:
             fused += 1
         elif is_fused_layer(module) and type(module) is _fused_class(base):
             module.__class__ = base
+    for module in model.modules():
+        layers = getattr(module, "layers", None)
+        if isinstance(layers, nn.ModuleList):
+            _sync_encoder_hook(module, any(is_fused_layer(layer) for layer in layers))
     return fused
 
 
