@@ -174,6 +174,15 @@ def test_integer_and_bool_inputs_are_a_type_error(dtype):
         sb(torch.ones(2, 4, dtype=dtype))
 
 
+@pytest.mark.parametrize("compiled", [False, True])
+def test_a_config_of_another_type_is_a_type_error_naming_the_op(compiled):
+    # checked before the op's graph leaf: under torch.compile too the error names the op, not Dynamo's graph
+    op = torch.compile(switchback_linear, backend="eager") if compiled else switchback_linear
+    with pytest.raises(TypeError, match="switchback_linear: config must be a SwitchBackConfig, got dict"):
+        op(torch.randn(2, 4), torch.randn(3, 4), None, {"precision": "int8"})
+    torch._dynamo.reset()
+
+
 @pytest.mark.parametrize("bad", [math.inf, -math.inf, math.nan])
 def test_non_finite_value_only_affects_its_own_row(bad):
     sb = SwitchBackLinear(32, 16, config=VARIANTS["int8/row"])

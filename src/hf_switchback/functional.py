@@ -389,7 +389,6 @@ def check_config(name: str, config) -> None:
 
 
 def _flatten_input(
-    name: str,
     x: torch.Tensor,
     weight: torch.Tensor,
     config: SwitchBackConfig | None,
@@ -397,9 +396,7 @@ def _flatten_input(
 ) -> tuple[SwitchBackConfig, torch.Tensor, torch.Size, bool]:
     """Shared entry of the functional ops: (config, x as (M, K) in the compute dtype, leading shape,
     whether to run the exact 16-bit path because M is below the token floor of the (K, N) `shapes`)."""
-    config = config or SwitchBackConfig()
-    if not isinstance(config, SwitchBackConfig):
-        raise TypeError(f"{name}: config must be a SwitchBackConfig, got {type(config).__name__}")
+    config = config or SwitchBackConfig()  # (its type checked by check_config before the leaf)
     check_input(x, weight)
     check_device(config.wgrad_precision, x.device)
     device_type = x.device.type
@@ -442,7 +439,7 @@ def switchback_linear(
 @graph_leaf.op("switchback_linear_call")
 def _switchback_linear(x, weight, bias, config, quantized_input):
     shape = (weight.shape[1], weight.shape[0])
-    config, x2d, leading, exact = _flatten_input("switchback_linear", x, weight, config, (shape,))
+    config, x2d, leading, exact = _flatten_input(x, weight, config, (shape,))
     device_type = x2d.device.type
     if exact:
         # Small batches: quantization overhead exceeds the 8-bit speed-up; the 16-bit matmul is exact.
@@ -494,7 +491,7 @@ def _switchback_mlp(x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, activation, c
             f"switchback_mlp: fc2_weight {tuple(fc2_weight.shape)} does not take fc1's {fc1_weight.shape[0]} outputs"
         )
     shapes = ((fc1_weight.shape[1], fc1_weight.shape[0]), (fc2_weight.shape[1], fc2_weight.shape[0]))
-    config, x2d, leading, exact = _flatten_input("switchback_mlp", x, fc1_weight, config, shapes)
+    config, x2d, leading, exact = _flatten_input(x, fc1_weight, config, shapes)
     device_type, dtype = x2d.device.type, x2d.dtype
     n_out = fc2_weight.shape[0]
     if exact:

@@ -111,7 +111,7 @@ def switchback_linear_activation(
 @graph_leaf.op("switchback_linear_activation_call")
 def _switchback_linear_activation(x, weight, bias, activation, config, quantized_input) -> tuple:
     shape = (weight.shape[1], weight.shape[0])
-    config, x2d, leading, exact = _flatten_input("switchback_linear_activation", x, weight, config, (shape,))
+    config, x2d, leading, exact = _flatten_input(x, weight, config, (shape,))
     if exact:
         raise ValueError(
             "switchback_linear_activation runs the 8-bit path only; below the token floor call "

@@ -176,7 +176,7 @@ def _switchback_qkv(x, weights, biases, config, quantized_input) -> tuple:
     if len({b is None for b in biases}) != 1:
         raise ValueError("switchback_qkv: give all three projections a bias, or none of them")
     shapes = tuple((w.shape[1], w.shape[0]) for w in weights)
-    config, x2d, leading, exact = _flatten_input("switchback_qkv", x, weights[0], config, shapes)
+    config, x2d, leading, exact = _flatten_input(x, weights[0], config, shapes)
     if exact:
         return tuple(switchback_linear(x, w, b, config) for w, b in zip(weights, biases, strict=True))
     fq, gq = quantized_dtypes(config, x2d.device)
