@@ -8,7 +8,8 @@ apply_switchback swaps the layer's class for a generated subclass whose forward 
 the LayerNorm before that block runs as blocks/producers.layernorm_quantize and hands the block its output's
 8-bit form as `quantized_input`. Nothing else changes: parameters, state_dict keys, the attention and MLP
 modules and their hooks (they are still called as modules), gradient checkpointing (the layer's __call__);
-remove_switchback restores the class. The forward re-checks at every call what still qualifies (a block
+remove_switchback restores the class. The encoder holding fused layers gets one forward pre-hook that makes its
+input contiguous (same values; _contiguous_input says why), removed with them. The forward re-checks at every call what still qualifies (a block
 converted back, a LayerNorm replaced or hooked, parameters of another dtype, a batch below the token floor)
 and runs the stock LayerNorm where not.
 """
