@@ -8,16 +8,15 @@ lowering. A cold ViT-B/16 int8 first step (per-layer compile, H100) generated TT
 end took 9.2 of its 42 s of CPU (BENCHMARKS.md, Whole training step: compile warm-up); a bf16 step runs none.
 
 The TTIR depends only on what `generate_ttir` reads of the call: the kernel (of an Autotuner, its function with
-the first config's values, as torch's function takes it), its constexpr arguments, the dtype
-of each tensor argument (it replaces every fake tensor by a fresh 2-element one; of a real one Triton also reads
-the alignment), the values of the other arguments (Triton specializes integers equal to 1 or divisible by 16;
+the first config's values, as torch's function takes it), its constexpr arguments, the dtype of each tensor
+argument (it replaces every fake tensor by a fresh 2-element one; of a real one Triton also reads the
+alignment), the values of the other arguments (Triton specializes integers equal to 1 or divisible by 16;
 symbolic sizes become 2; a Triton dtype such as tl.int8, the constexpr of an 8-bit output, is one by its name),
-and the GPU. So for our
-kernels `install()` keeps the result per key made of those (not of Triton's process-wide compile settings, which
-torch's function reads too and a compiling process does not change), and every other call (another library's
-kernel, TMA descriptor arguments, an argument it cannot key) runs torch's function unchanged. Installed by
-kernels/graph_leaf.py when torch.compile first traces a SwitchBack op, where torch's function has the
-signature this module knows; HF_SWITCHBACK_TTIR_CACHE=0 leaves torch's function alone.
+and the GPU. So for our kernels `install()` keeps the result per key made of those (not of Triton's
+process-wide compile settings, which torch's function reads too and a compiling process does not change), and
+every other call (another library's kernel, TMA descriptor arguments, an argument it cannot key) runs torch's
+function unchanged. Installed by kernels/graph_leaf.py when torch.compile first traces a SwitchBack op, where
+torch's function has the signature this module knows; HF_SWITCHBACK_TTIR_CACHE=0 leaves torch's function alone.
 """
 
 from __future__ import annotations
@@ -31,10 +30,9 @@ import torch
 
 _PACKAGE = __name__.split(".")[0]
 _SIGNATURE = ["kernel", "kwargs", "tma_descriptor_metadata"]
-_SCALARS = (bool, int, float, str, torch.dtype)
-_MAX_ENTRIES = (
-    256  # above the distinct specializations of a model's graphs (tens); each holds an MLIR context
-)
+_SCALARS = (bool, int, str, torch.dtype)  # (floats are keyed by their bits, before these)
+# above the distinct specializations of a model's graphs (tens); each entry holds an MLIR context
+_MAX_ENTRIES = 256
 _results: dict[Hashable, tuple] = {}
 # Since install: calls answered from the cache / by torch's function for a new key, and the calls passed on to
 # torch's function uncached, counted by why (what a benchmark reads to find the calls the key should cover).
@@ -64,9 +62,7 @@ def _argument_key(value) -> Hashable | None:
         return ("triton dtype", str(value))  # a constexpr such as the 8-bit output's tl.int8: by its name
     if isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)):
         return ("symbolic",)
-    if type(value).__name__ == "TensorBox" and hasattr(
-        value, "get_dtype"
-    ):  # Inductor's IR (the lowering pass)
+    if type(value).__name__ == "TensorBox" and hasattr(value, "get_dtype"):  # Inductor's IR (its lowering)
         return ("tensor", value.get_dtype())
     if type(value).__module__.startswith("sympy"):
         return ("symbolic",)
