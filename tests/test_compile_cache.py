@@ -25,6 +25,7 @@ from hf_switchback import SwitchBackConfig, SwitchBackLinear
 from hf_switchback.compile_cache import allow_compile_cache, load_compile_artifacts, save_compile_artifacts
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
+STATIC_LAUNCH_ENV = "TORCHINDUCTOR_STATIC_LAUNCH_USER_DEFINED_TRITON_KERNELS"
 
 needs_cxx = pytest.mark.skipif(
     not (shutil.which("c++") or shutil.which("g++")),
@@ -38,12 +39,13 @@ def _torch_default(monkeypatch):
     import torch._inductor.config as inductor_config
 
     monkeypatch.delenv("TORCHINDUCTOR_AUTOGRAD_CACHE_ALLOW_CUSTOM_AUTOGRAD", raising=False)
-    monkeypatch.delenv("TORCHINDUCTOR_STATIC_LAUNCH_USER_DEFINED_TRITON_KERNELS", raising=False)
+    monkeypatch.delenv(STATIC_LAUNCH_ENV, raising=False)
     with (
         functorch_config.patch(autograd_cache_allow_custom_autograd_functions=False),
         inductor_config.patch(static_launch_user_defined_triton_kernels=False),
     ):
         yield
+    os.environ.pop(STATIC_LAUNCH_ENV, None)  # allow_compile_cache sets it (monkeypatch saw it absent)
 
 
 def _aot_cache_outcomes(cache_dir, monkeypatch, autocast: bool = False) -> list[dict[str, int]]:
@@ -114,8 +116,16 @@ def test_train_clip_compile_allows_the_cache_and_plain_runs_leave_torch_alone(mo
     assert inductor_config.static_launch_user_defined_triton_kernels is False
     assert dynamo_plugin(Namespace(torch_compile=True, compile_mode=None)) is not None
     assert functorch_config.autograd_cache_allow_custom_autograd_functions is True
-    # a warm start loads our Triton kernels from the cache's cubins (compile_cache.py says why)
+    # a warm start loads our Triton kernels from the cache's cubins (compile_cache.py says why), and the compile
+    # workers, which decide that for the kernels they compile, read it from their environment
     assert inductor_config.static_launch_user_defined_triton_kernels is True
+    assert os.environ[STATIC_LAUNCH_ENV] == "1"
+
+
+def test_allow_compile_cache_leaves_a_static_launch_choice_of_the_user(monkeypatch):
+    monkeypatch.setenv(STATIC_LAUNCH_ENV, "0")
+    allow_compile_cache()
+    assert os.environ[STATIC_LAUNCH_ENV] == "0"
 
 
 # One process of a run: load the previous run's artifacts (if any), compile a two-layer SwitchBack model, one

@@ -10,8 +10,9 @@ What a warm start still pays is the process's own work: Dynamo's trace (not cach
 cached kernels. Inductor loads its own kernels with torch's static CUDA launcher, from the cubins its cache
 holds; user-defined Triton kernels, ours among them, go through Triton's compile path again per kernel and
 config (its on-disk cache hits, but the Python around it took 1.1-3.3 s of a 5-8 s warm ViT-B/16 start) unless
-`torch._inductor.config.static_launch_user_defined_triton_kernels` is set (BENCHMARKS.md, Whole training
-step: compile warm-up). `allow_compile_cache()` sets it, and AOT autograd's
+`torch._inductor.config.static_launch_user_defined_triton_kernels` is set, in this process and in the
+environment of Inductor's compile workers, which decide it for the kernels they compile (BENCHMARKS.md, Whole
+training step: compile warm-up). `allow_compile_cache()` sets both, and AOT autograd's
 `autograd_cache_allow_custom_autograd_functions`, which custom autograd Functions still traced by Dynamo need
 (torch's cautious default refuses them: an arbitrary Function may depend on Python state its cache key does not
 see). Both settings are torch's and process-wide, so this module only offers them:
@@ -42,6 +43,7 @@ logger = logging.getLogger(__name__)
 
 _SETTING = "autograd_cache_allow_custom_autograd_functions"
 _STATIC_LAUNCH = "static_launch_user_defined_triton_kernels"
+_STATIC_LAUNCH_ENV = "TORCHINDUCTOR_STATIC_LAUNCH_USER_DEFINED_TRITON_KERNELS"
 
 
 def allow_compile_cache() -> bool:
@@ -57,6 +59,11 @@ def allow_compile_cache() -> bool:
 
     if hasattr(inductor_config, _STATIC_LAUNCH):
         setattr(inductor_config, _STATIC_LAUNCH, True)
+        # Inductor's compile workers decide how a kernel is launched, and they read this setting from their
+        # environment, not from this process (torch hands them a few settings, not this one): without the
+        # variable the cold run's cached kernels are not statically launchable, and a warm start compiles ours
+        # again. Workers start at the first compile, after this call; a value the user set stays.
+        os.environ.setdefault(_STATIC_LAUNCH_ENV, "1")
     if not hasattr(config, _SETTING):
         return False
     setattr(config, _SETTING, True)
