@@ -244,6 +244,29 @@ def test_out_proj_takes_its_input_from_the_quantize_kernel(fuse_qkv, monkeypatch
     assert len(seen) == 4
 
 
+@pytest.mark.parametrize("modes", BLOCK_MODES)
+def test_each_block_is_checked_once_per_layer_forward(modes, monkeypatch):
+    """The encoder layer hands each block the config its own check just found (`checked_config`): torch.compile's
+    Dynamo interprets every such check at each trace, every process, so the block does not repeat it."""
+    from hf_switchback.blocks import attention, mlp
+
+    model = apply_switchback(tiny_pair_model("clip"), TORCH.replace(**modes))
+    assert fused_layers(model) == 4
+    checks = {"attention": 0, "mlp": 0}
+
+    def counted(name, check):
+        def wrapped(module):
+            checks[name] += 1
+            return check(module)
+
+        return wrapped
+
+    monkeypatch.setattr(attention, "_fusable", counted("attention", attention._fusable))
+    monkeypatch.setattr(mlp, "_fused_config", counted("mlp", mlp._fused_config))
+    loss_and_grads(model)
+    assert checks == {"attention": 4, "mlp": 4}  # one per block: 2 towers x 2 layers
+
+
 @pytest.mark.parametrize("fuse_qkv", [True, False])
 def test_compiled_fused_layer_has_no_graph_break(fuse_qkv):
     model = apply_switchback(tiny_pair_model("clip"), TORCH.replace(fuse_qkv=fuse_qkv))

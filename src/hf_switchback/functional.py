@@ -410,7 +410,12 @@ def runs_8bit(config: SwitchBackConfig, x: torch.Tensor, *shapes: tuple[int, int
     """Whether a SwitchBack op over x (*, K) with the linears of (K, N) `shapes` runs its 8-bit path: at least
     one row, and no fewer rows than the token floor (else the exact 16-bit matmul runs)."""
     tokens = x.shape[:-1].numel()
-    return tokens > 0 and tokens >= token_floor(config, x.device, *shapes)
+    # (a set floor without calling token_floor: the blocks ask this at every forward, and each call is a frame
+    # more for torch.compile's Dynamo to trace)
+    floor = config.min_tokens
+    if floor is None:
+        floor = token_floor(config, x.device, *shapes)
+    return tokens > 0 and tokens >= floor
 
 
 def switchback_linear(
@@ -429,7 +434,8 @@ def switchback_linear(
     float32) when its producer already wrote it (blocks/encoder_layer.py: the LayerNorm before the linear); the
     op then runs no quantize of its own. Ignored where the 16-bit path runs (below the token floor).
     """
-    check_config("switchback_linear", config)
+    if type(config) is not SwitchBackConfig:  # (no call in the usual case: a frame more for Dynamo to trace)
+        check_config("switchback_linear", config)
     return graph_leaf.call("switchback_linear_call", x, weight, bias, config, quantized_input)
 
 
@@ -477,7 +483,8 @@ def switchback_mlp(
     fc1's output saved for backward (x in 8-bit when config.memory_efficient). quantized_input: as in
     switchback_linear.
     """
-    check_config("switchback_mlp", config)
+    if type(config) is not SwitchBackConfig:  # (no call in the usual case: a frame more for Dynamo to trace)
+        check_config("switchback_mlp", config)
     args = (x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, activation, config, quantized_input)
     return graph_leaf.call("switchback_mlp_call", *args)
 

@@ -141,10 +141,13 @@ def _fused_forward(
     *,
     quantized_input: tuple[torch.Tensor, torch.Tensor] | None = None,
     projection_inputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    checked_config=None,
     **kwargs,
 ):
     cls = type(self)
-    cfg = _fusable(self)
+    # checked_config: what quantized_input_config just returned for this block (the encoder layer's forward
+    # passes it on: checking again would be ~110 more bytecode steps per block for Dynamo, every process)
+    cfg = checked_config if checked_config is not None else _fusable(self)
     if cfg is None:
         # (a quantized_input is only ever the LayerNorm output's 8-bit form, and projection_inputs views of
         # hidden_states: dropping them changes nothing)

@@ -28,7 +28,6 @@ from .mlp import quantized_input_config as mlp_quantized_input_config
 from .producers import add_layernorm_quantize, fusable_norm, layernorm_quantize
 
 _BASE_ATTR = "_switchback_layer_base"
-_PROJECTIONS = ("q_proj", "k_proj", "v_proj")
 
 
 def _base_class(module: nn.Module) -> type:
@@ -40,12 +39,20 @@ def _is_stock(base: type) -> bool:
     return runs_stock_forward(base, "EncoderLayer")
 
 
-def _shapes(block: nn.Module, names: tuple[str, ...]) -> tuple[tuple[int, int], ...]:
-    shapes = []  # a loop, not a generator expression: a frame of its own for torch.compile's Dynamo to trace
-    for name in names:
-        layer = getattr(block, name)
-        shapes.append((layer.in_features, layer.out_features))
-    return tuple(shapes)
+# The (in_features, out_features) of the linears a block's 8-bit path runs, written out: Dynamo interprets this
+# at every trace (every process), where a loop over names cost it ~50 bytecode steps per block.
+def _attention_shapes(attn: nn.Module) -> tuple[tuple[int, int], ...]:
+    q, k, v = attn.q_proj, attn.k_proj, attn.v_proj
+    return ((q.in_features, q.out_features), (k.in_features, k.out_features), (v.in_features, v.out_features))
+
+
+def _mlp_shapes(mlp: nn.Module, whole: bool) -> tuple[tuple[int, int], ...]:
+    """fc1's shape, and fc2's where the MLP runs as one op (whole)."""
+    fc1 = mlp.fc1
+    if not whole:
+        return ((fc1.in_features, fc1.out_features),)
+    fc2 = mlp.fc2
+    return ((fc1.in_features, fc1.out_features), (fc2.in_features, fc2.out_features))
 
 
 def _qualifies_now(norm: nn.Module, x: torch.Tensor, dtype: torch.dtype, config, shapes) -> bool:
@@ -79,21 +86,24 @@ def _fused_forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tens
     attn, mlp = self.self_attn, self.mlp
     residual = hidden_states
     attn_config = attention_quantized_input_config(attn)
-    shapes = _shapes(attn, _PROJECTIONS) if attn_config is not None else ()
+    shapes = _attention_shapes(attn) if attn_config is not None else ()
     fan_out = attn_config is not None and not attn_config.fuse_qkv
     normed, quantized = _normalize(self.layer_norm1, hidden_states, attn_config, shapes, fan_out)
+    if attn_config is not None:  # the block need not check again what was just checked
+        quantized["checked_config"] = attn_config
     attn_out, _ = attn(hidden_states=normed, attention_mask=attention_mask, **quantized, **kwargs)
 
     mlp_config = mlp_quantized_input_config(mlp)
     # fc1 alone decides a separate fc1's floor; a fused block needs both linears to pay (switchback_mlp)
-    names = ("fc1",) if mlp_config is None or not mlp_config.fuses_mlp else ("fc1", "fc2")
-    shapes = _shapes(mlp, names) if mlp_config is not None else ()
+    shapes = _mlp_shapes(mlp, mlp_config.fuses_mlp) if mlp_config is not None else ()
     # the residual add joins LayerNorm 2's kernel: a separate add would write its sum and the LayerNorm read it
     # back, where the stock layer's compiled add + LayerNorm is one kernel
     hidden_states, normed, quantized = _add_normalize(
         self.layer_norm2, residual, attn_out, mlp_config, shapes
     )
     residual = hidden_states
+    if mlp_config is not None:
+        quantized["checked_config"] = mlp_config
     hidden_states = mlp(normed, **quantized)
     return residual + hidden_states
 

@@ -100,7 +100,8 @@ def switchback_linear_activation(
     switchback_linear. The 8-bit path only: callers check functional.runs_8bit first (below the token floor
     the separate layers run their exact 16-bit path).
     """
-    check_config("switchback_linear_activation", config)
+    if type(config) is not SwitchBackConfig:  # (no call in the usual case: a frame more for Dynamo to trace)
+        check_config("switchback_linear_activation", config)
     a, a_q, a_scale = graph_leaf.call(
         "switchback_linear_activation_call", x, weight, bias, activation, config, quantized_input
     )

@@ -145,9 +145,15 @@ def _activation_feeds_fc2(module: nn.Module, cfg, x: torch.Tensor) -> str | None
 
 
 def _fused_forward(
-    self, hidden_states: torch.Tensor, *, quantized_input: tuple[torch.Tensor, torch.Tensor] | None = None
+    self,
+    hidden_states: torch.Tensor,
+    *,
+    quantized_input: tuple[torch.Tensor, torch.Tensor] | None = None,
+    checked_config=None,
 ) -> torch.Tensor:
-    cfg = _fused_config(self)
+    # checked_config: what quantized_input_config just returned for this block (passed on by the encoder layer,
+    # as in blocks/attention.py)
+    cfg = checked_config if checked_config is not None else _fused_config(self)
     if cfg is None:
         # (a quantized_input is only ever the LayerNorm output's 8-bit form: dropping it changes nothing)
         return self._switchback_unfused_class.forward(self, hidden_states)
