@@ -49,7 +49,8 @@ _STATIC_LAUNCH_ENV = "TORCHINDUCTOR_STATIC_LAUNCH_USER_DEFINED_TRITON_KERNELS"
 def allow_compile_cache() -> bool:
     """Settings for a fast warm start of compiled SwitchBack models (see the module docstring): AOT autograd's
     cache takes graphs with custom autograd Functions, Inductor launches user-defined Triton kernels from its
-    cached cubins.
+    cached cubins. Call it before the process's first torch.compile: Inductor's compile workers start then, with
+    the environment they inherit.
 
     Returns whether torch has the AOT autograd setting (False on a torch without it: nothing changes, compiling
     still works).
