@@ -21,6 +21,7 @@ from hf_switchback import SwitchBackConfig, apply_switchback, remove_switchback
 from hf_switchback.blocks.mlp import activation_kind, is_fused_mlp
 from hf_switchback.functional import switchback_mlp
 from hf_switchback.kernels import reference as ref
+from hf_switchback.weight_operands import cached_tensors, refresh_weight_operands
 
 HIDDEN_ACTS = {"quick_gelu": "quick_gelu", "gelu": "gelu", "gelu_pytorch_tanh": "gelu_tanh"}
 TORCH = SwitchBackConfig(backend="torch", fuse_mlp=True)
@@ -125,7 +126,8 @@ def test_memory_saved_for_backward_drops_by_half():
 
     def saved_bytes(block, x):
         seen = {}
-        params = {p.untyped_storage().data_ptr() for p in block.parameters()}
+        refresh_weight_operands(block)  # the weights' cached 8-bit forms: held with the weights, not per step
+        params = {p.untyped_storage().data_ptr() for p in (*block.parameters(), *cached_tensors(block))}
 
         def pack(t):
             ptr = t.untyped_storage().data_ptr()

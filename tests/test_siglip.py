@@ -134,7 +134,7 @@ def test_compiled_per_layer_each_tower_traces_one_graph_as_the_stock_model_does(
     assert dynamo_graphs(SiglipModel(tiny_config())) == 2
     model = apply_switchback(SiglipModel(tiny_config()), TORCH)
     encoder = model.vision_model.encoder
-    assert list(encoder._forward_pre_hooks.values()) == [_contiguous_input]
+    assert _contiguous_input in encoder._forward_pre_hooks.values()
     assert dynamo_graphs(model) == 2
     remove_switchback(model)
     assert _contiguous_input not in encoder._forward_pre_hooks.values()

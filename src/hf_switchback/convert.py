@@ -27,6 +27,7 @@ from .kernels.backends import check_backend
 from .modules import SwitchBackLinear
 from .precision_summary import precision_summary
 from .weight_cache import drop_weight_cache
+from .weight_operands import sync_weight_operands
 
 logger = logging.getLogger(__name__)
 
@@ -146,6 +147,7 @@ def apply_switchback(
     fused = sync_fused_mlps(model)
     fused_qkv = sync_fused_attention(model)  # (blocks whose q/k/v run as one op)
     fused_norms = sync_fused_layers(model)
+    sync_weight_operands(model, list(switchback_modules(model)))
     logger.info(
         "hf_switchback: %d linear layers use SwitchBack %s (%d MLP blocks fused, %d q/k/v fused, %d encoder "
         "layers quantizing in their LayerNorms)",
@@ -171,6 +173,7 @@ def remove_switchback(model: nn.Module) -> nn.Module:
     sync_fused_mlps(model)  # no block qualifies any more: every fused block gets its original class back
     sync_fused_attention(model)
     sync_fused_layers(model)
+    sync_weight_operands(model, [])
     return model
 
 

@@ -113,10 +113,12 @@ class _SwitchBackLinearFn(torch.autograd.Function):
     qdtype, backend, KernelOptions, wgrad = config.wgrad_precision, the format of the grad-weight GEMM in
     kernels/wgrad.py). One argument, not seven: `apply` checks each argument for tensors, in eager mode per call.
     `shared`: None, or a slot of _shared_input_slot holding (or to hold) x's 8-bit form.
-    x_q, x_scale: x's 8-bit form when its producer wrote it (the LayerNorm before q/k/v or fc1), else None."""
+    x_q, x_scale: x's 8-bit form when its producer wrote it (the LayerNorm before q/k/v or fc1), else None.
+    weight_operands: the weight's cached 8-bit forms (w_q, w_scale, wt_q, wt_scale; weight_operands.py), else
+    None: the weight is quantized here and, transposed, again in backward."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, spec, shared=None, x_q=None, x_scale=None):
+    def forward(ctx, x, weight, bias, spec, shared=None, x_q=None, x_scale=None, weight_operands=None):
         weight_scaling, memory_efficient, fwd_qdtype, _, backend, options, _ = spec
         kernels = get_kernels(backend, x.device, options)
         if x_q is None and shared:
@@ -125,14 +127,17 @@ class _SwitchBackLinearFn(torch.autograd.Function):
             x_q, x_scale = kernels.quantize_rowwise(x, fwd_qdtype, options=options)
             if shared is not None:
                 shared[:] = [x_q, x_scale]
-        w_q, w_scale = quantize_weight(kernels, weight, weight_scaling, fwd_qdtype, options)
+        if weight_operands is None:
+            w_q, w_scale = quantize_weight(kernels, weight, weight_scaling, fwd_qdtype, options)
+            weight_t = ()  # backward re-quantizes W transposed rather than keeping a second copy alive
+        else:
+            w_q, w_scale, *weight_t = weight_operands
         out = kernels.scaled_matmul(x_q, w_q, x_scale, w_scale, bias, x.dtype, options=options)
 
-        # Backward re-quantizes W transposed rather than keeping a second weight copy alive per layer.
         if memory_efficient:
-            ctx.save_for_backward(x_q, x_scale, weight)
+            ctx.save_for_backward(x_q, x_scale, weight, *weight_t)
         else:
-            ctx.save_for_backward(x, weight)
+            ctx.save_for_backward(x, weight, *weight_t)
         ctx.config = (spec, x.dtype, None if bias is None else bias.dtype)
         ctx.kernels = kernels  # backward runs the forward's set (kernels/graph_leaf.py says why)
         return out
@@ -141,18 +146,21 @@ class _SwitchBackLinearFn(torch.autograd.Function):
     def backward(ctx, grad_out):
         spec, x_dtype, bias_dtype = ctx.config
         needs = ctx.needs_input_grad[:3]
+        saved = ctx.saved_tensors
+        kept = 3 if spec[1] else 2  # (x_q, x_scale, weight) with memory_efficient, else (x, weight)
+        weight_t = saved[kept:] or None
         grads = linear_grads(
-            spec, x_dtype, bias_dtype, needs, ctx.saved_tensors, grad_out, kernels=ctx.kernels
+            spec, x_dtype, bias_dtype, needs, saved[:kept], grad_out, kernels=ctx.kernels, weight_t=weight_t
         )
-        return *grads, None, None, None, None
+        return *grads, None, None, None, None, None
 
 
 @graph_leaf.op("switchback_linear")
-def _linear_op(x, weight, bias, spec, shared, x_q, x_scale):
+def _linear_op(x, weight, bias, spec, shared, x_q, x_scale, weight_operands):
     # autocast off inside the op: under torch.compile Dynamo's graph then holds no autocast region (AOT autograd's
     # cache refuses one on torch 2.13)
     with _autocast_off(x.device.type):
-        return _SwitchBackLinearFn.apply(x, weight, bias, spec, shared, x_q, x_scale)
+        return _SwitchBackLinearFn.apply(x, weight, bias, spec, shared, x_q, x_scale, weight_operands)
 
 
 def linear_spec(config: SwitchBackConfig, fwd_qdtype: torch.dtype, grad_qdtype: torch.dtype) -> tuple:
@@ -177,6 +185,7 @@ def linear_grads(
     grad_out: torch.Tensor,
     quantized_grad: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     kernels: KernelSet | None = None,
+    weight_t: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """(grad_x, grad_w, grad_b) of a SwitchBack linear from its output gradient (M, N).
 
@@ -184,6 +193,7 @@ def linear_grads(
     quantized_grad: grad_out's row-wise 8-bit form and float32 column sum (g_q, g_scale, g_colsum) when the
     kernel that produced grad_out wrote them (the activation backward before fc1), else None.
     kernels: the kernel set the forward ran (None: the one for grad_out's device now).
+    weight_t: the weight's cached transposed 8-bit form (wt_q (K, N), wt_scale), else None (quantized here).
     """
     weight_scaling, memory_efficient, _, grad_qdtype, backend, options, wgrad = spec
     if memory_efficient:
@@ -204,7 +214,9 @@ def linear_grads(
             g_q, g_scale, g_colsum = kernels.quantize_rowwise_colsum(grad_out, grad_qdtype, options=options)
         else:
             g_q, g_scale = kernels.quantize_rowwise(grad_out, grad_qdtype, options=options)
-        if weight_scaling == "tensor":
+        if weight_t is not None:
+            wt_q, wt_scale = weight_t
+        elif weight_scaling == "tensor":
             wt_q, wt_scale = kernels.quantize_tensorwise_transposed(weight, grad_qdtype, options=options)
         else:
             wt_q, wt_scale = kernels.quantize_rowwise_transposed(weight, grad_qdtype, options=options)
@@ -241,22 +253,31 @@ class _SwitchBackMLPFn(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, w1, b1, w2, b2, spec, x_q=None, x_scale=None):
+    def forward(ctx, x, w1, b1, w2, b2, spec, x_q=None, x_scale=None, operands1=None, operands2=None):
         activation, weight_scaling, memory_efficient, fq, _, backend, options, _ = spec
         kernels = get_kernels(backend, x.device, options)
         if x_q is None:
             x_q, x_scale = kernels.quantize_rowwise(x, fq, options=options)
-        w1_q, w1_scale = quantize_weight(kernels, w1, weight_scaling, fq, options)
+        if operands1 is None:
+            w1_q, w1_scale = quantize_weight(kernels, w1, weight_scaling, fq, options)
+        else:
+            w1_q, w1_scale = operands1[:2]
         h = kernels.scaled_matmul(x_q, w1_q, x_scale, w1_scale, b1, x.dtype, options=options)
         del w1_q
         a_q, a_scale = kernels.act_quantize_rowwise(h, fq, activation, options=options)
-        w2_q, w2_scale = quantize_weight(kernels, w2, weight_scaling, fq, options)
+        if operands2 is None:
+            w2_q, w2_scale = quantize_weight(kernels, w2, weight_scaling, fq, options)
+        else:
+            w2_q, w2_scale = operands2[:2]
         out = kernels.scaled_matmul(a_q, w2_q, a_scale, w2_scale, b2, x.dtype, options=options)
+        # the cached operands backward reads: fc1's forward form (memory_efficient recomputes h) and both
+        # transposed forms, or nothing (quantized there)
+        cached = () if operands1 is None or operands2 is None else (*operands1, *operands2[2:])
         if memory_efficient:
             del h  # recomputed in backward from x_q (see the class docstring)
-            ctx.save_for_backward(x_q, x_scale, w1, b1, w2)
+            ctx.save_for_backward(x_q, x_scale, w1, b1, w2, *cached)
         else:
-            ctx.save_for_backward(x, h, w1, w2)
+            ctx.save_for_backward(x, h, w1, w2, *cached)
         ctx.config = (spec, x.dtype, None if b1 is None else b1.dtype, None if b2 is None else b2.dtype)
         ctx.kernels = kernels  # as in _SwitchBackLinearFn
         return out
@@ -266,13 +287,19 @@ class _SwitchBackMLPFn(torch.autograd.Function):
         spec, x_dtype, b1_dtype, b2_dtype = ctx.config
         activation, weight_scaling, memory_efficient, _, gq, _, options, wgrad = spec
         kernels = ctx.kernels
+        saved = ctx.saved_tensors
+        kept = 5 if memory_efficient else 4
+        cached = saved[kept:]  # (w1_q, w1_scale, w1t_q, w1t_scale, w2t_q, w2t_scale) or ()
         if memory_efficient:
-            x_q, x_scale, w1, b1, w2 = ctx.saved_tensors
-            w1_q, w1_scale = quantize_weight(kernels, w1, weight_scaling, x_q.dtype, options)
+            x_q, x_scale, w1, b1, w2 = saved[:kept]
+            if cached:
+                w1_q, w1_scale = cached[:2]
+            else:
+                w1_q, w1_scale = quantize_weight(kernels, w1, weight_scaling, x_q.dtype, options)
             h = kernels.scaled_matmul_recompute(x_q, w1_q, x_scale, w1_scale, b1, x_dtype, options=options)
             del w1_q
         else:
-            x, h, w1, w2 = ctx.saved_tensors
+            x, h, w1, w2 = saved[:kept]
         need_x, need_w1, need_b1, need_w2, need_b2 = ctx.needs_input_grad[:5]
         need_b1 = need_b1 and b1_dtype is not None
         need_b2 = need_b2 and b2_dtype is not None
@@ -288,7 +315,7 @@ class _SwitchBackMLPFn(torch.autograd.Function):
         a = None
         if need_fc1:
             g_q, g_scale, g_colsum = kernels.quantize_rowwise_colsum(g, gq, options=options)
-            w2t_q, w2t_scale = wt_quantize(w2, gq, options=options)
+            w2t_q, w2t_scale = cached[4:] if cached else wt_quantize(w2, gq, options=options)
             # grad_h = (G W2) * act'(h), the GEMM then the activation backward + quantize in one call.
             grad_h, a, gh_q, gh_scale, gh_colsum = kernels.scaled_matmul_act_backward(
                 g_q, w2t_q, g_scale, w2t_scale, h, gq, activation, need_w2, options=options
@@ -305,7 +332,7 @@ class _SwitchBackMLPFn(torch.autograd.Function):
         del a
 
         if need_x:
-            w1t_q, w1t_scale = wt_quantize(w1, gq, options=options)
+            w1t_q, w1t_scale = cached[2:4] if cached else wt_quantize(w1, gq, options=options)
             grad_x = kernels.scaled_matmul(gh_q, w1t_q, gh_scale, w1t_scale, None, x_dtype, options=options)
         if need_w1:
             if memory_efficient:
@@ -313,13 +340,13 @@ class _SwitchBackMLPFn(torch.autograd.Function):
             grad_w1 = weight_grad(grad_h, x, w1.dtype, wgrad, kernels, options)
         if need_b1:
             grad_b1 = gh_colsum.to(b1_dtype)
-        return grad_x, grad_w1, grad_b1, grad_w2, grad_b2, None, None, None
+        return grad_x, grad_w1, grad_b1, grad_w2, grad_b2, None, None, None, None, None
 
 
 @graph_leaf.op("switchback_mlp")
-def _mlp_op(x, w1, b1, w2, b2, spec, x_q, x_scale):
+def _mlp_op(x, w1, b1, w2, b2, spec, x_q, x_scale, operands1, operands2):
     with _autocast_off(x.device.type):  # as in _linear_op
-        return _SwitchBackMLPFn.apply(x, w1, b1, w2, b2, spec, x_q, x_scale)
+        return _SwitchBackMLPFn.apply(x, w1, b1, w2, b2, spec, x_q, x_scale, operands1, operands2)
 
 
 def check_quantized_input(name: str, quantized_input, x2d: torch.Tensor, qdtype: torch.dtype) -> tuple:
@@ -333,6 +360,22 @@ def check_quantized_input(name: str, quantized_input, x2d: torch.Tensor, qdtype:
             f"({x2d.shape[0]},) float32, got q {tuple(x_q.shape)} {x_q.dtype} and scale {tuple(x_scale.shape)}"
         )
     return x_q.contiguous(), x_scale
+
+
+def check_weight_operands(name: str, operands, weight: torch.Tensor, qdtypes: tuple[torch.dtype, ...]):
+    """`operands` (w_q, w_scale, wt_q, wt_scale) as a layer's WeightOperands keeps them for `weight` (N, K) in
+    the (forward, gradient) formats `qdtypes`, else a RuntimeError (operands of another layer or config)."""
+    if operands is None:
+        return None
+    n, k = weight.shape
+    w_q, _, wt_q, _ = operands
+    if w_q.shape != (n, k) or wt_q.shape != (k, n) or (w_q.dtype, wt_q.dtype) != qdtypes:
+        raise RuntimeError(
+            f"{name}: weight_operands hold {tuple(w_q.shape)} {w_q.dtype} and {tuple(wt_q.shape)} {wt_q.dtype} "
+            f"for a ({n}, {k}) weight in {qdtypes[0]} / {qdtypes[1]}: pass the layer's own "
+            "(weight_operands.operands_for(layer)), or None"
+        )
+    return operands
 
 
 def check_input(x: torch.Tensor, weight: torch.Tensor) -> None:
@@ -425,6 +468,7 @@ def switchback_linear(
     config: SwitchBackConfig | None = None,
     *,
     quantized_input: tuple[torch.Tensor, torch.Tensor] | None = None,
+    weight_operands: tuple[torch.Tensor, ...] | None = None,
 ) -> torch.Tensor:
     """SwitchBack version of F.linear.
 
@@ -433,17 +477,21 @@ def switchback_linear(
     quantized_input: x's row-wise 8-bit form (q (tokens, K) in the config's forward format, scale (tokens,)
     float32) when its producer already wrote it (blocks/encoder_layer.py: the LayerNorm before the linear); the
     op then runs no quantize of its own. Ignored where the 16-bit path runs (below the token floor).
+    weight_operands: the weight's 8-bit forms as its layer keeps them (weight_operands.operands_for), else
+    None (the op quantizes the weight). Ignored where the 16-bit path runs.
     """
     if type(config) is not SwitchBackConfig:  # (no call in the usual case: a frame more for Dynamo to trace)
         check_config("switchback_linear", config)
-    return graph_leaf.call("switchback_linear_call", x, weight, bias, config, quantized_input)
+    return graph_leaf.call(
+        "switchback_linear_call", x, weight, bias, config, quantized_input, weight_operands
+    )
 
 
 # Under torch.compile the whole call is one leaf (kernels/graph_leaf.py): Dynamo records it without interpreting
 # the checks and the choice of path below (about 500 of its bytecode steps per linear, every process, the warm
 # start too), and AOT autograd traces them in plain Python. In eager mode graph_leaf.call runs it directly.
 @graph_leaf.op("switchback_linear_call")
-def _switchback_linear(x, weight, bias, config, quantized_input):
+def _switchback_linear(x, weight, bias, config, quantized_input, weight_operands):
     shape = (weight.shape[1], weight.shape[0])
     config, x2d, leading, exact = _flatten_input(x, weight, config, (shape,))
     device_type = x2d.device.type
@@ -460,7 +508,10 @@ def _switchback_linear(x, weight, bias, config, quantized_input):
         None if x_q is not None else _shared_input_slot(x, (fwd_qdtype, config.backend, x2d.dtype, x2d.shape))
     )
     spec = linear_spec(config, fwd_qdtype, grad_qdtype)
-    out = graph_leaf.call("switchback_linear", x2d.contiguous(), weight, bias, spec, shared, x_q, x_scale)
+    operands = check_weight_operands("switchback_linear", weight_operands, weight, (fwd_qdtype, grad_qdtype))
+    out = graph_leaf.call(
+        "switchback_linear", x2d.contiguous(), weight, bias, spec, shared, x_q, x_scale, operands
+    )
     return out.reshape(*leading, weight.shape[0])
 
 
@@ -474,6 +525,7 @@ def switchback_mlp(
     config: SwitchBackConfig | None = None,
     *,
     quantized_input: tuple[torch.Tensor, torch.Tensor] | None = None,
+    weight_operands: tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]] | None = None,
 ) -> torch.Tensor:
     """SwitchBack version of F.linear(act(F.linear(x, fc1_weight, fc1_bias)), fc2_weight, fc2_bias).
 
@@ -481,16 +533,28 @@ def switchback_mlp(
     ("gelu", "gelu_tanh", "quick_gelu") -> (*, d') in x's dtype (or the autocast dtype). Same numerics as two
     switchback_linear calls around the activation, with fewer passes over the (*, h) tensors and only x and
     fc1's output saved for backward (x in 8-bit when config.memory_efficient). quantized_input: as in
-    switchback_linear.
+    switchback_linear. weight_operands: (fc1's, fc2's) as in switchback_linear, or None.
     """
     if type(config) is not SwitchBackConfig:  # (no call in the usual case: a frame more for Dynamo to trace)
         check_config("switchback_mlp", config)
-    args = (x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, activation, config, quantized_input)
+    args = (
+        x,
+        fc1_weight,
+        fc1_bias,
+        fc2_weight,
+        fc2_bias,
+        activation,
+        config,
+        quantized_input,
+        weight_operands,
+    )
     return graph_leaf.call("switchback_mlp_call", *args)
 
 
 @graph_leaf.op("switchback_mlp_call")  # one leaf under torch.compile, as switchback_linear
-def _switchback_mlp(x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, activation, config, quantized_input):
+def _switchback_mlp(
+    x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, activation, config, quantized_input, weight_operands
+):
     if activation not in ACTIVATIONS:
         raise ValueError(f"switchback_mlp: activation must be one of {ACTIVATIONS}, got {activation!r}")
     if fc2_weight.shape[1] != fc1_weight.shape[0]:
@@ -511,8 +575,23 @@ def _switchback_mlp(x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, activation, c
     fwd_qdtype, grad_qdtype = quantized_dtypes(config, x2d.device)
     x_q, x_scale = check_quantized_input("switchback_mlp", quantized_input, x2d, fwd_qdtype)
     spec = (activation, *linear_spec(config, fwd_qdtype, grad_qdtype))
+    operands1 = operands2 = None
+    if weight_operands is not None:
+        qdtypes = (fwd_qdtype, grad_qdtype)
+        operands1 = check_weight_operands("switchback_mlp", weight_operands[0], fc1_weight, qdtypes)
+        operands2 = check_weight_operands("switchback_mlp", weight_operands[1], fc2_weight, qdtypes)
     out = graph_leaf.call(
-        "switchback_mlp", x2d.contiguous(), fc1_weight, fc1_bias, fc2_weight, fc2_bias, spec, x_q, x_scale
+        "switchback_mlp",
+        x2d.contiguous(),
+        fc1_weight,
+        fc1_bias,
+        fc2_weight,
+        fc2_bias,
+        spec,
+        x_q,
+        x_scale,
+        operands1,
+        operands2,
     )
     return out.reshape(*leading, n_out)
 
@@ -522,6 +601,7 @@ __all__ = [
     "check_config",
     "check_input",
     "check_quantized_input",
+    "check_weight_operands",
     "grad_precision",
     "has_fp8_tensor_cores",
     "linear_grads",

@@ -10,6 +10,7 @@ from .config import SwitchBackConfig
 from .functional import switchback_linear, token_floor
 from .kernels import crossover
 from .weight_cache import cached_linear, drop_weight_cache, has_weight_cache
+from .weight_operands import operands_for
 
 
 class SwitchBackLinear(nn.Linear):
@@ -73,7 +74,8 @@ class SwitchBackLinear(nn.Linear):
             # weight without bumping its version (bitsandbytes' 8-bit optimizers write in place through
             # kernels), so the cache could go stale undetected. Drop it; prepare_for_inference() re-builds it.
             drop_weight_cache(self)
-        return switchback_linear(x, self.weight, self.bias, self.switchback_config)
+        operands = operands_for(self, x)
+        return switchback_linear(x, self.weight, self.bias, self.switchback_config, weight_operands=operands)
 
     def extra_repr(self) -> str:
         # What this layer runs where its weight is (one linear's floor; a fused MLP block runs from the larger

@@ -30,6 +30,7 @@ from ..functional import runs_8bit, switchback_linear
 from ..modules import SwitchBackLinear, is_plain_layer
 from ..stock_blocks import stock_classes
 from ..weight_cache import has_weight_cache
+from ..weight_operands import operands_for
 from .producers import quantize_rows
 from .qkv import switchback_qkv
 
@@ -111,12 +112,19 @@ def _out_projection(self, attn_output: torch.Tensor) -> torch.Tensor:
     if not cfg.fuse_norm or not runs_8bit(cfg, attn_output, (out_proj.in_features, out_proj.out_features)):
         return out_proj(attn_output)
     quantized = quantize_rows(attn_output, cfg)
-    return switchback_linear(attn_output, out_proj.weight, out_proj.bias, cfg, quantized_input=quantized)
+    operands = operands_for(out_proj)
+    return switchback_linear(
+        attn_output, out_proj.weight, out_proj.bias, cfg, quantized_input=quantized, weight_operands=operands
+    )
 
 
 def _projections(self, cfg, hidden_states, quantized_input, projection_inputs):
     """(queries, keys, values) as (batch, tokens, heads x head_dim)."""
     q, k, v = self.q_proj, self.k_proj, self.v_proj
+    # the cached weight operands: the 8-bit path runs where the LayerNorm wrote its input's 8-bit form, else
+    # operands_for asks the token floor
+    probe = hidden_states if quantized_input is None else None
+    operands = (operands_for(q, probe), operands_for(k, probe), operands_for(v, probe))
     if cfg.fuse_qkv:
         return switchback_qkv(
             hidden_states,
@@ -124,13 +132,15 @@ def _projections(self, cfg, hidden_states, quantized_input, projection_inputs):
             (q.bias, k.bias, v.bias),
             cfg,
             quantized_input=quantized_input,
+            weight_operands=operands,
         )
     # (three calls written out: a generator expression is one more frame for torch.compile's Dynamo to trace)
     x_q, x_k, x_v = projection_inputs or (hidden_states,) * 3
+    o_q, o_k, o_v = operands
     return (
-        switchback_linear(x_q, q.weight, q.bias, cfg, quantized_input=quantized_input),
-        switchback_linear(x_k, k.weight, k.bias, cfg, quantized_input=quantized_input),
-        switchback_linear(x_v, v.weight, v.bias, cfg, quantized_input=quantized_input),
+        switchback_linear(x_q, q.weight, q.bias, cfg, quantized_input=quantized_input, weight_operands=o_q),
+        switchback_linear(x_k, k.weight, k.bias, cfg, quantized_input=quantized_input, weight_operands=o_k),
+        switchback_linear(x_v, v.weight, v.bias, cfg, quantized_input=quantized_input, weight_operands=o_v),
     )
 
 

@@ -29,6 +29,7 @@ from ..functional import runs_8bit, switchback_linear, switchback_mlp
 from ..modules import SwitchBackLinear, is_plain_layer
 from ..stock_blocks import runs_stock_forward
 from ..weight_cache import has_weight_cache
+from ..weight_operands import operands_for
 from .linear_activation import switchback_linear_activation
 from .producers import activation_quantize
 
@@ -161,7 +162,11 @@ def _fused_forward(
         quantized_input = None
     fc1, fc2 = self.fc1, self.fc2
     kind, _, whole = getattr(self, _ACTIVATION_ATTR)
+    # the cached weight operands: the 8-bit path runs where the LayerNorm wrote the input's 8-bit form, else
+    # operands_for asks the token floor
+    probe = hidden_states if quantized_input is None else None
     if whole:
+        operands = (operands_for(fc1, probe), operands_for(fc2, probe))
         return switchback_mlp(
             hidden_states,
             fc1.weight,
@@ -171,19 +176,39 @@ def _fused_forward(
             kind,
             cfg,
             quantized_input=quantized_input,
+            weight_operands=None if None in operands else operands,
         )
     kind = _activation_feeds_fc2(self, cfg, hidden_states)
     if kind is not None and runs_8bit(cfg, hidden_states, (fc1.in_features, fc1.out_features)):
         # fc1 and the activation as one backward node: the activation's backward writes fc1's 8-bit gradient
         a, a_quantized = switchback_linear_activation(
-            hidden_states, fc1.weight, fc1.bias, kind, cfg, quantized_input=quantized_input
+            hidden_states,
+            fc1.weight,
+            fc1.bias,
+            kind,
+            cfg,
+            quantized_input=quantized_input,
+            weight_operands=operands_for(fc1),
         )
-        return switchback_linear(a, fc2.weight, fc2.bias, fc2.switchback_config, quantized_input=a_quantized)
-    h = switchback_linear(hidden_states, fc1.weight, fc1.bias, cfg, quantized_input=quantized_input)
+        return switchback_linear(
+            a,
+            fc2.weight,
+            fc2.bias,
+            fc2.switchback_config,
+            quantized_input=a_quantized,
+            weight_operands=operands_for(fc2),
+        )
+    operands = operands_for(fc1, probe)
+    h = switchback_linear(
+        hidden_states, fc1.weight, fc1.bias, cfg, quantized_input=quantized_input, weight_operands=operands
+    )
     if kind is None:
         return fc2(self.activation_fn(h))
     a, a_quantized = activation_quantize(h, kind, cfg)
-    return switchback_linear(a, fc2.weight, fc2.bias, fc2.switchback_config, quantized_input=a_quantized)
+    operands = operands_for(fc2)
+    return switchback_linear(
+        a, fc2.weight, fc2.bias, fc2.switchback_config, quantized_input=a_quantized, weight_operands=operands
+    )
 
 
 # unfused class -> its generated subclass, as _fused_class made them (read per call: see blocks/attention.py)

@@ -24,6 +24,7 @@ from ..functional import (
     _flatten_input,
     check_config,
     check_quantized_input,
+    check_weight_operands,
     quantize_weight,
     quantized_dtypes,
     switchback_linear,
@@ -40,7 +41,10 @@ def _stacked_weight_scale(scale: torch.Tensor, rows: int) -> torch.Tensor:
 
 class _SwitchBackQKVFn(torch.autograd.Function):
     """2-D core. x (M, K); wq, wk, wv (n_i, K); biases (n_i,) all or none -> (M, n_q + n_k + n_v) in x's dtype.
-    x_q, x_scale: x's 8-bit form when its producer wrote it (the LayerNorm before q/k/v), else None."""
+    x_q, x_scale: x's 8-bit form when its producer wrote it (the LayerNorm before q/k/v), else None.
+    weight_operands: the three layers' cached 8-bit weight forms (weight_operands.py), else None. Forward stacks
+    their forward forms; backward uses their transposed forms with weight_scaling="tensor" (with "row" the
+    stacked transposed weight shares one scale per input feature across q, k and v: quantized here)."""
 
     @staticmethod
     def forward(
@@ -61,12 +65,18 @@ class _SwitchBackQKVFn(torch.autograd.Function):
         wgrad,
         x_q=None,
         x_scale=None,
+        weight_operands=None,
     ):
         kernels = get_kernels(backend, x.device, options)
         weights = (wq, wk, wv)
         if x_q is None:
             x_q, x_scale = kernels.quantize_rowwise(x, fq, options=options)
-        quantized = [quantize_weight(kernels, w, weight_scaling, fq, options) for w in weights]
+        if weight_operands is None:
+            quantized = [quantize_weight(kernels, w, weight_scaling, fq, options) for w in weights]
+            weight_t = ()
+        else:
+            quantized = [operands[:2] for operands in weight_operands]
+            weight_t = () if weight_scaling != "tensor" else tuple(t for o in weight_operands for t in o[2:])
         w_q = torch.cat([q for q, _ in quantized])
         w_scale = torch.cat(
             [_stacked_weight_scale(s, w.shape[0]) for (_, s), w in zip(quantized, weights, strict=True)]
@@ -75,9 +85,9 @@ class _SwitchBackQKVFn(torch.autograd.Function):
         bias = None if bq is None else torch.cat([b.float() for b in (bq, bk, bv)])
         out = kernels.scaled_matmul(x_q, w_q, x_scale, w_scale, bias, x.dtype, options=options)
         if memory_efficient:
-            ctx.save_for_backward(x_q, x_scale, wq, wk, wv)
+            ctx.save_for_backward(x_q, x_scale, wq, wk, wv, *weight_t)
         else:
-            ctx.save_for_backward(x, wq, wk, wv)
+            ctx.save_for_backward(x, wq, wk, wv, *weight_t)
         ctx.config = (weight_scaling, memory_efficient, gq, backend, options, x.dtype)
         ctx.wgrad = wgrad
         ctx.bias_dtypes = None if bq is None else (bq.dtype, bk.dtype, bv.dtype)
@@ -91,6 +101,7 @@ class _SwitchBackQKVFn(torch.autograd.Function):
             x_q, x_scale, *weights = ctx.saved_tensors
         else:
             x, *weights = ctx.saved_tensors
+        weights, cached_t = weights[:3], weights[3:]  # cached_t: (wt_q, wt_scale) x 3, or ()
         kernels = ctx.kernels
         g = grad_out.contiguous()
         rows = [w.shape[0] for w in weights]
@@ -103,7 +114,10 @@ class _SwitchBackQKVFn(torch.autograd.Function):
 
         if need_x:
             if weight_scaling == "tensor":
-                wt = [kernels.quantize_tensorwise_transposed(w, gq, options=options) for w in weights]
+                if cached_t:
+                    wt = [cached_t[i : i + 2] for i in (0, 2, 4)]
+                else:
+                    wt = [kernels.quantize_tensorwise_transposed(w, gq, options=options) for w in weights]
                 # Fold each projection's weight scale into its gradient columns (float32, so the scale is not
                 # rounded to the gradient's dtype): the stacked weight operand then needs no scale of its own.
                 folded = torch.cat(
@@ -135,7 +149,7 @@ class _SwitchBackQKVFn(torch.autograd.Function):
                 part.to(dtype) if need else None
                 for part, dtype, need in zip(colsum.split(rows), ctx.bias_dtypes, need_b, strict=True)
             ]
-        return (grad_x, *grad_w, *grad_b) + (None,) * 9
+        return (grad_x, *grad_w, *grad_b) + (None,) * 10
 
 
 @graph_leaf.op("switchback_qkv")
@@ -151,21 +165,25 @@ def switchback_qkv(
     config: SwitchBackConfig | None = None,
     *,
     quantized_input: tuple[torch.Tensor, torch.Tensor] | None = None,
+    weight_operands: tuple | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Three SwitchBack projections of one input: (switchback_linear(x, w_i, b_i, config) for i in q, k, v).
 
     x (*, K) float; weights three (n_i, K); biases three (n_i,) or three None -> three (*, n_i) in x's dtype
     (or the autocast dtype). Below the config's token floor the three exact 16-bit matmuls run instead.
-    quantized_input: as in switchback_linear.
+    quantized_input: as in switchback_linear. weight_operands: the three layers' (q's, k's, v's), as in
+    switchback_linear, or None.
     """
     if type(config) is not SwitchBackConfig:  # (no call in the usual case: a frame more for Dynamo to trace)
         check_config("switchback_qkv", config)
-    return graph_leaf.call("switchback_qkv_call", x, tuple(weights), tuple(biases), config, quantized_input)
+    return graph_leaf.call(
+        "switchback_qkv_call", x, tuple(weights), tuple(biases), config, quantized_input, weight_operands
+    )
 
 
 # one leaf under torch.compile, as functional.switchback_linear
 @graph_leaf.op("switchback_qkv_call")
-def _switchback_qkv(x, weights, biases, config, quantized_input) -> tuple:
+def _switchback_qkv(x, weights, biases, config, quantized_input, weight_operands) -> tuple:
     if len(weights) != 3 or len(biases) != 3:
         raise ValueError(
             f"switchback_qkv: expected 3 weights and 3 biases, got {len(weights)} and {len(biases)}"
@@ -182,6 +200,13 @@ def _switchback_qkv(x, weights, biases, config, quantized_input) -> tuple:
         return tuple(switchback_linear(x, w, b, config) for w, b in zip(weights, biases, strict=True))
     fq, gq = quantized_dtypes(config, x2d.device)
     x_q, x_scale = check_quantized_input("switchback_qkv", quantized_input, x2d, fq)
+    if weight_operands is not None and None in weight_operands:  # all three layers' or none
+        weight_operands = None
+    if weight_operands is not None:
+        weight_operands = tuple(
+            check_weight_operands("switchback_qkv", o, w, (fq, gq))
+            for o, w in zip(weight_operands, weights, strict=True)
+        )
     out = graph_leaf.call(
         "switchback_qkv",
         x2d.contiguous(),
@@ -196,6 +221,7 @@ def _switchback_qkv(x, weights, biases, config, quantized_input) -> tuple:
         config.wgrad_precision,
         x_q,
         x_scale,
+        weight_operands,
     )
     return tuple(
         part.reshape(*leading, w.shape[0])

@@ -88,6 +88,12 @@ class KernelOptions:
     # N not a multiple of 16) stay on Triton.
     # The default comes from HF_SWITCHBACK_FP8_GEMM.
     fp8_gemm: str = dataclasses.field(default_factory=_fp8_gemm_default)
+    # Each swapped weight quantized once per weight update (an optimizer step, a load), its forward and
+    # transposed 8-bit forms kept with the layer (weight_operands.py), instead of quantized inside the op at
+    # every forward and backward: fewer passes and launches per step and smaller compiled graphs (BENCHMARKS.md,
+    # Whole training step), for 2 bytes of GPU memory per weight value. Same kernels, same numerics. Read by
+    # apply_switchback. False: quantized inside the op.
+    cache_weight_operands: bool = True
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
