@@ -256,4 +256,10 @@ def sync_weight_operands(model: nn.Module, layer_names: list[str]) -> int:
     return len(names)
 
 
-__all__ = ["WeightOperands", "cached_tensors", "operands_for", "refresh_weight_operands", "sync_weight_operands"]
+__all__ = [
+    "WeightOperands",
+    "cached_tensors",
+    "operands_for",
+    "refresh_weight_operands",
+    "sync_weight_operands",
+]
