@@ -203,8 +203,8 @@ def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
 @pytest.mark.parametrize("compiled", [False, True])
 @pytest.mark.parametrize("precision", ["int8", "fp8"])
 def test_gpu_training_with_cached_operands_equals_training_without(precision, compiled):
-    """The Triton kernels, bf16 autocast, three SGD steps. Eager: the same kernels quantize each weight, so
-    bitwise equal. Each encoder layer compiled (Inductor): the uncached graphs quantize the weights with
+    """The Triton kernels, bf16 autocast, three SGD steps. Eager: the same kernels quantize each weight (replayed
+    from a CUDA graph after the first steps), so bitwise equal. Each encoder layer compiled (Inductor): the uncached graphs quantize the weights with
     Inductor's code of the same formulas, the cached ones read our kernels' output (refreshed eagerly), so
     equal up to float32 rounding order: losses within 1e-3 relative, each gradient within 2% (relative norm)."""
     base = tiny_pair_model("clip").cuda()
@@ -224,6 +224,8 @@ def test_gpu_training_with_cached_operands_equals_training_without(precision, co
             return model(**tiny_pair_inputs(device="cuda"), return_loss=True).loss
 
     got, want = (train(model, 3, step=step) for model in models)
+    # after the first steps the model's hook refreshes every layer as one captured CUDA graph
+    assert models[0]._switchback_operands_scope.graph is not None
     if not compiled:
         assert_same_training(got, want)
         return

@@ -35,6 +35,7 @@ import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
+from . import refresh_graph
 from .config import SwitchBackConfig
 from .functional import quantize_weight, quantized_dtypes, runs_8bit
 from .kernels.backends import get_kernels
@@ -54,6 +55,8 @@ class _Scope:
     def __init__(self) -> None:
         self.owner: nn.Module | None = None
         self.active = False
+        self.every_layer: list[nn.Module] = []  # the model's own hook's layers
+        self.graph: refresh_graph.RefreshGraph | None = None  # their refresh, captured
 
 
 class WeightOperands:
@@ -111,26 +114,21 @@ def _quantize(layer: nn.Module) -> tuple[torch.Tensor, ...]:
     return w_q, w_scale, wt_q, wt_scale
 
 
-@torch.no_grad()
-def _refresh_layer(layer: nn.Module, group: WeightOperands) -> None:
-    weight = layer.weight
-    if not _full_weight(weight):
-        group.operands, group.key, group.state = None, None, "sharded"
-        return
-    key = _weight_key(weight)
-    if group.operands is not None and group.key == key:
-        return
-    # Not in inference mode (a first forward under torch.inference_mode would make inference tensors, which
-    # a later training forward's autograd cannot save).
-    with torch.inference_mode(False):
-        group.operands = _quantize(layer)
-    group.key = key
+def _quantize_detached(layer: nn.Module) -> tuple[torch.Tensor, ...]:
+    # Outside inference mode (a first forward under torch.inference_mode would make inference tensors, which a
+    # later training forward's autograd cannot save) and autocast (the ops quantize with it off too).
+    with (
+        torch.no_grad(),
+        torch.inference_mode(False),
+        torch.autocast(layer.weight.device.type, enabled=False),
+    ):
+        return _quantize(layer)
 
 
-def refresh_layers(layers, settle: bool = False) -> None:
-    """Bring the operands of `layers` (SwitchBackLinear modules with a WeightOperands) up to date. settle: a
-    forward follows (a hook's call): a layer kept for the previous forward is then kept or dropped by whether
-    its 8-bit path asked for the operands."""
+def _kept(layers, settle: bool) -> list[nn.Module]:
+    """The layers among `layers` that keep operands now. settle: a forward follows (a hook's call): a layer
+    kept for the previous forward is then kept or dropped by whether its 8-bit path asked for them."""
+    kept = []
     for layer in layers:
         group = getattr(layer, OPERANDS, None)
         if group is None or has_weight_cache(layer):  # prepare_for_inference's cache serves it (no grad)
@@ -143,8 +141,47 @@ def refresh_layers(layers, settle: bool = False) -> None:
                 group.operands = group.key = None
         elif settle and state == "new":
             state = group.state = "probe"
-        if state in ("new", "probe", "live"):
-            _refresh_layer(layer, group)
+        if state not in ("new", "probe", "live"):
+            continue
+        if not _full_weight(layer.weight):
+            group.operands, group.key, group.state = None, None, "sharded"
+            continue
+        kept.append(layer)
+    return kept
+
+
+def refresh_layers(layers, settle: bool = False, scope: _Scope | None = None) -> None:
+    """Bring the operands of `layers` (SwitchBackLinear modules with a WeightOperands) up to date; settle: as
+    in _kept. scope: the model's, when this refresh may run as its CUDA graph (refresh_graph.py): where every
+    kept layer is stale (after an optimizer step) and the weights are CUDA tensors."""
+    kept = _kept(layers, settle)
+    keys = [_weight_key(layer.weight) for layer in kept]
+    stale = [
+        i for i, (layer, key) in enumerate(zip(kept, keys, strict=True))
+        if getattr(layer, OPERANDS).operands is None or getattr(layer, OPERANDS).key != key
+    ]  # fmt: skip
+    if not stale:
+        return
+    graphable = (
+        scope is not None
+        and len(stale) == len(kept)
+        and all(layer.weight.is_cuda for layer in kept)
+        and len({layer.weight.device for layer in kept}) == 1
+        and not torch.cuda.is_current_stream_capturing()
+    )
+    if graphable:
+        graph = scope.graph
+        if graph is None or not graph.covers(kept):
+            scope.graph = graph = refresh_graph.capture(kept, _quantize_detached)
+        if graph is not None:
+            graph.replay()
+            for layer, key, operands in zip(kept, keys, graph.outputs, strict=True):
+                group = getattr(layer, OPERANDS)
+                group.operands, group.key = operands, key
+            return
+    for i in stale:
+        group = getattr(kept[i], OPERANDS)
+        group.operands, group.key = _quantize_detached(kept[i]), keys[i]
 
 
 def refresh_weight_operands(model: nn.Module) -> None:
@@ -175,7 +212,7 @@ def operands_for(layer: nn.Module, x: torch.Tensor | None = None) -> tuple[torch
         return group.operands if group.scope.active else None
     if group.operands is not None:
         # eager: a call that entered below every hooked module still gets current operands
-        _refresh_layer(layer, group)
+        refresh_layers((layer,))
     return group.operands
 
 
@@ -186,7 +223,9 @@ def _before_forward(module: nn.Module, args) -> None:
         return
     scope = getattr(module, _SCOPE)
     if scope.owner is None:
-        refresh_layers(getattr(module, _LAYERS), settle=True)
+        # the model's own hook (the usual entry, every layer) may refresh as one CUDA graph
+        graph_scope = scope if getattr(module, _LAYERS) is scope.every_layer else None
+        refresh_layers(getattr(module, _LAYERS), settle=True, scope=graph_scope)
         scope.owner, scope.active = module, True
 
 
@@ -240,6 +279,7 @@ def sync_weight_operands(model: nn.Module, layer_names: list[str]) -> int:
     if not names:
         return 0
     scope = _Scope()
+    scope.every_layer = [model.get_submodule(n) for n in names]
     for name in names:
         setattr(model.get_submodule(name), OPERANDS, WeightOperands(scope))
     if _step_hook is None:
@@ -247,7 +287,9 @@ def sync_weight_operands(model: nn.Module, layer_names: list[str]) -> int:
     for entry, below in _entry_points(model, names).items():
         module = model.get_submodule(entry) if entry else model
         setattr(module, _SCOPE, scope)
-        setattr(module, _LAYERS, [model.get_submodule(n) for n in below])
+        setattr(
+            module, _LAYERS, scope.every_layer if module is model else [model.get_submodule(n) for n in below]
+        )
         handles = (
             module.register_forward_pre_hook(_before_forward),
             module.register_forward_hook(_after_forward, always_call=True),
