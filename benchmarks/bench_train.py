@@ -71,7 +71,7 @@ TOKENS = {
     "all": (dict(min_tokens=0), "no token floor: every linear 8-bit (the text tower too)"),
     "inductor-act": (dict(kernel_changes=dict(triton_act_quantize=False)), "fused MLP's act passes by Inductor"),
     "tma": (dict(kernel_changes=dict(use_tma=True)), "the Hopper TMA 8-bit GEMM (opaque under compile)"),
-    "percall": (dict(kernel_changes=dict(cache_weight_operands=False)), "weights quantized in every op call"),
+    "wcache": (dict(kernel_changes=dict(cache_weight_operands=True)), "weights quantized once per update"),
 }  # fmt: skip
 TOKENS_HELP = "TOKENs:\n" + "\n".join(f"  -{name:13} {text}" for name, (_, text) in TOKENS.items())
 TORCHAO_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")

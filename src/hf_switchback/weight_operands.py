@@ -1,10 +1,9 @@
 """Each SwitchBack weight quantized once per weight update, not in every forward and backward.
 
 A SwitchBack linear's 8-bit path reads its weight in two 8-bit forms: (N, K) for the forward GEMM and
-transposed (K, N) for the grad-input GEMM. Quantized inside the op, they cost two passes over the weight at
-every forward and backward, and under torch.compile about half the nodes SwitchBack adds to each layer's graph
-(more work for every compile phase at every start) and their kernel launches at every step (BENCHMARKS.md,
-Whole training step). With KernelOptions.cache_weight_operands (the default) `apply_switchback` gives each
+transposed (K, N) for the grad-input GEMM. Quantized inside the op, they cost passes over the weight and
+kernel launches at every forward and backward, where a step that waits on the host pays for each launch
+(BENCHMARKS.md, Whole training step). With KernelOptions.cache_weight_operands (off by default) `apply_switchback` gives each
 SwitchBackLinear a `WeightOperands` that keeps both forms, and the ops take them as arguments (graph inputs
 under torch.compile). They are quantized by the same kernels from the same weight: the numerics do not change.
 

@@ -89,11 +89,12 @@ class KernelOptions:
     # The default comes from HF_SWITCHBACK_FP8_GEMM.
     fp8_gemm: str = dataclasses.field(default_factory=_fp8_gemm_default)
     # Each swapped weight quantized once per weight update (an optimizer step, a load), its forward and
-    # transposed 8-bit forms kept with the layer (weight_operands.py), instead of quantized inside the op at
-    # every forward and backward: fewer passes and launches per step and smaller compiled graphs (BENCHMARKS.md,
-    # Whole training step), for 2 bytes of GPU memory per weight value. Same kernels, same numerics. Read by
-    # apply_switchback. False: quantized inside the op.
-    cache_weight_operands: bool = True
+    # transposed 8-bit forms kept with the layer and refreshed as one CUDA graph (weight_operands.py), instead
+    # of quantized inside the op at every forward and backward; 2 bytes of GPU memory per weight value, same
+    # numerics. Off by default: it pays where the step waits on the host (ViT-B/16 b256 in 8 bits, per-layer
+    # compile: 1.04x against 1.01x bf16's), not at ViT-H/14 b192 (0.99x of the uncached step, +1.7 GiB), and
+    # it does not shorten the first compile (BENCHMARKS.md, Whole training step). Read by apply_switchback.
+    cache_weight_operands: bool = False
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
