@@ -104,6 +104,10 @@ def test_switchback_config_keeps_library_defaults_for_unset_flags():
     config = model_setup.switchback_config(parser.parse_args(["--no-fuse_norm", "--no-fuse_activation"]))
     assert config == SwitchBackConfig(fuse_norm=False, fuse_activation=False)
     assert set(model_setup.SWITCHBACK_FLAGS) <= set(vars(parser.parse_args([])))
+    # a kernel option (not compared between configs): the layers' KernelOptions carry it
+    assert not model_setup.switchback_config(parser.parse_args([])).kernel_options.cache_weight_operands
+    config = model_setup.switchback_config(parser.parse_args(["--cache_weight_operands"]))
+    assert config.kernel_options.cache_weight_operands
 
 
 def test_lock_towers_freezes_a_tower_with_its_projection():

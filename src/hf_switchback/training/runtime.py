@@ -64,14 +64,16 @@ def write_compile_artifacts(accelerator, path: str | None) -> None:
 
 
 def kernel_options(args) -> KernelOptions:
-    """The run's SwitchBack KernelOptions: the defaults, and with CUDA graphs on Hopper the TMA 8-bit GEMM."""
+    """The run's SwitchBack KernelOptions: the defaults, with CUDA graphs on Hopper the TMA 8-bit GEMM, and
+    --cache_weight_operands."""
+    options = KernelOptions(cache_weight_operands=args.cache_weight_operands)
     graphs = args.torch_compile and args.compile_mode == "reduce-overhead"
     if graphs and tma_gemm_available():
         # Alone the TMA GEMM is faster than the portable one, but its host-side setup makes launch-bound steps
         # slower; replayed as a CUDA graph that setup is gone (BENCHMARKS.md, Whole training step).
         logger.info("CUDA graphs: using the Hopper TMA 8-bit GEMM (KernelOptions(use_tma=True))")
-        return KernelOptions(use_tma=True)
-    return KernelOptions()
+        return options.replace(use_tma=True)
+    return options
 
 
 def process_group_kwargs(timeout_minutes: float) -> InitProcessGroupKwargs:
