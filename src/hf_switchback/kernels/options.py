@@ -91,9 +91,10 @@ class KernelOptions:
     # Each swapped weight quantized once per weight update (an optimizer step, a load), its forward and
     # transposed 8-bit forms kept with the layer and refreshed as one CUDA graph (weight_operands.py), instead
     # of quantized inside the op at every forward and backward; 2 bytes of GPU memory per weight value, same
-    # numerics. Off by default: it pays where the step waits on the host (ViT-B/16 b256 in 8 bits, per-layer
-    # compile: 1.04x against 1.01x bf16's), not at ViT-H/14 b192 (0.99x of the uncached step, +1.7 GiB), and
-    # it does not shorten the first compile (BENCHMARKS.md, Whole training step). Read by apply_switchback.
+    # numerics. Off by default: measured no faster (ViT-B/16 b256 in 8 bits, per-layer compile: 1.03x on one
+    # H200, within the spread on another; ViT-H/14 b192: 0.99x, +1.7 GiB), and no shorter first compile
+    # (BENCHMARKS.md, Whole training step); meant for frozen weights (LoRA: never re-quantized) and gradient
+    # accumulation, not yet measured there. Read by apply_switchback.
     cache_weight_operands: bool = False
 
     def __post_init__(self) -> None:

@@ -293,8 +293,8 @@ class SpeedArguments:
     cache_weight_operands: bool = arg(
         False,
         "Quantize each SwitchBack weight once per optimizer step, not in every forward and backward "
-        "(KernelOptions.cache_weight_operands): faster where the step waits on the CPU (ViT-B/16 in 8 bits with "
-        "--torch_compile), not at ViT-H; 2 bytes of GPU memory per weight value (BENCHMARKS.md, Whole training step).",
+        "(KernelOptions.cache_weight_operands): for frozen weights (LoRA) and --accum_freq > 1; measured no "
+        "faster on full training steps; 2 bytes of GPU memory per weight value (BENCHMARKS.md, Whole training step).",
     )
     lock_image: bool = arg(False, "Freeze the vision tower and its projection.")
     lock_text: bool = arg(False, "Freeze the text tower and its projection.")
