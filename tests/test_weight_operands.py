@@ -47,7 +47,8 @@ def train(model: nn.Module, steps: int, optimizer_class=torch.optim.SGD, step=No
         optimizer.zero_grad()
         loss = (step or (lambda m: m(**tiny_pair_inputs(), return_loss=True).loss))(model)
         loss.backward()
-        history.append((loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        history.append((loss.detach(), grads))
         optimizer.step()
     return history
 
@@ -240,3 +241,20 @@ def test_gpu_training_with_cached_operands_equals_training_without(precision, co
     for name in grads:
         assert relative_error(grads[name], want_grads[name]) < 0.02, name
     assert len(cached_tensors(models[0])) > 0
+
+
+def test_frozen_weights_under_lora_are_quantized_once():
+    """PEFT LoRA on the SwitchBack layers: the frozen base weights keep their operands across optimizer steps
+    (quantized once), and training equals training without them."""
+    peft = pytest.importorskip("peft")
+    lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "fc1"], init_lora_weights=False)
+    adapted = []
+    for model in pair():
+        torch.manual_seed(0)  # the same adapter initialization on both
+        adapted.append(peft.get_peft_model(model, lora))
+    cached, uncached = adapted
+    q_proj = cached.base_model.model.vision_model.encoder.layers[0].self_attn.q_proj.base_layer
+    cached(**tiny_pair_inputs(), return_loss=True)
+    first = operands_for(q_proj)
+    assert_same_training(train(cached, 3), train(uncached, 3))
+    assert all(a is b for a, b in zip(operands_for(q_proj), first, strict=True))  # never quantized again
