@@ -64,11 +64,15 @@ def quantize_weight(
     weight_scaling: str,
     qdtype: torch.dtype,
     options: KernelOptions | None = None,
+    transposed: bool = False,
 ):
-    """The forward weight operand: (N, K) -> (q (N, K), scale () for "tensor" or (N,) for "row")."""
+    """A weight operand, (N, K) -> the forward GEMM's (q (N, K), scale () for "tensor" or (N,) for "row"), or
+    with transposed the grad-input GEMM's (q (K, N), scale () or (K,))."""
     if weight_scaling == "tensor":
-        return kernels.quantize_tensorwise(weight, qdtype, options=options)
-    return kernels.quantize_rowwise(weight, qdtype, options=options)
+        quantize = kernels.quantize_tensorwise_transposed if transposed else kernels.quantize_tensorwise
+    else:
+        quantize = kernels.quantize_rowwise_transposed if transposed else kernels.quantize_rowwise
+    return quantize(weight, qdtype, options=options)
 
 
 # The last quantized layer input, for the next call with the same input tensor: q, k and v of an attention
@@ -216,10 +220,10 @@ def linear_grads(
             g_q, g_scale = kernels.quantize_rowwise(grad_out, grad_qdtype, options=options)
         if weight_t is not None:
             wt_q, wt_scale = weight_t
-        elif weight_scaling == "tensor":
-            wt_q, wt_scale = kernels.quantize_tensorwise_transposed(weight, grad_qdtype, options=options)
         else:
-            wt_q, wt_scale = kernels.quantize_rowwise_transposed(weight, grad_qdtype, options=options)
+            wt_q, wt_scale = quantize_weight(
+                kernels, weight, weight_scaling, grad_qdtype, options, transposed=True
+            )
         grad_x = kernels.scaled_matmul(g_q, wt_q, g_scale, wt_scale, None, x_dtype, options=options)
     elif quantized_grad is not None:
         g_colsum = quantized_grad[2]
@@ -306,16 +310,15 @@ class _SwitchBackMLPFn(torch.autograd.Function):
         need_fc1 = need_x or need_w1 or need_b1
         g = grad_out.contiguous()
         grad_x = grad_w1 = grad_b1 = grad_w2 = grad_b2 = None
-        wt_quantize = (
-            kernels.quantize_tensorwise_transposed
-            if weight_scaling == "tensor"
-            else kernels.quantize_rowwise_transposed
-        )
 
         a = None
         if need_fc1:
             g_q, g_scale, g_colsum = kernels.quantize_rowwise_colsum(g, gq, options=options)
-            w2t_q, w2t_scale = cached[4:] if cached else wt_quantize(w2, gq, options=options)
+            w2t_q, w2t_scale = (
+                cached[4:]
+                if cached
+                else quantize_weight(kernels, w2, weight_scaling, gq, options, transposed=True)
+            )
             # grad_h = (G W2) * act'(h), the GEMM then the activation backward + quantize in one call.
             grad_h, a, gh_q, gh_scale, gh_colsum = kernels.scaled_matmul_act_backward(
                 g_q, w2t_q, g_scale, w2t_scale, h, gq, activation, need_w2, options=options
@@ -332,7 +335,11 @@ class _SwitchBackMLPFn(torch.autograd.Function):
         del a
 
         if need_x:
-            w1t_q, w1t_scale = cached[2:4] if cached else wt_quantize(w1, gq, options=options)
+            w1t_q, w1t_scale = (
+                cached[2:4]
+                if cached
+                else quantize_weight(kernels, w1, weight_scaling, gq, options, transposed=True)
+            )
             grad_x = kernels.scaled_matmul(gh_q, w1t_q, gh_scale, w1t_scale, None, x_dtype, options=options)
         if need_w1:
             if memory_efficient:

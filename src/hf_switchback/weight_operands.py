@@ -105,11 +105,9 @@ def _quantize(layer: nn.Module) -> tuple[torch.Tensor, ...]:
     fwd_qdtype, grad_qdtype = quantized_dtypes(config, weight.device)
     options = config.kernel_options
     kernels = get_kernels(config.backend, weight.device, options)
-    w_q, w_scale = quantize_weight(kernels, weight, config.weight_scaling, fwd_qdtype, options)
-    if config.weight_scaling == "tensor":
-        wt_q, wt_scale = kernels.quantize_tensorwise_transposed(weight, grad_qdtype, options=options)
-    else:
-        wt_q, wt_scale = kernels.quantize_rowwise_transposed(weight, grad_qdtype, options=options)
+    scaling = config.weight_scaling
+    w_q, w_scale = quantize_weight(kernels, weight, scaling, fwd_qdtype, options)
+    wt_q, wt_scale = quantize_weight(kernels, weight, scaling, grad_qdtype, options, transposed=True)
     return w_q, w_scale, wt_q, wt_scale
 
 
@@ -184,8 +182,8 @@ def refresh_layers(layers, settle: bool = False, scope: _Scope | None = None) ->
 
 
 def refresh_weight_operands(model: nn.Module) -> None:
-    """Refresh every cached weight operand of `model` whose weight changed. The hooks call it before each
-    forward; call it yourself after changing weights if you then call a single layer under torch.compile."""
+    """Refresh every cached weight operand of `model` whose weight changed (the hooks do it before each
+    forward, and in eager mode each op for its own layer)."""
     refresh_layers(m for m in model.modules() if hasattr(m, OPERANDS))
 
 
