@@ -11,10 +11,13 @@ from __future__ import annotations
 
 import json
 import re
+import tempfile
 import time
+import warnings
 from pathlib import Path
 from typing import NamedTuple
 
+import host_waits
 import torch
 
 FORWARD, BACKWARD, OUTSIDE = "forward", "backward", "outside"
@@ -186,7 +189,7 @@ def profile(
                 finish(loss)
                 sync()
         wall_ms = (time.perf_counter() - t0) * 1000 / steps
-        with record_function(MARK + FREE):
+        with record_function(MARK + FREE), _synchronizing_calls(device) as syncs:
             finish(forward())
         sync()
     device_type = None if device == "cuda" else torch.autograd.DeviceType.CPU
@@ -197,17 +200,59 @@ def profile(
     )
     marked = [k for k in kernels if k.start_us < free_start]
     free = [k for k in kernels if k.start_us >= free_start]
-    return marked, eight_bit, wall_ms, free
+    return marked, eight_bit, wall_ms, free, dict(synchronizing_calls=syncs, **_free_step_host_waits(prof))
+
+
+class _synchronizing_calls(list):
+    """The distinct warnings of CUDA calls that made the host wait for the GPU (torch's sync debug mode) inside
+    the block: a free-running step should have none, as each one drains the GPU's queue."""
+
+    def __init__(self, device: str):
+        super().__init__()
+        self.cuda = device == "cuda"
+
+    def __enter__(self):
+        if self.cuda:
+            self._caught = warnings.catch_warnings(record=True)
+            self._records = self._caught.__enter__()
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+        return self
+
+    def __exit__(self, *exc):
+        if self.cuda:
+            torch.cuda.set_sync_debug_mode("default")
+            self._caught.__exit__(*exc)
+            messages = [str(w.message)[:200] for w in self._records if "synchroniz" in str(w.message)]
+            self.extend(sorted(set(messages))[: host_waits.TOP])
+            self.append(f"{len(messages)} calls")
+        return False
+
+
+def _free_step_host_waits(prof) -> dict:
+    """host_waits.host_waits of the free step, from the profile's Chrome trace (CUDA runs only)."""
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / "trace.json"
+        prof.export_chrome_trace(str(path))
+        trace = json.loads(path.read_text())
+    marks = [
+        e["ts"]
+        for e in trace.get("traceEvents", ())
+        if e.get("name") == MARK + FREE and e.get("cat") == "user_annotation"
+    ]
+    return dict(host_waits=host_waits.host_waits(trace, after_us=min(marks))) if marks else {}
 
 
 def profile_row(forward, finish, steps: int, device: str, path: Path, title: str) -> dict:
     """Profile `steps` steps, write the summary to `path` (JSON) and return it (for the row's JSON); the JSON
     also lists the top kernels and the GPU idle time of a free-running step."""
-    kernels, eight_bit, wall_ms, free = profile(forward, finish, steps, device)
+    kernels, eight_bit, wall_ms, free, host = profile(forward, finish, steps, device)
     summary = summarize(kernels, steps, eight_bit)
     summary.update(profiled_wall_ms_per_step=wall_ms, report=str(path))
     path.parent.mkdir(parents=True, exist_ok=True)
-    details = dict(top_kernels=top_kernels(kernels, steps, eight_bit), free_step=idle_time(free))
+    details = dict(
+        top_kernels=top_kernels(kernels, steps, eight_bit), free_step=dict(idle_time(free), **host)
+    )
     path.write_text(json.dumps(dict(title=title, **summary, **details), indent=1))
     return summary
 

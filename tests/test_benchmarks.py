@@ -15,11 +15,11 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 
 
-# the scripts a user runs (common.py and step_profile.py are their helpers)
+# the scripts a user runs (common.py, step_profile.py and host_waits.py are their helpers)
 SCRIPTS = sorted(
     p.name
     for p in [*(ROOT / "benchmarks").glob("*.py"), *(ROOT / "benchmarks").glob("*.sh")]
-    if p.name not in ("common.py", "step_profile.py")
+    if p.name not in ("common.py", "step_profile.py", "host_waits.py")
 )
 
 
@@ -202,6 +202,38 @@ def test_bench_train_profile_prints_the_grouped_table_and_writes_json(tmp_path, 
     assert saved["ms"]["16-bit GEMM"]["forward"] > 0  # aten::mm / addmm stand in for the GEMM kernels
     assert saved["gpu_ms_per_step"] == pytest.approx(sum(sum(v.values()) for v in saved["ms"].values()))
     assert saved["top_kernels"][0]["ms"] > 0 and saved["free_step"]["busy_ms"] > 0
+
+
+def test_host_waits_splits_the_gaps_the_host_caused_from_the_rest():
+    """A gap whose next kernel started right after its launch returned is the host's, charged to the host ops
+    around that launch; a gap before a kernel launched long before is the GPU side's."""
+    waits = load_script("host_waits")
+
+    def op(name, ts, dur, cat="cpu_op", tid=1, **args):
+        return dict(ph="X", name=name, ts=ts, dur=dur, cat=cat, tid=tid, args=args)
+
+    trace = dict(
+        traceEvents=[
+            op("step", 0, 1000, cat="user_annotation"),
+            op("fast_op", 0, 20),
+            op("cudaLaunchKernel", 5, 5, cat="cuda_runtime", correlation=1),
+            op("slow_op", 30, 400),
+            op("python_work", 40, 300),
+            op("cudaLaunchKernel", 420, 5, cat="cuda_runtime", correlation=2),
+            op("cudaLaunchKernel", 426, 5, cat="cuda_runtime", correlation=3),
+            op("k1", 10, 100, cat="kernel", tid=7, correlation=1),  # ends at 110
+            op("k2", 440, 50, cat="kernel", tid=7, correlation=2),  # 330 us gap: launched at 425, late
+            op("k3", 800, 50, cat="kernel", tid=7, correlation=3),  # 310 us gap: launched at 431, not late
+        ]
+    )
+    found = waits.host_waits(trace)
+    assert found["host_late_ms"] == pytest.approx(0.33) and found["gpu_side_ms"] == pytest.approx(0.31)
+    assert found["host_late_by_launching_op"] == [dict(op="step > slow_op", ms=pytest.approx(0.33), gaps=1)]
+    gap = found["largest_host_gaps"][0]
+    assert (gap["before"], gap["after"], gap["launched_in"]) == ("k1", "k2", ["step", "slow_op"])
+    assert gap["host_ms_between_launches"] == pytest.approx(0.415)
+    assert [o["op"] for o in gap["longest_host_ops_between"]] == ["slow_op", "python_work"]
+    assert waits.host_waits(trace, after_us=900) == {}
 
 
 def test_bench_train_models_come_from_configs():
