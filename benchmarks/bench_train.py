@@ -416,9 +416,10 @@ def run_in_processes(args: argparse.Namespace, argv: list[str]) -> list[dict]:
                     row = dict(common.row_in_process(command, out), model=name, variant=variant)
                     samples.setdefault((name, variant), []).append(row)
                     print(json.dumps(dict(row, process=repeat)), flush=True)
+                    if args.json:  # after each process, so a killed run keeps what it measured
+                        rows = [median_row(s) for s in samples.values()]
+                        Path(args.json).write_text(json.dumps(dict(env=env, rows=rows), indent=1))
     rows = [median_row(s) for s in samples.values()]
-    if args.json:
-        Path(args.json).write_text(json.dumps(dict(env=env, rows=rows), indent=1))
     print_table(rows)
     return rows
 

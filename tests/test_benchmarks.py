@@ -109,8 +109,12 @@ def test_bench_train_processes_interleave_rows_and_report_each_rows_median(tmp_p
     bench = load_script("bench_train")
     calls, step_ms = [], {"bf16": [30.0, 10.0, 20.0], "int8": [5.0, 50.0, 40.0]}
 
+    written = []  # the --json file's rows as each child starts: a killed run keeps the finished processes
+
     def fake_process(argv, json_path, env=None, timeout=None):
         variant = argv[argv.index("--variants") + 1]
+        rows_so_far = json.loads(out.read_text())["rows"] if out.exists() else []
+        written.append([(r["variant"], r["processes"]) for r in rows_so_far])
         calls.append(argv)
         ms = step_ms[variant][sum(variant in c for c in calls) - 1]
         return dict(
@@ -141,6 +145,8 @@ def test_bench_train_processes_interleave_rows_and_report_each_rows_median(tmp_p
     ]
     assert rows[1]["ms_per_step_processes"] == [5.0, 50.0, 40.0]
     assert "vit-b-16 int8: ms/step per process 5.0 / 50.0 / 40.0" in capsys.readouterr().out
+    assert written[:3] == [[], [("bf16", 1)], [("bf16", 1), ("int8", 1)]]
+    assert written[-1] == [("bf16", 3), ("int8", 2)]
 
 
 def test_bench_train_processes_median_row_and_refusals(monkeypatch, capsys):
