@@ -293,7 +293,9 @@ def run_row(name: str, variant: str, args, profile: bool = False, batch: int | N
         saved = torch.cuda.memory_allocated() - resting if cuda else 0
         finish(loss)
         retries = torch.cuda.memory_stats().get("num_alloc_retries", 0) if cuda else 0
-        ms, loss = timed(lambda: finish(forward()), args.steps, device)
+        with common.gpu_clocks(cuda) as clocks:  # the SM clock and power the timed steps ran at
+            ms, loss = timed(lambda: finish(forward()), args.steps, device)
+        row.update(clocks)
         if not torch.isfinite(loss).item():
             raise FloatingPointError(f"loss is {loss.item()}")
         row.update(ms_per_step=ms, samples_per_s=batch * 1000 / ms, loss=loss.item(), peak_mem_gib=None)
@@ -364,6 +366,8 @@ def print_table(rows: list[dict]) -> None:
     cols += [
         ("peak GiB", lambda r: r["peak_mem_gib"], ".1f"),
         ("1st step s", lambda r: r["first_step_s"], ".1f"),
+        ("SM MHz", lambda r: r.get("sm_clock_mhz"), ".0f"),
+        ("W", lambda r: r.get("power_w"), ".0f"),
     ]
     lead = [("model", "model", 11), ("variant", "variant", 42)]
     common.print_table(rows, lead, cols, "ms_per_step")

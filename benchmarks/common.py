@@ -17,7 +17,9 @@ import argparse
 import contextlib
 import json
 import math
+import os
 import platform
+import shutil
 import statistics
 import subprocess
 import sys
@@ -209,6 +211,48 @@ def print_table(rows: list[dict], lead: list[tuple[str, str, int]], cols: list[t
             continue
         values = [(get(r), spec, w) for _, get, spec, w in cols]
         print(*cells, *(f"{'-' if v is None else format(v, s):>{w}}" for v, s, w in values))
+
+
+@contextlib.contextmanager
+def gpu_clocks(enabled: bool, gpu: str | None = None, interval_ms: int = 100):
+    """Sample the GPU's SM clock (MHz) and board power (W) with nvidia-smi while the block runs; the yielded
+    dict gets their medians and the sample count when it ends ({} where disabled or nvidia-smi is missing).
+    A step that holds the board at its power limit runs at a lower clock: the sustained step's time depends
+    on the energy its kernels take, which a profile of kernel times alone does not show. gpu: nvidia-smi's
+    -i (default: the current device, through CUDA_VISIBLE_DEVICES)."""
+    found: dict = {}
+    if not enabled or shutil.which("nvidia-smi") is None:
+        yield found
+        return
+    gpu = gpu if gpu is not None else _nvidia_smi_index()
+    query = ["nvidia-smi", "-i", gpu, "--query-gpu=clocks.sm,power.draw", "--format=csv,noheader,nounits"]
+    sampler = subprocess.Popen(
+        [*query, f"-lms={interval_ms}"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
+    )
+    try:
+        yield found
+    finally:
+        sampler.terminate()
+        out, _ = sampler.communicate(timeout=10)
+        samples = []
+        for line in out.splitlines():
+            with contextlib.suppress(ValueError):
+                clock, power = (float(v) for v in line.split(","))
+                samples.append((clock, power))
+        if samples:
+            found.update(
+                sm_clock_mhz=statistics.median(c for c, _ in samples),
+                power_w=statistics.median(w for _, w in samples),
+                clock_samples=len(samples),
+            )
+
+
+def _nvidia_smi_index() -> str:
+    import torch
+
+    index = torch.cuda.current_device()
+    visible = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
+    return visible[index] if index < len(visible) else str(index)
 
 
 def write_json(path: Path, value, indent: int | None = None) -> None:

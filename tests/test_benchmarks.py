@@ -6,6 +6,7 @@ import math
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import helpers
@@ -165,6 +166,31 @@ def test_bench_train_processes_median_row_and_refusals(monkeypatch, capsys):
         with pytest.raises(SystemExit):
             bench.main()
         assert message in capsys.readouterr().err
+
+
+def test_common_gpu_clocks_reads_the_medians_of_nvidia_smi_samples(tmp_path, monkeypatch):
+    """A stand-in nvidia-smi on PATH prints samples until stopped: the block's medians, and the query asks for
+    the given GPU; disabled or without nvidia-smi nothing is sampled."""
+    common = load_script("common")
+    fake = tmp_path / "nvidia-smi"
+    fake.write_text(
+        '#!/bin/sh\necho "$@" > "$(dirname "$0")/argv"\n'
+        'printf "1755, 690.5\\n1935, 689.0\\n[N/A], 12\\n1800, 700.0\\n"\nexec sleep 30\n'
+    )
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:/usr/bin:/bin")
+    with common.gpu_clocks(True, gpu="3", interval_ms=50) as clocks:
+        time.sleep(0.5)  # the stand-in has printed its samples
+    assert clocks == dict(sm_clock_mhz=1800.0, power_w=690.5, clock_samples=3)
+    argv = (tmp_path / "argv").read_text().split()
+    assert argv[:2] == ["-i", "3"] and "--query-gpu=clocks.sm,power.draw" in argv and "-lms=50" in argv
+    with common.gpu_clocks(False) as off:
+        pass
+    assert off == {}
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    with common.gpu_clocks(True, gpu="0") as missing:
+        pass
+    assert missing == {}
 
 
 def test_common_without_flags_drops_options_and_their_values():
