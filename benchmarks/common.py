@@ -233,7 +233,11 @@ def gpu_clocks(enabled: bool, gpu: str | None = None, interval_ms: int = 100):
         yield found
     finally:
         sampler.terminate()
-        out, _ = sampler.communicate(timeout=10)
+        try:
+            out, _ = sampler.communicate(timeout=10)
+        except subprocess.TimeoutExpired:  # it ignored the terminate: its samples are not worth a hang
+            sampler.kill()
+            out, _ = sampler.communicate()
         samples = []
         for line in out.splitlines():
             with contextlib.suppress(ValueError):

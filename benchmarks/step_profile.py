@@ -9,6 +9,7 @@ named like bf16 ones) are 8-bit GEMMs and Inductor kernels that absmax, round, c
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import tempfile
@@ -23,6 +24,7 @@ import torch
 FORWARD, BACKWARD, OUTSIDE = "forward", "backward", "outside"
 MARK = "step_profile:"
 FREE = "free"  # the mark of the step run without phase synchronizes, whose GPU idle time is measured
+SYNCHRONIZING_CALL = "called a synchronizing CUDA operation"  # torch's sync debug mode warning
 TOP_KERNELS, TOP_GAPS = 40, 12
 GEMM_16BIT, GEMM_8BIT, QUANT = "16-bit GEMM", "8-bit GEMM", "quantize/cast"
 ATTENTION, ELEMENTWISE, OPTIMIZER, OTHER = "attention", "norm + elementwise", "optimizer", "other"
@@ -169,11 +171,12 @@ def idle_time(kernels: list[Kernel]) -> dict:
 
 def profile(
     forward, finish, steps: int, device: str
-) -> tuple[list[Kernel], frozenset[str], float, list[Kernel]]:
+) -> tuple[list[Kernel], frozenset[str], float, list[Kernel], dict]:
     """Run `steps` training steps (forward() -> loss, finish(loss)) under torch.profiler, phases marked, then
     one more step without synchronizes inside it; returns the marked steps' kernels, the 8-bit GEMM kernel
     names, the profiled wall ms per marked step (synchronizes and the profiler slow it: read it as a bound, not
-    a figure) and the kernels of the free-running step."""
+    a figure), the kernels of the free-running step and what made the host wait in it (the synchronizing CUDA
+    calls and host_waits.host_waits of its Chrome trace; CUDA runs only)."""
     from torch.autograd.profiler import record_function
     from torch.profiler import ProfilerActivity
 
@@ -200,37 +203,41 @@ def profile(
     )
     marked = [k for k in kernels if k.start_us < free_start]
     free = [k for k in kernels if k.start_us >= free_start]
-    return marked, eight_bit, wall_ms, free, dict(synchronizing_calls=syncs, **_free_step_host_waits(prof))
+    return (
+        marked,
+        eight_bit,
+        wall_ms,
+        free,
+        dict(synchronizing_calls=syncs, **_free_step_host_waits(prof, device)),
+    )
 
 
-class _synchronizing_calls(list):
-    """The distinct warnings of CUDA calls that made the host wait for the GPU (torch's sync debug mode) inside
-    the block: a free-running step should have none, as each one drains the GPU's queue."""
-
-    def __init__(self, device: str):
-        super().__init__()
-        self.cuda = device == "cuda"
-
-    def __enter__(self):
-        if self.cuda:
-            self._caught = warnings.catch_warnings(record=True)
-            self._records = self._caught.__enter__()
-            warnings.simplefilter("always")
-            torch.cuda.set_sync_debug_mode("warn")
-        return self
-
-    def __exit__(self, *exc):
-        if self.cuda:
+@contextlib.contextmanager
+def _synchronizing_calls(device: str):
+    """Yield a list that gets the distinct warnings of the CUDA calls inside the block that made the host wait
+    for the GPU (torch's sync debug mode), then their count: a free-running step should have none, as each
+    one drains the GPU's queue. Nothing on the CPU."""
+    found: list[str] = []
+    if device != "cuda":
+        yield found
+        return
+    with warnings.catch_warnings(record=True) as records:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            yield found
+        finally:
             torch.cuda.set_sync_debug_mode("default")
-            self._caught.__exit__(*exc)
-            messages = [str(w.message)[:200] for w in self._records if "synchroniz" in str(w.message)]
-            self.extend(sorted(set(messages))[: host_waits.TOP])
-            self.append(f"{len(messages)} calls")
-        return False
+    # (the mode's own notice, that it is a prototype, is not such a call)
+    messages = [str(w.message)[:200] for w in records if SYNCHRONIZING_CALL in str(w.message)]
+    found.extend(sorted(set(messages))[: host_waits.TOP])
+    found.append(f"{len(messages)} calls")
 
 
-def _free_step_host_waits(prof) -> dict:
+def _free_step_host_waits(prof, device: str) -> dict:
     """host_waits.host_waits of the free step, from the profile's Chrome trace (CUDA runs only)."""
+    if device != "cuda":
+        return {}
     with tempfile.TemporaryDirectory() as folder:
         path = Path(folder) / "trace.json"
         prof.export_chrome_trace(str(path))

@@ -268,6 +268,23 @@ def test_host_waits_splits_the_gaps_the_host_caused_from_the_rest():
     assert waits.host_waits(trace, after_us=900) == {}
 
 
+@pytest.mark.gpu
+def test_step_profile_counts_the_synchronizing_calls_of_a_block():
+    """torch's sync debug mode inside the block: a .item() is one call the host waits on; launches alone none;
+    the mode's own prototype notice is not counted."""
+    prof = load_script("step_profile")
+    x = torch.ones(1024, device="cuda")
+    with prof._synchronizing_calls("cuda") as found:
+        (x * 2).sum().item()
+    assert int(found[-1].split()[0]) >= 1 and prof.SYNCHRONIZING_CALL in found[0]
+    with prof._synchronizing_calls("cuda") as none:
+        x.mul_(2)
+    assert none == ["0 calls"]
+    with prof._synchronizing_calls("cpu") as cpu:
+        x.sum().item()
+    assert cpu == []
+
+
 def test_bench_train_models_come_from_configs():
     bench = load_script("bench_train")
     config = bench.clip_config("vit-h-14")
