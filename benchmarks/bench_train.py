@@ -411,6 +411,7 @@ def run_in_processes(args: argparse.Namespace, argv: list[str]) -> list[dict]:
     env = dict(common.versions(args.device), args=vars(args))
     print(json.dumps(env), flush=True)
     samples: dict[tuple[str, str], list[dict]] = {}
+    rows: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="bench_train_") as tmp:
         for repeat in range(args.processes):
             for name in args.models:
@@ -420,10 +421,9 @@ def run_in_processes(args: argparse.Namespace, argv: list[str]) -> list[dict]:
                     row = dict(common.row_in_process(command, out), model=name, variant=variant)
                     samples.setdefault((name, variant), []).append(row)
                     print(json.dumps(dict(row, process=repeat)), flush=True)
+                    rows = [median_row(s) for s in samples.values()]
                     if args.json:  # after each process, so a killed run keeps what it measured
-                        rows = [median_row(s) for s in samples.values()]
                         Path(args.json).write_text(json.dumps(dict(env=env, rows=rows), indent=1))
-    rows = [median_row(s) for s in samples.values()]
     print_table(rows)
     return rows
 
