@@ -3,7 +3,8 @@
 Passes per (model, variant), each its own process on its own Inductor and Triton cache folders: cold (empty
 caches), warm (the same caches again), moved (--moved: empty caches plus the artifacts cold saved, as
 train_clip.py --compile_cache_dir on another machine). Per row: the first step's seconds, its ratio to
---baseline and the FX graph cache's hit/miss/bypass. An untimed eager process runs first (--no_prime skips it), so that
+--baseline and the FX graph cache's hit/miss/bypass; then, per model and pass, the seconds each variant's first
+step takes over the baseline's, split by compile stage (compile_stages.py). An untimed eager process runs first (--no_prime skips it), so that
 reading the libraries from disk does not land on the first row. Flags it does not know go to bench_train.py.
 
     PYTHONPATH=src python benchmarks/compile_warmup.py --models vit-b-16 --variants bf16+compile int8+compile \\
@@ -22,6 +23,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 import common  # noqa: E402
+from compile_stages import extra_by_stage, print_extra_by_stage  # noqa: E402
 
 
 def run_row(model: str, variant: str, cache: Path, args, extra: list[str]) -> dict:
@@ -93,7 +95,9 @@ def main() -> None:
         args.device = "cpu"
     common.check_device(parser, args)
     rows = measure(args, extra)
-    print_table(rows, args.baseline or args.variants[0])
+    baseline = args.baseline or args.variants[0]
+    print_table(rows, baseline)
+    print_extra_by_stage(extra_by_stage(rows, baseline), baseline)
     if any("first_step_s" not in r for r in rows):
         sys.exit(1)
 

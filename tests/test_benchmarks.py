@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parent.parent
 SCRIPTS = sorted(
     p.name
     for p in [*(ROOT / "benchmarks").glob("*.py"), *(ROOT / "benchmarks").glob("*.sh")]
-    if p.name not in ("common.py", "step_profile.py", "host_waits.py")
+    if p.name not in ("common.py", "step_profile.py", "host_waits.py", "compile_stages.py")
 )
 
 
@@ -696,9 +696,12 @@ def test_compile_warmup_runs_each_variant_cold_then_warm_in_its_own_caches(tmp_p
         assert "error" not in row, row
         # eager rows compile nothing
         assert row["first_step_s"] > 0 and not any(row["first_step_caches"].values())
-    table = [line for line in stdout.splitlines() if line.startswith("vit-b-16")]
+    lines = [line for line in stdout.splitlines() if line.startswith("vit-b-16")]
+    table, by_stage = lines[:4], lines[4:]
     assert len(table) == 4 and all("x" in line for line in table)
     assert "1.00x" in table[0]  # the baseline's own row
+    # then the extra seconds over the baseline by compile stage: int8's cold and warm passes
+    assert [line.split()[1:3] for line in by_stage] == [["int8", "cold"], ["int8", "warm"]]
     assert (cache_root / "prime").is_dir()  # the untimed first process ran, on caches of its own
 
 
@@ -736,6 +739,44 @@ def test_compile_warmup_moved_pass_loads_the_cold_processs_artifacts_on_empty_ca
     assert moved["first_step_caches"]["fx_graph_miss"] == 0
     assert moved["first_step_caches"]["fx_graph_hit"] == cold["first_step_caches"]["fx_graph_miss"]
     assert moved["first_step_s"] < cold["first_step_s"]
+
+
+def _warmup_row(variant, repeat, first_step_s, ttir_s=0.0, **timers):
+    return dict(model="vit-b-16", variant=variant, repeat=repeat, first_step_s=first_step_s,
+                first_step_compile_s=timers, first_step_ttir={"calls": 1, "s": ttir_s}, **{"pass": "cold"})  # fmt: skip
+
+
+def test_compile_stages_split_the_extra_seconds_by_stage_and_average_the_repeats(capsys):
+    stages = load_script("compile_stages")
+    # nested timers (Inductor's whole compile inside AOT's dispatcher) must not be counted: only listed ones are
+    rows = [
+        _warmup_row("bf16", 0, 10.0, bytecode_tracing=0.5, aot_collect_metadata=0.2, create_aot_dispatcher_function=7.0),
+        _warmup_row("int8", 0, 14.0, 1.0, bytecode_tracing=1.0, aot_collect_metadata=1.4, create_aot_dispatcher_function=9.0),
+        _warmup_row("bf16", 1, 12.0, bytecode_tracing=0.5, aot_trace_joint_graph=0.4, **{"PyCodeCache.load_by_key_path": 3.0}),
+        _warmup_row("int8", 1, 15.0, 2.0, bytecode_tracing=0.7, aot_trace_joint_graph=1.0, **{"PyCodeCache.load_by_key_path": 4.0}),
+        _warmup_row("int8", 2, 99.0),  # no baseline row in its repeat: left out
+        dict(_warmup_row("fp8", 0, 1.0), first_step_s=None) | {"error": "x"},
+    ]  # fmt: skip
+    del rows[-1]["first_step_s"]  # a failed row has no first step
+    (extra,) = stages.extra_by_stage(rows, "bf16")
+    assert (extra["model"], extra["pass"], extra["variant"], extra["repeats"]) == (
+        "vit-b-16",
+        "cold",
+        "int8",
+        2,
+    )
+    # repeat 0: +4.0 total, Dynamo +0.5, AOT +1.2, rest +2.3; repeat 1: +3.0, Dynamo +0.2, AOT +0.6, kernels +1.0
+    assert extra["total"] == pytest.approx(3.5)
+    assert extra["Dynamo"] == pytest.approx(0.35)
+    assert extra["AOT trace"] == pytest.approx(0.9)
+    assert extra["kernels"] == pytest.approx(0.5)
+    assert extra["TTIR"] == pytest.approx(1.5)
+    assert extra["rest"] == pytest.approx((2.3 + 1.2) / 2)
+    assert extra["guards"] == 0.0
+    assert stages.stage_seconds(rows[-1]) == {}
+    stages.print_extra_by_stage([extra], "bf16")
+    line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("vit-b-16"))
+    assert "+3.50" in line and "cold" in line
 
 
 def test_compile_warmup_refuses_full_size_models_on_the_cpu(monkeypatch, capsys):

@@ -1,0 +1,86 @@
+"""Where a compiled run's first step spends the seconds it takes over a baseline's, by compile stage.
+
+bench_train.py records torch's compile timers of the first step (`first_step_compile_s`: torch._dynamo's
+`compilation_time_metrics`, seconds per timer name) and the TTIR analyses of our kernels (`first_step_ttir`).
+The timers nest (AOT autograd's dispatcher holds Inductor's whole compile, for one), so this module sums only
+timers that do not hold one another, in the order a cold start runs them; what they leave out (the step's
+own run, process work, timers not listed) is the "rest". The TTIR analyses run inside the AOT trace and the
+post-grad passes, so they are shown as a part of those, not added.
+
+    stages = extra_by_stage(rows, "bf16+compile")   # rows of compile_warmup.py
+    print_extra_by_stage(stages, "bf16+compile")
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+# (column, torch's timer names summed into it); no timer here holds another listed timer
+STAGES = (
+    ("Dynamo", ("bytecode_tracing",)),
+    ("AOT trace", ("aot_collect_metadata", "aot_trace_joint_graph")),
+    ("joint+partition", ("_recursive_joint_graph_passes", "min_cut_rematerialization_partition")),
+    ("lowering", ("_recursive_post_grad_passes", "GraphLowering.run")),
+    ("codegen", ("GraphLowering.codegen",)),
+    ("kernels", ("PyCodeCache.load_by_key_path",)),  # compiled (cold) or loaded (warm), waits included
+    ("autotune", ("CachingAutotuner.benchmark_all_configs",)),
+    ("guards", ("build_guards",)),
+)
+
+
+def stage_seconds(row: dict) -> dict[str, float]:
+    """One row's first step split by stage: {column: seconds}, plus "TTIR" (inside the AOT trace and lowering)
+    and "rest" (first step minus the stages). {} for a row without a first step."""
+    if "first_step_s" not in row:
+        return {}
+    timers = row.get("first_step_compile_s") or {}
+    stages = {name: sum(timers.get(timer, 0.0) for timer in names) for name, names in STAGES}
+    stages["TTIR"] = (row.get("first_step_ttir") or {}).get("s", 0.0)
+    stages["rest"] = row["first_step_s"] - sum(stages[name] for name, _ in STAGES)
+    return stages
+
+
+def extra_by_stage(rows: list[dict], baseline: str) -> list[dict]:
+    """Per (model, pass, variant) other than `baseline`: the mean over repeats of its stage seconds minus the
+    baseline's of the same model, pass and repeat ("total": the first step's), with "repeats" counted."""
+    base = {(r["model"], r["pass"], r["repeat"]): r for r in rows if r["variant"] == baseline}
+    sums: dict[tuple, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+    counts: dict[tuple, int] = defaultdict(int)
+    for r in rows:
+        reference = base.get((r["model"], r["pass"], r["repeat"]))
+        if r["variant"] == baseline or reference is None:
+            continue
+        mine, theirs = stage_seconds(r), stage_seconds(reference)
+        if not mine or not theirs:
+            continue
+        group = (r["model"], r["pass"], r["variant"])
+        sums[group]["total"] += r["first_step_s"] - reference["first_step_s"]
+        for name, seconds in mine.items():
+            sums[group][name] += seconds - theirs[name]
+        counts[group] += 1
+    extra = []
+    for group, stage_sums in sums.items():
+        model, cache_pass, variant = group
+        means = {name: total / counts[group] for name, total in stage_sums.items()}
+        extra.append(
+            dict(model=model, variant=variant, repeats=counts[group], **{"pass": cache_pass}, **means)
+        )
+    return extra
+
+
+def print_extra_by_stage(extra: list[dict], baseline: str) -> None:
+    """The table of extra_by_stage: seconds over `baseline`, by stage."""
+    if not extra:
+        return
+    columns = ["total", *(name for name, _ in STAGES), "rest", "TTIR"]
+    print(
+        f"\nfirst step, seconds over {baseline} by compile stage (mean of the repeats; TTIR: inside AOT + lowering)"
+    )
+    widths = [max(len(c), 6) for c in columns]
+    header = f"{'model':11} {'variant':24} {'pass':5} {'n':>2} " + " ".join(
+        f"{c:>{w}}" for c, w in zip(columns, widths, strict=True)
+    )
+    print(header + "\n" + "-" * len(header))
+    for e in extra:
+        cells = " ".join(f"{e[c]:+{w}.2f}" for c, w in zip(columns, widths, strict=True))
+        print(f"{e['model']:11} {e['variant']:24} {e['pass']:5} {e['repeats']:>2} {cells}")
