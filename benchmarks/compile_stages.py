@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from collections import defaultdict
 
+import common
+
 # (column, torch's timer names summed into it); no timer here holds another listed timer
 STAGES = (
     ("Dynamo", ("bytecode_tracing",)),
@@ -72,15 +74,9 @@ def print_extra_by_stage(extra: list[dict], baseline: str) -> None:
     """The table of extra_by_stage: seconds over `baseline`, by stage."""
     if not extra:
         return
-    columns = ["total", *(name for name, _ in STAGES), "rest", "TTIR"]
     print(
         f"\nfirst step, seconds over {baseline} by compile stage (mean of the repeats; TTIR: inside AOT + lowering)"
     )
-    widths = [max(len(c), 6) for c in columns]
-    header = f"{'model':11} {'variant':24} {'pass':5} {'n':>2} " + " ".join(
-        f"{c:>{w}}" for c, w in zip(columns, widths, strict=True)
-    )
-    print(header + "\n" + "-" * len(header))
-    for e in extra:
-        cells = " ".join(f"{e[c]:+{w}.2f}" for c, w in zip(columns, widths, strict=True))
-        print(f"{e['model']:11} {e['variant']:24} {e['pass']:5} {e['repeats']:>2} {cells}")
+    columns = ["total", *(name for name, _ in STAGES), "rest", "TTIR"]
+    lead = [("model", "model", 11), ("variant", "variant", 24), ("pass", "pass", 5), ("n", "repeats", 2)]
+    common.print_table(extra, lead, [(c, lambda e, c=c: e[c], "+.2f") for c in columns], "total")

@@ -16,7 +16,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 
 
-# the scripts a user runs (common.py, step_profile.py and host_waits.py are their helpers)
+# the scripts a user runs (common.py, step_profile.py, host_waits.py and compile_stages.py are their helpers)
 SCRIPTS = sorted(
     p.name
     for p in [*(ROOT / "benchmarks").glob("*.py"), *(ROOT / "benchmarks").glob("*.sh")]
@@ -747,6 +747,7 @@ def _warmup_row(variant, repeat, first_step_s, ttir_s=0.0, **timers):
 
 
 def test_compile_stages_split_the_extra_seconds_by_stage_and_average_the_repeats(capsys):
+    load_script("common")  # what compile_stages imports, as its scripts' folder on sys.path gives it
     stages = load_script("compile_stages")
     # nested timers (Inductor's whole compile inside AOT's dispatcher) must not be counted: only listed ones are
     rows = [
