@@ -99,18 +99,20 @@ def compile_phase_seconds() -> dict[str, float]:
 @contextlib.contextmanager
 def ttir_generation():
     """Count and time torch.compile's TTIR generations of Triton kernels inside (kernels/ttir_cache.py says what
-    they are): the calls that reach torch's function, behind our cache where it is on. Yields the record
-    {"calls", "s", "passed_on"} (passed_on: the calls among them the cache did not key, by why); empty where
-    this torch has no such function."""
+    they are): the calls that reach torch's function, behind our kernels' declared accesses
+    (kernels/kernel_access.py) and our cache where they are on. Yields the record {"calls", "s", "passed_on",
+    "declared"} (passed_on: the calls among them the cache did not key, by why; declared: the analyses the
+    declarations answered, with no TTIR); empty where this torch has no such function."""
     record = {"calls": 0, "s": 0.0}
     try:
         from torch._higher_order_ops import triton_kernel_wrap
 
-        from hf_switchback.kernels import ttir_cache
+        from hf_switchback.kernels import kernel_access, ttir_cache
     except ImportError:
         yield {}
         return
-    ttir_cache.install()  # as the first trace would (a no-op with HF_SWITCHBACK_TTIR_CACHE=0)
+    kernel_access.install()  # as the first trace would (each a no-op where switched off)
+    ttir_cache.install()
     current = getattr(triton_kernel_wrap, "generate_ttir", None)
     if current is None:
         yield {}
@@ -132,11 +134,13 @@ def ttir_generation():
 
     setattr(owner, name, timed)
     passed_on_before = dict(ttir_cache.stats["passed_on"])
+    declared_before = kernel_access.stats["declared"]
     try:
         yield record
     finally:
         setattr(owner, name, torch_function)
         record["s"] = round(record["s"], 3)
+        record["declared"] = kernel_access.stats["declared"] - declared_before
         passed_on = ttir_cache.stats["passed_on"]
         record["passed_on"] = {
             why: n - passed_on_before.get(why, 0)

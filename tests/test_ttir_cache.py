@@ -1,7 +1,8 @@
 """kernels/ttir_cache.py: torch.compile's TTIR analysis of our Triton kernels, once per specialization.
 
 CPU tests put a counting stand-in where torch's generate_ttir is and check what the cache keys on; the GPU test
-compiles a SwitchBack layer with torch's real function behind the cache and checks the cached TTIR is the TTIR.
+compiles a SwitchBack layer with torch's real function behind the cache (the kernels' declared accesses off,
+kernels/kernel_access.py, which would leave it nothing to generate) and checks the cached TTIR is the TTIR.
 """
 
 import inspect
@@ -12,7 +13,7 @@ from transformers import CLIPVisionConfig
 from transformers.models.clip.modeling_clip import CLIPEncoderLayer
 
 from hf_switchback import SwitchBackConfig, apply_switchback
-from hf_switchback.kernels import ttir_cache
+from hf_switchback.kernels import kernel_access, ttir_cache
 
 triton_kernel_wrap = pytest.importorskip("torch._higher_order_ops.triton_kernel_wrap")
 quantize = pytest.importorskip("hf_switchback.kernels.quantize")  # imports triton
@@ -189,6 +190,8 @@ def test_gpu_the_cache_changes_nothing_compiled_and_the_cached_ttir_is_torchs(mo
     layer = apply_switchback(CLIPEncoderLayer(config), SwitchBackConfig(min_tokens=0)).cuda()
     x = torch.randn(4, 160, 256, device="cuda")
     ttir_cache.uninstall()
+    kernel_access.uninstall()  # the declarations would answer before torch generates any TTIR
+    monkeypatch.setenv("HF_SWITCHBACK_DECLARED_ACCESS", "0")
     monkeypatch.setenv("HF_SWITCHBACK_TTIR_CACHE", "0")  # the first trace of a process would install it
     without = _compiled_step(layer, x)
     monkeypatch.delenv("HF_SWITCHBACK_TTIR_CACHE")

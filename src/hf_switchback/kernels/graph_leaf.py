@@ -27,8 +27,9 @@ look inside a leaf, so a leaf must not read state that can change between calls 
 arguments; a kernel twin patched at run time (tests do this) is therefore not seen by a graph already traced,
 and the caches key a traced graph by the package's files, not by such patches. `compiling()` reads one counter
 for the process: eager code in another thread while a leaf is being traced would take the compiled kernel set
-(correct results, another code path). This module imports only kernels/options.py and kernels/ttir_cache.py
-from the package, and torch._dynamo only once torch.compile already traces (it imports triton where installed).
+(correct results, another code path). This module imports only kernels/options.py, kernels/kernel_access.py
+and kernels/ttir_cache.py from the package, and torch._dynamo only once torch.compile already traces (it
+imports triton where installed).
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ from pathlib import Path
 
 import torch
 
-from . import ttir_cache
+from . import kernel_access, ttir_cache
 from .options import KernelOptions
 
 _OPS: dict[str, Callable] = {}
@@ -104,7 +105,8 @@ def _register_with_dynamo() -> bool:
 
     if not _registered:
         torch._dynamo.allow_in_graph(_leaf)
-        ttir_cache.install()  # torch's analysis of our Triton kernels, once per specialization
+        kernel_access.install()  # what our Triton kernels read and write, declared: no analysis by torch
+        ttir_cache.install()  # torch's analysis of any other call on our kernels, once per specialization
         _registered = True
     # AOT autograd's and Inductor's caches refuse graphs that call functions they do not know, unless marked
     # cacheable with a key of the caller's choosing: a graph of leaves is then cached, keyed by this package's

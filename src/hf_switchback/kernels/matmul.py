@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 
 from .gemm_configs import measured_tile
+from .kernel_access import declare_access, when
 from .quantize import launch_directly
 
 _AUTOTUNE_MIN_M = 1024
@@ -91,6 +92,7 @@ def _set_block_shapes(nargs: dict) -> None:
     nargs["c_desc"].block_shape = [bm, bn // 2 if nargs["EPILOGUE_SUBTILE"] else bn]
 
 
+@declare_access(reads=("a_ptr", "b_ptr", "as_ptr", "bs_ptr", when("HAS_BIAS", "bias_ptr")), writes=("c_ptr",))
 @triton.jit
 def _scaled_mm_kernel(
     a_ptr,

@@ -13,6 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .kernel_access import declare_access, when
 from .quantize import _absmax, _qargs, _to_q, launch_directly
 
 # Widest row one program holds in registers (CLIP / SigLIP widths are at most 1664).
@@ -20,6 +21,10 @@ _MAX_K = 16384
 _TL_FLOAT = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
+@declare_access(
+    reads=("x_ptr", when("ADD", "d_ptr"), when("HAS_W", "w_ptr"), when("HAS_B", "b_ptr")),
+    writes=(when("ADD", "h_ptr"), "y_ptr", "q_ptr", "s_ptr", "mean_ptr", "rstd_ptr"),
+)
 @triton.jit
 def _layernorm_quantize_kernel(
     x_ptr,

@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 
 from . import reference
+from .kernel_access import declare_access, when
 from .options import ACT_BACKWARD_IMPLS
 from .reference import QMAX, _check_qdtype
 
@@ -166,6 +167,7 @@ def _absmax(x, axis: tl.constexpr, KEEP_DIMS: tl.constexpr = False):
     return tl.reduce(tl.abs(x), axis, _max_keep_nan, keep_dims=KEEP_DIMS)
 
 
+@declare_access(reads=("x_ptr",), writes=("q_ptr", "s_ptr"))
 @triton.jit
 def _rowwise_long_kernel(
     x_ptr,
@@ -341,6 +343,7 @@ def _quantize_row_tiles(
             tl.store(part_ptr + pid.to(tl.int64) * K + cols, tl.sum(acc[c], axis=0), mask=cols < K)
 
 
+@declare_access(reads=("x_ptr",), writes=("q_ptr", "s_ptr", "part_ptr"))
 @triton.jit
 def _rowwise_colsum_kernel(
     x_ptr,
@@ -367,6 +370,7 @@ def _rowwise_colsum_kernel(
     )  # fmt: skip
 
 
+@declare_access(reads=("x_ptr",), writes=("q_ptr", "s_ptr"))
 @triton.jit
 def _rowwise_kernel(
     x_ptr,
@@ -394,6 +398,7 @@ def _rowwise_kernel(
     )  # fmt: skip
 
 
+@declare_access(reads=("x_ptr",), writes=("a_ptr", "q_ptr", "s_ptr"))
 @triton.jit
 def _act_and_rowwise_kernel(
     x_ptr,
@@ -421,6 +426,9 @@ def _act_and_rowwise_kernel(
     )  # fmt: skip
 
 
+@declare_access(
+    reads=("g_ptr", "h_ptr"), writes=("gh_ptr", "q_ptr", "s_ptr", "part_ptr", when("WRITE_A", "act_ptr"))
+)
 @triton.jit
 def _act_backward_rows_kernel(
     g_ptr,
@@ -456,6 +464,9 @@ def _act_backward_rows_kernel(
     )  # fmt: skip
 
 
+@declare_access(
+    reads=("g_ptr", "h_ptr"), writes=("gh_ptr", "absmax_ptr", "part_ptr", when("WRITE_A", "a_ptr"))
+)
 @triton.jit
 def _act_backward_tiles_kernel(
     g_ptr,
@@ -517,6 +528,7 @@ def _col_absmax_kernel(
     tl.store(part_ptr + pid_m * K + offs_k, _absmax(x, 0), mask=offs_k < K)
 
 
+@declare_access(reads=("x_ptr", "absmax_ptr"), writes=("q_ptr", "s_ptr"))
 @triton.jit
 def _quantize_2d_kernel(
     x_ptr,

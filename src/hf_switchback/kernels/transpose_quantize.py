@@ -29,6 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .kernel_access import declare_access, when
 from .quantize import _max_keep_nan, _scale_args, _scaled_clamped, launch_directly
 from .reference import _check_qdtype
 
@@ -60,6 +61,7 @@ def _load_tokens(x_ptr, rs_ptr, rows, cols, M, C, stride_m, stride_c, ROUND_TO: 
     return x
 
 
+@declare_access(reads=("x_ptr", when("ROUND_TO", "rs_ptr")), writes=("absmax_ptr",))
 @triton.jit
 def _column_absmax_kernel(
     x_ptr,
@@ -88,6 +90,7 @@ def _column_absmax_kernel(
     tl.atomic_max(absmax_ptr + cols, absmax.to(tl.int32, bitcast=True), mask=cols < C)
 
 
+@declare_access(reads=("x_ptr", "absmax_ptr", when("ROUND_TO", "rs_ptr")), writes=("q_ptr", "s_ptr"))
 @triton.jit
 def _quantize_transposed_kernel(
     x_ptr,
