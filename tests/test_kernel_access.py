@@ -241,19 +241,10 @@ def test_the_switch_leaves_torchs_analysis_alone(monkeypatch):
         assert getattr(found[0], found[1]) is before
 
 
-def _compiled_step(layer, x):
-    torch._dynamo.reset()
-    compiled = torch.compile(layer)
-    inputs = x.clone().requires_grad_(True)
-    layer.zero_grad(set_to_none=True)
-    out = compiled(inputs, None, None)
-    out = out[0] if isinstance(out, tuple) else out
-    out.float().square().mean().backward()
-    return [out, inputs.grad, *(p.grad for p in layer.parameters())]
-
-
 @pytest.mark.gpu
 def test_gpu_a_compiled_layer_generates_no_ttir_for_our_kernels_and_computes_the_same(monkeypatch):
+    from test_ttir_cache import _compiled_step
+
     torch.manual_seed(0)
     config = CLIPVisionConfig(hidden_size=256, intermediate_size=1024, num_attention_heads=4)
     layer = apply_switchback(CLIPEncoderLayer(config), SwitchBackConfig(min_tokens=0)).cuda()
@@ -266,6 +257,7 @@ def test_gpu_a_compiled_layer_generates_no_ttir_for_our_kernels_and_computes_the
     monkeypatch.setenv("HF_SWITCHBACK_TTIR_CACHE", "0")
     analyzed = _compiled_step(layer, x)
     monkeypatch.delenv("HF_SWITCHBACK_DECLARED_ACCESS")
+    assert kernel_access.install()  # (the process's first trace installs it once; that was done above)
     generated = []
     original = triton_kernel_wrap.generate_ttir
     monkeypatch.setattr(
