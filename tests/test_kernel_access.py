@@ -11,10 +11,7 @@ import sys
 
 import pytest
 import torch
-from transformers import CLIPVisionConfig
-from transformers.models.clip.modeling_clip import CLIPEncoderLayer
 
-from hf_switchback import SwitchBackConfig, apply_switchback
 from hf_switchback.kernels import kernel_access, ttir_cache
 
 triton_kernel_wrap = pytest.importorskip("torch._higher_order_ops.triton_kernel_wrap")
@@ -243,19 +240,15 @@ def test_the_switch_leaves_torchs_analysis_alone(monkeypatch):
 
 @pytest.mark.gpu
 def test_gpu_a_compiled_layer_generates_no_ttir_for_our_kernels_and_computes_the_same(monkeypatch):
-    from test_ttir_cache import _compiled_step
+    from test_ttir_cache import compiled_step, small_layer_and_input
 
-    torch.manual_seed(0)
-    config = CLIPVisionConfig(hidden_size=256, intermediate_size=1024, num_attention_heads=4)
-    layer = apply_switchback(CLIPEncoderLayer(config), SwitchBackConfig(min_tokens=0)).cuda()
-    x = torch.randn(4, 160, 256, device="cuda")
+    layer, x = small_layer_and_input()
     kernel_access.uninstall()
     ttir_cache.uninstall()
-    monkeypatch.setenv(
-        "HF_SWITCHBACK_DECLARED_ACCESS", "0"
-    )  # torch's analysis (the first trace installs none)
+    # torch's analysis first (the process's first trace installs nothing with the switch off)
+    monkeypatch.setenv("HF_SWITCHBACK_DECLARED_ACCESS", "0")
     monkeypatch.setenv("HF_SWITCHBACK_TTIR_CACHE", "0")
-    analyzed = _compiled_step(layer, x)
+    analyzed = compiled_step(layer, x)
     monkeypatch.delenv("HF_SWITCHBACK_DECLARED_ACCESS")
     assert kernel_access.install()  # (the process's first trace installs it once; that was done above)
     generated = []
@@ -266,7 +259,7 @@ def test_gpu_a_compiled_layer_generates_no_ttir_for_our_kernels_and_computes_the
         lambda kernel, *a, **k: generated.append(kernel) or original(kernel, *a, **k),
     )
     try:
-        declared = _compiled_step(layer, x)
+        declared = compiled_step(layer, x)
         assert kernel_access.stats["declared"] > 0 and kernel_access.stats["passed_on"] == 0
         assert generated == []
     finally:

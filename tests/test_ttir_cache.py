@@ -169,7 +169,15 @@ def test_torchs_function_has_the_signature_the_cache_knows():
     assert parameters[:3] == ["kernel", "kwargs", "tma_descriptor_metadata"]
 
 
-def _compiled_step(layer, x) -> list[torch.Tensor]:
+def small_layer_and_input():
+    """A SwitchBack CLIP encoder layer on the GPU, every linear 8-bit, and an input for it."""
+    torch.manual_seed(0)
+    config = CLIPVisionConfig(hidden_size=256, intermediate_size=1024, num_attention_heads=4)
+    layer = apply_switchback(CLIPEncoderLayer(config), SwitchBackConfig(min_tokens=0)).cuda()
+    return layer, torch.randn(4, 160, 256, device="cuda")
+
+
+def compiled_step(layer, x) -> list[torch.Tensor]:
     """Output, input gradient and weight gradients of a freshly traced and lowered torch.compile(layer)."""
     import torch._inductor.config as inductor_config
 
@@ -185,19 +193,16 @@ def _compiled_step(layer, x) -> list[torch.Tensor]:
 
 @pytest.mark.gpu
 def test_gpu_the_cache_changes_nothing_compiled_and_the_cached_ttir_is_torchs(monkeypatch):
-    torch.manual_seed(0)
-    config = CLIPVisionConfig(hidden_size=256, intermediate_size=1024, num_attention_heads=4)
-    layer = apply_switchback(CLIPEncoderLayer(config), SwitchBackConfig(min_tokens=0)).cuda()
-    x = torch.randn(4, 160, 256, device="cuda")
+    layer, x = small_layer_and_input()
     ttir_cache.uninstall()
     kernel_access.uninstall()  # the declarations would answer before torch generates any TTIR
     monkeypatch.setenv("HF_SWITCHBACK_DECLARED_ACCESS", "0")
     monkeypatch.setenv("HF_SWITCHBACK_TTIR_CACHE", "0")  # the first trace of a process would install it
-    without = _compiled_step(layer, x)
+    without = compiled_step(layer, x)
     monkeypatch.delenv("HF_SWITCHBACK_TTIR_CACHE")
     assert ttir_cache.install()
     try:
-        cached = _compiled_step(layer, x)
+        cached = compiled_step(layer, x)
         assert ttir_cache.stats["misses"] > 0 and ttir_cache.stats["hits"] > ttir_cache.stats["misses"]
         assert ttir_cache.stats["passed_on"] == {}  # every call on our kernels keyed
         original = triton_kernel_wrap.generate_ttir.hf_switchback_original
