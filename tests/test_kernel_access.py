@@ -76,8 +76,6 @@ def _launches() -> list[tuple[object, dict]]:
         for width in (96, 8200):  # one pass / past the one-pass limit
             cuda["quantize_rowwise"](x(64, width), qdtype, wrap=wrap)
         cuda["quantize_rowwise_colsum"](x(64, 96), qdtype, wrap=wrap)
-        cuda["quantize_tensorwise"](x(32, 96, dtype=torch.float32), qdtype, wrap=wrap)
-        cuda["quantize_tensorwise_transposed"](x(32, 96, dtype=torch.float32), qdtype, wrap=wrap)
         for weight in (None, x(96)):
             cuda["layernorm_quantize_rowwise"](
                 x(64, 96), weight, x(96), 1e-5, qdtype, torch.bfloat16, wrap=wrap

@@ -1,21 +1,15 @@
 """The kernel set used while torch.compile traces a SwitchBack model on CUDA: which implementation of each
 operator (kernels/library.py) the compiled graph holds.
 
-The activations' quantize functions are the torch reference ones (kernels/reference.py): plain tensor ops that
-Inductor fuses into the op that produced their input (LayerNorm, GELU, the residual add), so a compiled model pays no
+The quantize functions are the torch reference ones (kernels/reference.py): plain tensor ops that Inductor
+fuses into the op that produced their input (LayerNorm, GELU, the residual add), so a compiled model pays no
 separate quantize pass and no Python launch overhead for them. The 8-bit GEMM stays our Triton kernel
 (Inductor's own int8 matmul lowers to cuBLAS `_int_mm`, which is no faster than bf16 on Hopper), as a
 `triton_op` whose launch Inductor records and makes from its generated code, with no Python call per GEMM.
 With KernelOptions.use_tma (or trace_gemm off) it is the opaque operator instead: the TMA kernel's host-side
 setup is not traceable. With KernelOptions.fuse_quantize_under_compile off, every quantize is our operator.
 
-The weights' tensor-wise quantizes (forward, and transposed for the grad-input GEMM) are ours, traced: a weight
-is a parameter, with no producer for Inductor to fuse into, and Inductor's code for the twin is a reduction and
-a quantize kernel per weight shape (its sizes baked in), each compiled on a cold start (~16 kernels of a
-ViT-B/16 step), where our two kernels are one specialization each for every weight whose sizes are multiples of
-16 (BENCHMARKS.md, Whole training step: compile warm-up).
-
-Four more passes stay ours, as traced triton_ops, where Inductor's code was measured slower:
+Four passes stay ours too, as traced triton_ops, where Inductor's code was measured slower:
 - the output gradient's quantize (with the bias gradient's column sum). That tensor is written in 16 bits
   anyway (the grad-weight GEMM reads it), so fusing its quantize into the op that produced it saves nothing;
   Inductor's version re-read the producer's inputs instead (GELU backward: grad and h) in a slow persistent
@@ -51,7 +45,12 @@ from .options import KernelOptions
 from .quantize import colsum_in_one_pass
 
 # Left to Inductor (the torch twins) unless options.fuse_quantize_under_compile is off.
-_INDUCTOR_FUSES = {"quantize_rowwise", "quantize_rowwise_transposed"}
+_INDUCTOR_FUSES = {
+    "quantize_rowwise",
+    "quantize_tensorwise",
+    "quantize_rowwise_transposed",
+    "quantize_tensorwise_transposed",
+}
 
 
 def _gemm_traced(options: KernelOptions, a_q, b_q, out_dtype) -> bool:

@@ -196,10 +196,9 @@ OPS: tuple[KernelOp, ...] = (
     # traced: blocks/producers.quantize_rows launches it from the compiled graph (the attention output)
     KernelOp("quantize_rowwise", _rows, traceable=True),
     KernelOp("quantize_rowwise_colsum", _rows_colsum, traceable=True),
-    # the weights' quantizes: traced, one Triton specialization for every weight (kernels/compiled.py)
-    KernelOp("quantize_tensorwise", _tensor, traceable=True),
+    KernelOp("quantize_tensorwise", _tensor),
     KernelOp("quantize_rowwise_transposed", _rows_transposed),
-    KernelOp("quantize_tensorwise_transposed", _tensor_transposed, traceable=True),
+    KernelOp("quantize_tensorwise_transposed", _tensor_transposed),
     KernelOp("dequantize_rowwise", _dequantized),
     # fp8 grad-weight operands (kernels/wgrad.py): scales per feature over all tokens, written token-major
     KernelOp("quantize_over_tokens", _over_tokens, traceable=True),

@@ -513,24 +513,6 @@ def _act_backward_tiles_kernel(
     tl.store(part_ptr + pid_m.to(tl.int64) * K + offs_k, tl.sum(x, axis=0), mask=kmask)
 
 
-@declare_access(reads=("x_ptr",), writes=("absmax_ptr",))
-@triton.jit
-def _tensor_absmax_kernel(
-    x_ptr, absmax_ptr, M, K, stride_xm, stride_xk, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr
-):
-    # max |x| over the whole tensor, as float32 bits in an int32 scalar that starts at 0 (see
-    # _act_backward_tiles_kernel: the integer order of non-negative floats, NaN above inf)
-    pid_m = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
-    mask = (offs_m[:, None] < M) & (offs_k[None, :] < K)
-    ptrs = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :] * stride_xk
-    x = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
-    tile = tl.reduce(_absmax(x, 1), 0, _max_keep_nan)
-    tl.atomic_max(absmax_ptr, tile.to(tl.int32, bitcast=True))
-
-
 @triton.jit
 def _col_absmax_kernel(
     x_ptr, part_ptr, M, K, stride_xm, stride_xk, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr
@@ -962,35 +944,26 @@ def act_backward_quantize_colsum(
     return gh, act, q, scale, part.sum(dim=0)
 
 
-def _tensorwise(x: torch.Tensor, qdtype: torch.dtype, transpose: bool, wrap=None):
-    # Two launches whatever the shape, each one Triton specialization for every weight whose sizes are
-    # multiples of 16: under torch.compile, one compile for all the weights of a model (Inductor's code for the
-    # torch twin is a reduction and a quantize kernel per weight shape, each compiled).
+def _tensorwise(x: torch.Tensor, qdtype: torch.dtype, transpose: bool):
     _check_qdtype(qdtype)
     m, k = x.shape
     if x.numel() == 0:
         shape = (k, m) if transpose else (m, k)
         return torch.zeros(shape, dtype=qdtype, device=x.device), torch.zeros((), device=x.device)
-    absmax_bits = torch.zeros((), dtype=torch.int32, device=x.device)
-    grid = (triton.cdiv(m, _TILE_M), triton.cdiv(k, _TILE_K))
-    (wrap or launch_directly)(_tensor_absmax_kernel)[grid](
-        x, absmax_bits, m, k, x.stride(0), x.stride(1), BLOCK_M=_TILE_M, BLOCK_K=_TILE_K
-    )
-    return _quantize_2d(x, absmax_bits.view(torch.float32), "tensor", transpose, qdtype, wrap)
+    absmax = _absmax_partials(x).amax()
+    return _quantize_2d(x, absmax, "tensor", transpose=transpose, qdtype=qdtype)
 
 
 def quantize_tensorwise(
-    x: torch.Tensor, qdtype: torch.dtype = torch.int8, *, wrap=None
+    x: torch.Tensor, qdtype: torch.dtype = torch.int8
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(M, K) float -> (q (M, K) qdtype, scale () float32), one scale for the whole tensor.
-    wrap: as in matmul.scaled_matmul."""
-    return _tensorwise(x, qdtype, False, wrap)
+    """(M, K) float -> (q (M, K) qdtype, scale () float32), one scale for the whole tensor."""
+    return _tensorwise(x, qdtype, transpose=False)
 
 
-def quantize_tensorwise_transposed(w: torch.Tensor, qdtype: torch.dtype = torch.int8, *, wrap=None):
-    """(N, K) -> (q (K, N) contiguous = quantize_tensorwise(w).T, scale ()); transpose fused in the store.
-    wrap: as in matmul.scaled_matmul."""
-    return _tensorwise(w, qdtype, True, wrap)
+def quantize_tensorwise_transposed(w: torch.Tensor, qdtype: torch.dtype = torch.int8):
+    """(N, K) -> (q (K, N) contiguous = quantize_tensorwise(w).T, scale ()); transpose fused in the store."""
+    return _tensorwise(w, qdtype, transpose=True)
 
 
 def quantize_rowwise_transposed(w: torch.Tensor, qdtype: torch.dtype = torch.int8):
