@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 
-from hf_switchback.kernels import kernel_access, ttir_cache
+from hf_switchback.kernels import kernel_access, library, ttir_cache
 
 triton_kernel_wrap = pytest.importorskip("torch._higher_order_ops.triton_kernel_wrap")
 ops = pytest.importorskip("hf_switchback.kernels.ops")  # imports triton
@@ -71,7 +71,13 @@ def _launches() -> list[tuple[object, dict]]:
     def x(*shape, dtype=torch.bfloat16):
         return torch.randn(*shape).to(dtype)
 
-    cuda = ops.CUDA
+    class Called(dict):  # ops.CUDA, noting which operators the launches below went through
+        def __getitem__(self, name):
+            called.add(name)
+            return ops.CUDA[name]
+
+    called = set()
+    cuda = Called()
     for qdtype in (torch.int8, torch.float8_e4m3fn):
         for width in (96, 8200):  # one pass / past the one-pass limit
             cuda["quantize_rowwise"](x(64, width), qdtype, wrap=wrap)
@@ -103,6 +109,13 @@ def _launches() -> list[tuple[object, dict]]:
                     cuda["act_backward_quantize_colsum"](
                         x(64, 96), x(64, 96), qdtype, activation, want_act, impl, wrap=wrap
                     )
+            a_q, b_q = torch.zeros(64, 32, dtype=qdtype), torch.zeros(96, 32, dtype=qdtype)
+            scales = torch.ones(64), torch.ones(96)
+            cuda["scaled_matmul_act_backward"](
+                a_q, b_q, *scales, x(64, 96), qdtype, activation, True, False, "triton", "auto", wrap=wrap
+            )
+    traceable = {op.name for op in library.OPS if op.traceable}
+    assert called == traceable, f"extend _launches to the traceable operators {sorted(traceable - called)}"
     return recorded
 
 
