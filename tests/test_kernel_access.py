@@ -119,25 +119,23 @@ def _launches() -> list[tuple[object, dict]]:
     return recorded
 
 
-def _torchs_answer(kernel, kwargs):
-    """torch's own analysis of one launch, in the form the declarations answer in."""
-    found = kernel_access.torch_analysis()(kernel, dict(kwargs), {})
-    if isinstance(found, list):  # torch 2.6-2.12: the written tensors
+def _answer_form(found):
+    """An analysis answer as comparable lists: torch 2.6-2.12's written names, or 2.13's reads, writes and
+    epilogue flag."""
+    if isinstance(found, list):
         return found
-    writes = [dep.name for dep in found.read_writes.writes]
-    return [dep.name for dep in found.read_writes.reads], writes, found.can_fuse_epilogue
+    rw = found.read_writes
+    return [dep.name for dep in rw.reads], [dep.name for dep in rw.writes], found.can_fuse_epilogue
+
+
+def _torchs_answer(kernel, kwargs):
+    """torch's own analysis of one launch."""
+    return _answer_form(kernel_access.torch_analysis()(kernel, dict(kwargs), {}))
 
 
 def _declared_answer(kernel, kwargs):
     answer = kernel_access._answering(_unreachable, _answer_kind())
-    found = answer(kernel, dict(kwargs), {})
-    if isinstance(found, list):
-        return found
-    return (
-        [dep.name for dep in found.read_writes.reads],
-        [dep.name for dep in found.read_writes.writes],
-        found.can_fuse_epilogue,
-    )
+    return _answer_form(answer(kernel, dict(kwargs), {}))
 
 
 def _answer_kind() -> str:
@@ -149,7 +147,7 @@ def _unreachable(*args, **kwargs):
 
 
 def _function(kernel):
-    return kernel_access._python_function(kernel)
+    return kernel_access.python_function(kernel)
 
 
 def test_every_launch_of_our_operators_is_declared_as_torch_analyzes_it(sm90_target, launches):

@@ -15,9 +15,9 @@ by name, those that a constexpr flag of the launch decides (HAS_BIAS, WRITE_A) a
 `install()` puts a function in front of torch's that answers for a declared kernel and hands every other call
 (another library's kernel, TMA descriptors, a flag the launch did not pass) to torch's. The answer has torch's
 form: names in the kernel's argument order, only arguments that are tensors in this launch; the epilogue flag as
-torch decides it (one tensor written, and not read). tests/test_kernel_access.py checks each declaration against torch's own
-analysis, for every kernel and flag our operators launch with. HF_SWITCHBACK_DECLARED_ACCESS=0 leaves torch's
-functions alone (then the TTIR cache serves).
+torch decides it (one tensor written, and not read). tests/test_kernel_access.py checks each declaration
+against torch's own analysis, for every kernel and flag our operators launch with.
+HF_SWITCHBACK_DECLARED_ACCESS=0 leaves torch's functions alone (then the TTIR cache serves).
 
 This module never imports triton: the kernel modules declare into it when they are imported.
 """
@@ -76,7 +76,7 @@ class Declaration:
 _declared: dict[object, Declaration] = {}  # the kernel's Python function -> its declaration
 
 
-def _python_function(kernel) -> object:
+def python_function(kernel) -> object:
     # Autotuner -> JITFunction -> the Python function (each wraps the next as .fn)
     while hasattr(kernel, "fn"):
         kernel = kernel.fn
@@ -93,7 +93,7 @@ def declare_access(*, reads: tuple[str | When, ...], writes: tuple[str | When, .
     those a constexpr flag decides)."""
 
     def register(kernel):
-        function = _python_function(kernel)
+        function = python_function(kernel)
         arguments = tuple(inspect.signature(function).parameters)
         for entry in (*reads, *writes):
             names = (entry,) if isinstance(entry, str) else (entry.flag, *entry.names)
@@ -108,7 +108,7 @@ def declare_access(*, reads: tuple[str | When, ...], writes: tuple[str | When, .
 
 def declared(kernel, kwargs: Mapping) -> tuple[list[str], list[str]] | None:
     """(read, written) argument names of one launch of a declared kernel, or None where torch must find out."""
-    declaration = _declared.get(_python_function(kernel))
+    declaration = _declared.get(python_function(kernel))
     if declaration is None:
         return None
     configs = getattr(kernel, "configs", None)
@@ -207,4 +207,4 @@ def torch_analysis() -> Callable | None:
     return getattr(current, "hf_switchback_original", current)
 
 
-__all__ = ["declare_access", "declared", "install", "torch_analysis", "uninstall", "when"]
+__all__ = ["declare_access", "declared", "install", "python_function", "torch_analysis", "uninstall", "when"]

@@ -28,6 +28,8 @@ from collections.abc import Callable, Hashable, Mapping
 
 import torch
 
+from .kernel_access import python_function
+
 _PACKAGE = __name__.split(".")[0]
 _SIGNATURE = ["kernel", "kwargs", "tma_descriptor_metadata"]
 _SCALARS = (bool, int, str, torch.dtype)  # (floats are keyed by their bits, before these)
@@ -37,13 +39,6 @@ _results: dict[Hashable, tuple] = {}
 # Since install: calls answered from the cache / by torch's function for a new key, and the calls passed on to
 # torch's function uncached, counted by why (what a benchmark reads to find the calls the key should cover).
 stats = {"hits": 0, "misses": 0, "passed_on": {}}
-
-
-def _python_function(kernel) -> object:
-    # Autotuner -> JITFunction -> the Python function (each wraps the next as .fn)
-    while hasattr(kernel, "fn"):
-        kernel = kernel.fn
-    return kernel
 
 
 def _argument_key(value) -> Hashable | None:
@@ -83,7 +78,7 @@ def call_key(kernel, kwargs: Mapping, tma_descriptor_metadata) -> Hashable | Non
 
 def _key_or_reason(kernel, kwargs: Mapping, tma_descriptor_metadata) -> tuple[Hashable | None, str | None]:
     """(key, None), or (None, why the call must go to torch's function)."""
-    function = _python_function(kernel)
+    function = python_function(kernel)
     if not getattr(function, "__module__", "").startswith(f"{_PACKAGE}."):
         return None, "another library's kernel"
     if tma_descriptor_metadata:
