@@ -57,9 +57,7 @@ def fused_layer_count(model) -> int:
     return sum(is_fused_layer(module) for module in model.modules())
 
 
-@pytest.mark.skipif(
-    not compile_once.available(), reason="this torch has no torch.compiler.nested_compile_region"
-)
+@pytest.mark.skipif(not compile_once.available(), reason="this torch has no torch.compiler.nested_compile_region")
 @pytest.mark.parametrize("kind", ["clip", "siglip"])
 def test_each_towers_layer_is_traced_once_and_called_by_every_layer(kind):
     model = apply_switchback(model_of(kind), TORCH)
@@ -88,9 +86,7 @@ def test_the_environment_variable_or_an_older_torch_inline_the_layers(monkeypatc
     assert subgraph_calls(model) == []
 
 
-@pytest.mark.skipif(
-    not compile_once.available(), reason="this torch has no torch.compiler.nested_compile_region"
-)
+@pytest.mark.skipif(not compile_once.available(), reason="this torch has no torch.compiler.nested_compile_region")
 @pytest.mark.parametrize("checkpointing", [False, True])
 def test_whole_model_compile_trains_as_eager(checkpointing):
     """AOT autograd over the nested regions (forward, backward, recomputation under gradient checkpointing):
