@@ -31,12 +31,10 @@ import os
 import sys
 import tempfile
 import time
-import types
 from pathlib import Path
 
 import torch
 
-from hf_switchback.blocks import compile_once
 from hf_switchback.compile_cache import allow_compile_cache, load_compile_artifacts, save_compile_artifacts
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -192,29 +190,13 @@ def build_model(config, variant, grad_ckpt, compile_mode, device, inductor_mode=
         return model
     allow_compile_cache()  # as train_clip.py --torch_compile: a warm start launches our kernels from the cache
     options = {} if inductor_mode == "default" else dict(mode=inductor_mode)
-    if compile_mode in ("model", "regions"):
-        if compile_mode == "regions":
-            mark_stock_layers_compiled_once(model)
+    if compile_mode == "model":
         return torch.compile(model, **options)
     # dynamic=False: one static graph per tower (their shapes differ) instead of a recompile with symbolic sizes
     for tower in (model.vision_model, model.text_model):
         for layer in tower.encoder.layers:
             layer.compile(dynamic=False, **options)
     return model
-
-
-def mark_stock_layers_compiled_once(model) -> None:
-    """--compile regions: the encoder layers SwitchBack left stock (all of a bf16 model's) as nested compile regions
-    too, per instance, so that a whole-model compile of bf16 compiles one layer per tower, as SwitchBack's fused
-    layers do (blocks/compile_once.py)."""
-    from hf_switchback.blocks.encoder_layer import is_fused_layer
-
-    for tower in (model.vision_model, model.text_model):
-        for layer in tower.encoder.layers:
-            if not is_fused_layer(layer):
-                layer.forward = types.MethodType(
-                    torch.compiler.nested_compile_region(type(layer).forward), layer
-                )
 
 
 def random_batch(config, batch: int, device: str):
@@ -298,7 +280,6 @@ def run_row(name: str, variant: str, args, profile: bool = False, batch: int | N
         if artifacts:
             save_compile_artifacts(artifacts)
         row = dict(model=name, variant=variant, batch=batch, first_step_s=first_step_s)
-        row["nested_compile_region"] = compile_once.enabled()  # SwitchBack's fused layers marked
         row["first_step_caches"] = common.first_step_caches(caches_before, common.cache_counts())
         phases = common.compile_phase_seconds()
         row["first_step_compile_s"] = {k: round(v - phases_before.get(k, 0.0), 3) for k, v in phases.items()}
@@ -455,13 +436,7 @@ def add_row_flags(parser, variants, steps: int, warmup: int) -> None:
         "--variants", nargs="+", default=list(variants), type=spec_arg, metavar="SPEC", help="see above"
     )
     parser.add_argument("--batch", type=int, default=None, help="per-step batch (default: per model)")
-    parser.add_argument(
-        "--compile",
-        choices=("model", "regions", "layers"),
-        default="model",
-        help="+compile's scope: the whole model; the whole model with every encoder layer a nested compile region "
-        "(bf16's too; SwitchBack's fused layers are one by default); each encoder layer",
-    )
+    parser.add_argument("--compile", choices=("model", "layers"), default="model", help="+compile's scope")
     parser.add_argument("--steps", type=int, default=steps, help="timed steps per row")
     parser.add_argument("--warmup", type=int, default=warmup, help="untimed steps after the first one")
     parser.add_argument("--time_budget_s", type=float, help="skip runs that would end past this (seconds)")

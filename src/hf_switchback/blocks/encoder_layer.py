@@ -23,7 +23,6 @@ from torch import nn
 
 from ..functional import runs_8bit
 from ..stock_blocks import runs_stock_forward
-from . import compile_once
 from .attention import quantized_input_config as attention_quantized_input_config
 from .mlp import quantized_input_config as mlp_quantized_input_config
 from .producers import add_layernorm_quantize, fusable_norm, layernorm_quantize
@@ -109,24 +108,13 @@ def _fused_forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tens
     return residual + hidden_states
 
 
-# marked: the forward as a nested compile region (compile_once.py: a whole-model compile then compiles one layer
-# per tower); the unmarked forward is the same function
-_MARKED_FORWARD = compile_once.compiled_once(_fused_forward) if compile_once.available() else _fused_forward
-
-
 @functools.cache
-def _fused_class(base: type, marked: bool) -> type:
-    forward = _MARKED_FORWARD if marked else _fused_forward
+def _fused_class(base: type) -> type:
     return type(
         f"SwitchBackNorm{base.__name__}",
         (base,),
-        {"forward": forward, _BASE_ATTR: base, "__module__": __name__},
+        {"forward": _fused_forward, _BASE_ATTR: base, "__module__": __name__},
     )
-
-
-def _generated_by_us(module: nn.Module) -> bool:
-    base = _base_class(module)
-    return type(module) in (_fused_class(base, True), _fused_class(base, False))
 
 
 def is_fused_layer(module: nn.Module) -> bool:
@@ -174,15 +162,15 @@ def sync_fused_layers(model: nn.Module) -> int:
     forward, and every fused layer that no longer qualifies its class back; returns the number fused. Run after
     sync_fused_attention and sync_fused_mlps (which give the blocks their classes). An encoder (a module with
     `layers`) holding a fused layer gets _contiguous_input as a forward pre-hook, removed with the last one."""
-    fused, marked = 0, compile_once.enabled()
+    fused = 0
     for module in model.modules():
         base = _base_class(module)
         if _qualifies(module):
-            if not is_fused_layer(module) or _generated_by_us(module):
+            if not is_fused_layer(module):
                 # A subclass that only adds a forward, as in blocks/attention.py: the instance is untouched.
-                module.__class__ = _fused_class(base, marked)
+                module.__class__ = _fused_class(base)
             fused += 1
-        elif is_fused_layer(module) and _generated_by_us(module):
+        elif is_fused_layer(module) and type(module) is _fused_class(base):
             module.__class__ = base
     for module in model.modules():
         layers = getattr(module, "layers", None)
