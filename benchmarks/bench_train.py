@@ -188,7 +188,6 @@ def build_model(config, variant, grad_ckpt, compile_mode, device, inductor_mode=
         model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, target_modules=list(LORA_TARGETS)))
     if not variant.endswith("+compile"):
         return model
-    allow_compile_cache()  # as train_clip.py --torch_compile: a warm start launches our kernels from the cache
     options = {} if inductor_mode == "default" else dict(mode=inductor_mode)
     if compile_mode == "model":
         return torch.compile(model, **options)
@@ -259,6 +258,10 @@ def run_row(name: str, variant: str, args, profile: bool = False, batch: int | N
     spec, device = parse_variant(variant), args.device
     cuda = device == "cuda"
     batch = batch or row_batch(name, spec, args)
+    if spec.compiled:
+        # as train_clip.py --torch_compile, before the model loads: a warm start launches our kernels from the
+        # cache, and Inductor's compile workers start now (--late_compile_workers: at the first compile)
+        allow_compile_cache(start_workers=not getattr(args, "late_compile_workers", False))
     with common.recompute_budget(spec.budget):
         config = clip_config(name, tiny=args.tiny)
         inductor_mode, options = getattr(args, "compile_mode", "default"), kernel_options(args)
@@ -451,6 +454,12 @@ def main() -> None:
     add_row_flags(parser, VARIANTS, steps=10, warmup=3)
     modes = ("default", "reduce-overhead", "max-autotune-no-cudagraphs")
     parser.add_argument("--compile_mode", choices=modes, default="default", help="of the +compile rows")
+    parser.add_argument(
+        "--late_compile_workers",
+        action="store_true",
+        help="A/B: Inductor's compile workers start at the first compile (torch's default), not at the row's "
+        "start as train_clip.py starts them (compile_cache.start_compile_workers)",
+    )
     for flag, (field, value, text) in KERNEL_FLAGS.items():
         parser.add_argument(f"--{flag}", action="store_true", help=f"A/B: {text} ({field}={value})")
     # one row per process: a second save of one process reads back as only what it added

@@ -22,7 +22,12 @@ import torch
 import torch._functorch.config as functorch_config
 
 from hf_switchback import SwitchBackConfig, SwitchBackLinear
-from hf_switchback.compile_cache import allow_compile_cache, load_compile_artifacts, save_compile_artifacts
+from hf_switchback.compile_cache import (
+    allow_compile_cache,
+    load_compile_artifacts,
+    save_compile_artifacts,
+    start_compile_workers,
+)
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 STATIC_LAUNCH_ENV = "TORCHINDUCTOR_STATIC_LAUNCH_USER_DEFINED_TRITON_KERNELS"
@@ -120,6 +125,26 @@ def test_train_clip_compile_allows_the_cache_and_plain_runs_leave_torch_alone(mo
     # workers, which decide that for the kernels they compile, read it from their environment
     assert inductor_config.static_launch_user_defined_triton_kernels is True
     assert os.environ[STATIC_LAUNCH_ENV] == "1"
+
+
+def test_allow_compile_cache_starts_the_compile_workers_after_setting_their_environment(monkeypatch):
+    """With CUDA, Inductor's worker pool starts in allow_compile_cache (not at the first compile), after the
+    variable its workers read is set; not with start_workers=False, nor without CUDA."""
+    import torch._inductor.async_compile as async_compile
+
+    started = []  # the static-launch variable each start saw
+    monkeypatch.setattr(
+        async_compile, "maybe_warm_pool", lambda: started.append(os.environ.get(STATIC_LAUNCH_ENV))
+    )
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    allow_compile_cache()
+    assert started == ["1"]
+    allow_compile_cache(start_workers=False)
+    assert started == ["1"]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    allow_compile_cache()
+    assert not start_compile_workers()
+    assert started == ["1"]
 
 
 def test_allow_compile_cache_leaves_a_static_launch_choice_of_the_user(monkeypatch):

@@ -46,11 +46,14 @@ _STATIC_LAUNCH = "static_launch_user_defined_triton_kernels"
 _STATIC_LAUNCH_ENV = "TORCHINDUCTOR_STATIC_LAUNCH_USER_DEFINED_TRITON_KERNELS"
 
 
-def allow_compile_cache() -> bool:
+def allow_compile_cache(start_workers: bool = True) -> bool:
     """Settings for a fast warm start of compiled SwitchBack models (see the module docstring): AOT autograd's
     cache takes graphs with custom autograd Functions, Inductor launches user-defined Triton kernels from its
     cached cubins. Call it before the process's first torch.compile: Inductor's compile workers start then, with
     the environment they inherit.
+
+    start_workers (with CUDA): start Inductor's compile workers now, with that environment (start_compile_workers
+    says why), not at the first compile.
 
     Returns whether torch has the AOT autograd setting (False on a torch without it: nothing changes, compiling
     still works).
@@ -65,9 +68,31 @@ def allow_compile_cache() -> bool:
         # variable the cold run's cached kernels are not statically launchable, and a warm start compiles ours
         # again. Workers start at the first compile, after this call; a value the user set stays.
         os.environ.setdefault(_STATIC_LAUNCH_ENV, "1")
+    if start_workers:
+        start_compile_workers()
     if not hasattr(config, _SETTING):
         return False
     setattr(config, _SETTING, True)
+    return True
+
+
+def start_compile_workers() -> bool:
+    """Start Inductor's pool of compile worker processes now (CUDA only); returns whether it was asked to.
+
+    torch starts the pool when Inductor is first called, once Dynamo has traced the first graph, and the workers
+    take seconds to import torch and Triton. Until one answers, Inductor compiles each kernel in this process,
+    one after another (`async_compile.precompile`): 2.2-6.7 s of a cold first step at ViT-B/16 to SigLIP B/16,
+    more for SwitchBack's first graph, which holds more kernels (BENCHMARKS.md, compile warm-up). Started while
+    the model and the data load, the pool is ready when the first graph's kernels are. torch's own switch,
+    TORCH_WARM_POOL=0, still turns the early pool off (its function honours it).
+    """
+    if not torch.cuda.is_available():
+        return False  # the pool compiles Triton kernels for GPUs; a CPU run never needs it
+    try:
+        from torch._inductor.async_compile import maybe_warm_pool
+    except ImportError:  # a torch without the function: its first compile starts the pool
+        return False
+    maybe_warm_pool()
     return True
 
 
@@ -172,4 +197,10 @@ def _describe(counts: dict[str, int]) -> str:
     return ", ".join(f"{n} {kind}" for kind, n in sorted(counts.items())) or "none"
 
 
-__all__ = ["allow_compile_cache", "artifacts_file", "load_compile_artifacts", "save_compile_artifacts"]
+__all__ = [
+    "allow_compile_cache",
+    "artifacts_file",
+    "load_compile_artifacts",
+    "save_compile_artifacts",
+    "start_compile_workers",
+]
