@@ -12,7 +12,8 @@ holds; user-defined Triton kernels, ours among them, go through Triton's compile
 config (its on-disk cache hits, but the Python around it took 1.1-3.3 s of a 5-8 s warm ViT-B/16 start) unless
 `torch._inductor.config.static_launch_user_defined_triton_kernels` is set, in this process and in the
 environment of Inductor's compile workers, which decide it for the kernels they compile (BENCHMARKS.md, Whole
-training step: compile warm-up). `allow_compile_cache()` sets both, and AOT autograd's
+training step: compile warm-up). `allow_compile_cache()` sets both (and, with CUDA, starts Inductor's compile
+workers at once: `start_compile_workers`), and AOT autograd's
 `autograd_cache_allow_custom_autograd_functions`, which custom autograd Functions still traced by Dynamo need
 (torch's cautious default refuses them: an arbitrary Function may depend on Python state its cache key does not
 see). Both settings are torch's and process-wide, so this module only offers them:
