@@ -5,7 +5,9 @@ bench_train.py records torch's compile timers of the first step (`first_step_com
 The timers nest (AOT autograd's dispatcher holds Inductor's whole compile, for one), so this module sums only
 timers that do not hold one another, in the order a cold start runs them; what they leave out (the step's
 own run, process work, timers not listed) is the "rest". The TTIR analyses run inside the AOT trace and the
-post-grad passes, so they are shown as a part of those, not added.
+post-grad passes, so they are shown as a part of those, not added; so is "serial", the part of "kernels" that
+Inductor compiled in the main process, one kernel after another, before its compile workers were up
+(`async_compile.precompile`; compile_cache.start_compile_workers says why).
 
     stages = extra_by_stage(rows, "bf16+compile")   # rows of compile_warmup.py
     print_extra_by_stage(stages, "bf16+compile")
@@ -31,13 +33,14 @@ STAGES = (
 
 
 def stage_seconds(row: dict) -> dict[str, float]:
-    """One row's first step split by stage: {column: seconds}, plus "TTIR" (inside the AOT trace and lowering)
-    and "rest" (first step minus the stages). {} for a row without a first step."""
+    """One row's first step split by stage: {column: seconds}, plus "TTIR" (inside the AOT trace and lowering),
+    "serial" (inside "kernels") and "rest" (first step minus the stages). {} for a row without a first step."""
     if "first_step_s" not in row:
         return {}
     timers = row.get("first_step_compile_s") or {}
     stages = {name: sum(timers.get(timer, 0.0) for timer in names) for name, names in STAGES}
     stages["TTIR"] = (row.get("first_step_ttir") or {}).get("s", 0.0)
+    stages["serial"] = timers.get("async_compile.precompile", 0.0)
     stages["rest"] = row["first_step_s"] - sum(stages[name] for name, _ in STAGES)
     return stages
 
@@ -75,8 +78,9 @@ def print_extra_by_stage(extra: list[dict], baseline: str) -> None:
     if not extra:
         return
     print(
-        f"\nfirst step, seconds over {baseline} by compile stage (mean of the repeats; TTIR: inside AOT + lowering)"
+        f"\nfirst step, seconds over {baseline} by compile stage (mean of the repeats; TTIR: inside AOT + lowering; "
+        "serial: kernels compiled in the main process, inside kernels)"
     )
-    columns = ["total", *(name for name, _ in STAGES), "rest", "TTIR"]
+    columns = ["total", *(name for name, _ in STAGES), "rest", "TTIR", "serial"]
     lead = [("model", "model", 11), ("variant", "variant", 24), ("pass", "pass", 5), ("n", "repeats", 2)]
     common.print_table(extra, lead, [(c, lambda e, c=c: e[c], "+.2f") for c in columns], "total")

@@ -754,7 +754,7 @@ def test_compile_stages_split_the_extra_seconds_by_stage_and_average_the_repeats
         _warmup_row("bf16", 0, 10.0, bytecode_tracing=0.5, aot_collect_metadata=0.2, create_aot_dispatcher_function=7.0),
         _warmup_row("int8", 0, 14.0, 1.0, bytecode_tracing=1.0, aot_collect_metadata=1.4, create_aot_dispatcher_function=9.0),
         _warmup_row("bf16", 1, 12.0, bytecode_tracing=0.5, aot_trace_joint_graph=0.4, **{"PyCodeCache.load_by_key_path": 3.0}),
-        _warmup_row("int8", 1, 15.0, 2.0, bytecode_tracing=0.7, aot_trace_joint_graph=1.0, **{"PyCodeCache.load_by_key_path": 4.0}),
+        _warmup_row("int8", 1, 15.0, 2.0, bytecode_tracing=0.7, aot_trace_joint_graph=1.0, **{"PyCodeCache.load_by_key_path": 4.0, "async_compile.precompile": 1.0}),
         _warmup_row("int8", 2, 99.0),  # no baseline row in its repeat: left out
         dict(_warmup_row("fp8", 0, 1.0), first_step_s=None) | {"error": "x"},
     ]  # fmt: skip
@@ -772,6 +772,7 @@ def test_compile_stages_split_the_extra_seconds_by_stage_and_average_the_repeats
     assert extra["AOT trace"] == pytest.approx(0.9)
     assert extra["kernels"] == pytest.approx(0.5)
     assert extra["TTIR"] == pytest.approx(1.5)
+    assert extra["serial"] == pytest.approx(0.5)  # part of kernels: the rest unchanged
     assert extra["rest"] == pytest.approx((2.3 + 1.2) / 2)
     assert extra["guards"] == 0.0
     assert stages.stage_seconds(rows[-1]) == {}
