@@ -50,11 +50,10 @@ _STATIC_LAUNCH_ENV = "TORCHINDUCTOR_STATIC_LAUNCH_USER_DEFINED_TRITON_KERNELS"
 def allow_compile_cache(start_workers: bool = True) -> bool:
     """Settings for a fast warm start of compiled SwitchBack models (see the module docstring): AOT autograd's
     cache takes graphs with custom autograd Functions, Inductor launches user-defined Triton kernels from its
-    cached cubins. Call it before the process's first torch.compile: Inductor's compile workers start then, with
-    the environment they inherit.
+    cached cubins. Call it before the process's first torch.compile, best before the model loads: Inductor's
+    compile workers inherit the environment set here.
 
-    start_workers (with CUDA): start Inductor's compile workers now, with that environment (start_compile_workers
-    says why), not at the first compile.
+    start_workers (with CUDA): start those workers now (start_compile_workers says why), not at the first compile.
 
     Returns whether torch has the AOT autograd setting (False on a torch without it: nothing changes, compiling
     still works).
@@ -67,7 +66,7 @@ def allow_compile_cache(start_workers: bool = True) -> bool:
         # Inductor's compile workers decide how a kernel is launched, and they read this setting from their
         # environment, not from this process (torch hands them a few settings, not this one): without the
         # variable the cold run's cached kernels are not statically launchable, and a warm start compiles ours
-        # again. Workers start at the first compile, after this call; a value the user set stays.
+        # again. Set before the workers start (below, or at the first compile); a value the user set stays.
         os.environ.setdefault(_STATIC_LAUNCH_ENV, "1")
     if start_workers:
         start_compile_workers()
