@@ -274,6 +274,7 @@ def run_row(name: str, variant: str, args, profile: bool = False, batch: int | N
         if artifacts:  # before the first step, where the model compiles
             load_compile_artifacts(artifacts)
         caches_before, phases_before = common.cache_counts(), common.compile_phase_seconds()
+        compiles_before = common.compiles_so_far()
         with (
             common.python_profile(first_step_profile_path(args, name, variant)),
             common.ttir_generation() as ttir,
@@ -287,6 +288,7 @@ def run_row(name: str, variant: str, args, profile: bool = False, batch: int | N
         phases = common.compile_phase_seconds()
         row["first_step_compile_s"] = {k: round(v - phases_before.get(k, 0.0), 3) for k, v in phases.items()}
         row["first_step_ttir"] = ttir  # torch's TTIR generations of our kernels: calls and seconds
+        row["first_step_kernel_compiles"] = common.kernel_compiles_since(compiles_before)  # per graph
         timed(lambda: finish(forward()), args.warmup, device)
         if cuda:  # steady state, not the compile / autotune step
             torch.cuda.reset_peak_memory_stats()

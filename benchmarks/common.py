@@ -96,6 +96,36 @@ def compile_phase_seconds() -> dict[str, float]:
     return {name: round(sum(times), 3) for name, times in compilation_time_metrics.items()}
 
 
+def compiles_so_far() -> list:
+    """torch's metrics record of each graph compiled so far (Dynamo's forward, AOT's lazy backward); [] where
+    this torch keeps none. Pass it to kernel_compiles_since after the step to read that step's graphs."""
+    try:
+        from torch._dynamo.utils import get_compilation_metrics
+    except ImportError:
+        return []
+    return get_compilation_metrics()
+
+
+def kernel_compiles_since(before: list) -> list[dict]:
+    """Per graph compiled since `before` (compiles_so_far()): its compile id, whether it is a forward, and the
+    Triton kernels Inductor compiled for it, slowest first, as [name, seconds]: each kernel's compile time in
+    its worker (torch keeps the 25 slowest per graph). Kernels compile in parallel, so the slowest is the
+    least the graph waits, and their sum is the CPU time, not the wall time."""
+    seen = {id(m) for m in before}
+    graphs = []
+    for metrics in compiles_so_far():
+        times = getattr(metrics, "triton_kernel_compile_times_us", None)
+        if id(metrics) in seen or not times:
+            continue
+        try:
+            kernels = [[str(name), round(us / 1e6, 3)] for name, us in json.loads(times)]
+        except (TypeError, ValueError):
+            continue  # torch's "<unknown>" for a record it could not write
+        forward = getattr(metrics, "is_forward", None)
+        graphs.append(dict(graph=str(getattr(metrics, "compile_id", "")), forward=forward, kernels=kernels))
+    return graphs
+
+
 @contextlib.contextmanager
 def ttir_generation():
     """Count and time torch.compile's TTIR generations of Triton kernels inside (kernels/ttir_cache.py says what

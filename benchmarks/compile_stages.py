@@ -11,6 +11,11 @@ Inductor compiled in the main process, one kernel after another, before its comp
 
     stages = extra_by_stage(rows, "bf16+compile")   # rows of compile_warmup.py
     print_extra_by_stage(stages, "bf16+compile")
+    print_kernel_compiles(kernel_compiles(rows))       # the slowest Triton kernel compiles of each graph
+
+The "kernels" stage is a wait on Inductor's compile workers, so what sets it is the slowest kernels of each
+graph, not their number: bench_train.py records each kernel's compile time in its worker per graph
+(`first_step_kernel_compiles`), which kernel_compiles summarizes.
 """
 
 from __future__ import annotations
@@ -84,3 +89,43 @@ def print_extra_by_stage(extra: list[dict], baseline: str) -> None:
     columns = ["total", *(name for name, _ in STAGES), "rest", "TTIR", "serial"]
     lead = [("model", "model", 11), ("variant", "variant", 24), ("pass", "pass", 5), ("n", "repeats", 2)]
     common.print_table(extra, lead, [(c, lambda e, c=c: e[c], "+.2f") for c in columns], "total")
+
+
+def kernel_compiles(rows: list[dict], slowest: int = 3) -> list[dict]:
+    """Per row and graph with kernel compiles (cold rows): how many kernels torch recorded (at most its 25
+    slowest), their summed compile seconds, the slowest one's, and the `slowest` kernels as "name s"."""
+    out = []
+    for r in rows:
+        for graph in r.get("first_step_kernel_compiles") or []:
+            kernels = graph["kernels"]
+            side = {True: "fwd", False: "bwd"}.get(graph.get("forward"), "?")
+            out.append(
+                dict(
+                    model=r["model"],
+                    variant=r["variant"],
+                    repeat=r.get("repeat", 0),
+                    graph=f"{graph['graph']} {side}",
+                    recorded=len(kernels),
+                    total_s=sum(seconds for _, seconds in kernels),
+                    max_s=max(seconds for _, seconds in kernels),
+                    names=", ".join(f"{name} {seconds:.2f}" for name, seconds in kernels[:slowest]),
+                    **{"pass": r.get("pass", "")},
+                )
+            )
+    return out
+
+
+def print_kernel_compiles(compiles: list[dict]) -> None:
+    """The table of kernel_compiles."""
+    if not compiles:
+        return
+    print(
+        "\nTriton kernel compiles per graph (each in a worker, in parallel: max_s is the least the graph waits)"
+    )
+    lead = [("model", "model", 11), ("variant", "variant", 24), ("pass", "pass", 5), ("rep", "repeat", 3)]
+    lead += [("graph", "graph", 10)]
+    cols = [("kernels", lambda c: c["recorded"], "d"), ("total_s", lambda c: c["total_s"], ".2f")]
+    cols += [("max_s", lambda c: c["max_s"], ".2f")]
+    common.print_table(compiles, lead, cols, "max_s")
+    for c in compiles:
+        print(f"  {c['model']} {c['variant']} {c['pass']} {c['repeat']} {c['graph']}: {c['names']}")

@@ -23,7 +23,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 import common  # noqa: E402
-from compile_stages import extra_by_stage, print_extra_by_stage  # noqa: E402
+from compile_stages import extra_by_stage, kernel_compiles, print_extra_by_stage, print_kernel_compiles  # noqa: E402
 
 
 def run_row(model: str, variant: str, cache: Path, args, extra: list[str]) -> dict:
@@ -98,6 +98,7 @@ def main() -> None:
     baseline = args.baseline or args.variants[0]
     print_table(rows, baseline)
     print_extra_by_stage(extra_by_stage(rows, baseline), baseline)
+    print_kernel_compiles(kernel_compiles(rows))
     if any("first_step_s" not in r for r in rows):
         sys.exit(1)
 

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import helpers
 import pytest
@@ -779,6 +780,50 @@ def test_compile_stages_split_the_extra_seconds_by_stage_and_average_the_repeats
     stages.print_extra_by_stage([extra], "bf16")
     line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("vit-b-16"))
     assert "+3.50" in line and "cold" in line
+
+
+def test_kernel_compiles_reads_each_new_graphs_slowest_triton_compiles(monkeypatch, capsys):
+    """common.kernel_compiles_since keeps only graphs compiled after its mark and torch's per-kernel record of
+    them (microseconds, as torch's metrics write it); compile_stages.kernel_compiles sums and ranks them."""
+    common = load_script("common")
+    stages = load_script("compile_stages")
+    from torch._dynamo import utils as dynamo_utils
+
+    def metrics(compile_id, forward, kernels):
+        times = None if kernels is None else json.dumps(kernels)
+        return SimpleNamespace(
+            compile_id=compile_id, is_forward=forward, triton_kernel_compile_times_us=times
+        )
+
+    earlier = metrics("0/0", True, [["old_kernel", 5_000_000]])
+    recorded = [earlier]
+    monkeypatch.setattr(dynamo_utils, "get_compilation_metrics", lambda: list(recorded))
+    mark = common.compiles_so_far()
+    recorded += [
+        metrics("1/0", True, [["_scaled_mm_kernel", 1_070_000], ["triton_poi_fused_gelu_0", 240_000]]),
+        metrics("1/0", False, [["_act_backward_rows_kernel", 930_000]]),
+        metrics("1/1", True, None),  # a graph without Triton kernels (all cached, or a CPU compile)
+        SimpleNamespace(compile_id="1/2", is_forward=True, triton_kernel_compile_times_us="<unknown>"),
+    ]
+    graphs = common.kernel_compiles_since(mark)
+    assert graphs == [
+        dict(
+            graph="1/0",
+            forward=True,
+            kernels=[["_scaled_mm_kernel", 1.07], ["triton_poi_fused_gelu_0", 0.24]],
+        ),
+        dict(graph="1/0", forward=False, kernels=[["_act_backward_rows_kernel", 0.93]]),
+    ]
+    row = dict(
+        model="vit-b-16", variant="int8", repeat=0, first_step_kernel_compiles=graphs, **{"pass": "cold"}
+    )
+    summary = stages.kernel_compiles([row, dict(row, first_step_kernel_compiles=[])], slowest=1)
+    assert [(c["graph"], c["recorded"]) for c in summary] == [("1/0 fwd", 2), ("1/0 bwd", 1)]
+    assert summary[0]["total_s"] == pytest.approx(1.31) and summary[0]["max_s"] == 1.07
+    assert summary[0]["names"] == "_scaled_mm_kernel 1.07"  # only the slowest one asked for
+    stages.print_kernel_compiles(summary)
+    out = capsys.readouterr().out
+    assert "1/0 fwd" in out and "_act_backward_rows_kernel 0.93" in out
 
 
 def test_compile_warmup_refuses_full_size_models_on_the_cpu(monkeypatch, capsys):
