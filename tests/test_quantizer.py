@@ -5,6 +5,7 @@ swapped" is computed here from module names, independently of find_targets.
 """
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -261,6 +262,43 @@ def test_trainer_trains_and_save_model_round_trips(saved_clip, tmp_path):
     trained = model.state_dict()
     for key, value in reloaded.state_dict().items():
         assert torch.equal(value, trained[key]), key
+
+
+def test_trainer_torch_compile_per_layer_with_accelerates_regional_switch(saved_clip, tmp_path, monkeypatch):
+    """README: `TrainingArguments(torch_compile=True)` compiles the whole model; accelerate's environment switch,
+    which the Trainer's dynamo plugin reads, compiles each encoder layer instead (the short first step,
+    BENCHMARKS.md compile warm-up). Checks the documented route still reaches SwitchBack's layers and trains."""
+    from torch._dynamo.eval_frame import OptimizedModule
+    from transformers import Trainer, TrainingArguments
+
+    monkeypatch.setenv("ACCELERATE_DYNAMO_USE_REGIONAL_COMPILATION", "1")
+    path, _ = saved_clip
+    model = CLIPModel.from_pretrained(path, quantization_config=ROW)
+    model.train()
+    args = TrainingArguments(
+        output_dir=str(tmp_path / "out"),
+        max_steps=2,
+        per_device_train_batch_size=4,
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        use_cpu=True,
+        dataloader_num_workers=0,
+        torch_compile=True,
+        torch_compile_backend="aot_eager",  # the CPU stand-in for inductor: the same Dynamo regions
+    )
+    trainer = Trainer(model=model, args=args, train_dataset=_clip_batches(8, 8), data_collator=_collate)
+    trainer.train()
+
+    assert trainer.accelerator.state.dynamo_plugin.use_regional_compilation
+    trained = trainer.model_wrapped
+    assert not isinstance(trained, OptimizedModule)  # not the whole model ...
+    for tower in (trained.vision_model, trained.text_model):
+        layer = tower.encoder.layers[0]
+        assert isinstance(layer, OptimizedModule), type(layer)  # ... each layer
+        assert switchback_modules(layer._orig_mod)  # with SwitchBack inside
+    losses = [log["loss"] for log in trainer.state.log_history if "loss" in log]
+    assert len(losses) == 2 and all(math.isfinite(loss) for loss in losses)
 
 
 # ---- accelerate fp8 interplay --------------------------------------------------------------------------
