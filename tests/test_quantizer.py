@@ -226,28 +226,29 @@ def _collate(features):
     }
 
 
-@pytest.mark.slow
-def test_trainer_trains_and_save_model_round_trips(saved_clip, tmp_path):
+def _cpu_trainer(model, tmp_path, **arguments):
+    """An HF Trainer of `model` on the CPU over _clip_batches(8, 8), a loss logged every step, no saves."""
     from transformers import Trainer, TrainingArguments
 
-    path, _ = saved_clip
-    model = CLIPModel.from_pretrained(path, quantization_config=ROW)
     model.train()
     args = TrainingArguments(
         output_dir=str(tmp_path / "out"),
-        max_steps=10,
         per_device_train_batch_size=8,
-        learning_rate=3e-3,
-        warmup_steps=0,
         logging_steps=1,
         save_strategy="no",
         report_to=[],
         use_cpu=True,
         dataloader_num_workers=0,
-        seed=0,
+        **arguments,
     )
-    data = _clip_batches(8, 8)
-    trainer = Trainer(model=model, args=args, train_dataset=data, data_collator=_collate)
+    return Trainer(model=model, args=args, train_dataset=_clip_batches(8, 8), data_collator=_collate)
+
+
+@pytest.mark.slow
+def test_trainer_trains_and_save_model_round_trips(saved_clip, tmp_path):
+    path, _ = saved_clip
+    model = CLIPModel.from_pretrained(path, quantization_config=ROW)
+    trainer = _cpu_trainer(model, tmp_path, max_steps=10, learning_rate=3e-3, warmup_steps=0, seed=0)
     trainer.train()
 
     losses = [log["loss"] for log in trainer.state.log_history if "loss" in log]
@@ -269,25 +270,14 @@ def test_trainer_torch_compile_per_layer_with_accelerates_regional_switch(saved_
     which the Trainer's dynamo plugin reads, compiles each encoder layer instead (the short first step,
     BENCHMARKS.md compile warm-up). Checks the documented route still reaches SwitchBack's layers and trains."""
     from torch._dynamo.eval_frame import OptimizedModule
-    from transformers import Trainer, TrainingArguments
 
     monkeypatch.setenv("ACCELERATE_DYNAMO_USE_REGIONAL_COMPILATION", "1")
     path, _ = saved_clip
     model = CLIPModel.from_pretrained(path, quantization_config=ROW)
-    model.train()
-    args = TrainingArguments(
-        output_dir=str(tmp_path / "out"),
-        max_steps=2,
-        per_device_train_batch_size=4,
-        logging_steps=1,
-        save_strategy="no",
-        report_to=[],
-        use_cpu=True,
-        dataloader_num_workers=0,
-        torch_compile=True,
-        torch_compile_backend="aot_eager",  # the CPU stand-in for inductor: the same Dynamo regions
+    # aot_eager: the CPU stand-in for inductor, the same Dynamo regions
+    trainer = _cpu_trainer(
+        model, tmp_path, max_steps=2, torch_compile=True, torch_compile_backend="aot_eager"
     )
-    trainer = Trainer(model=model, args=args, train_dataset=_clip_batches(8, 8), data_collator=_collate)
     trainer.train()
 
     assert trainer.accelerator.state.dynamo_plugin.use_regional_compilation
