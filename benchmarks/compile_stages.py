@@ -13,8 +13,9 @@ Inductor compiled in the main process, one kernel after another, before its comp
     print_extra_by_stage(stages, "bf16+compile")
     print_kernel_compiles(kernel_compiles(rows))       # the slowest Triton kernel compiles of each graph
 
-The "kernels" stage is a wait on Inductor's compile workers, so what sets it is the slowest kernels of each
-graph, not their number: bench_train.py records each kernel's compile time in its worker per graph
+The "kernels" stage is a wait on Inductor's compile workers, which compile a graph's kernels in parallel, so
+what sets it is how long the slowest kernels of each graph take in their workers (longer when more kernels share
+the CPU at once): bench_train.py records each kernel's compile time in its worker, per graph
 (`first_step_kernel_compiles`), which kernel_compiles summarizes.
 """
 

@@ -4,7 +4,8 @@ Passes per (model, variant), each its own process on its own Inductor and Triton
 caches), warm (the same caches again), moved (--moved: empty caches plus the artifacts cold saved, as
 train_clip.py --compile_cache_dir on another machine). Per row: the first step's seconds, its ratio to
 --baseline and the FX graph cache's hit/miss/bypass; then, per model and pass, the seconds each variant's first
-step takes over the baseline's, split by compile stage (compile_stages.py). An untimed eager process runs first (--no_prime skips it), so that
+step takes over the baseline's, split by compile stage, and the slowest Triton kernel compiles of each
+graph (compile_stages.py). An untimed eager process runs first (--no_prime skips it), so that
 reading the libraries from disk does not land on the first row. Flags it does not know go to bench_train.py.
 
     PYTHONPATH=src python benchmarks/compile_warmup.py --models vit-b-16 --variants bf16+compile int8+compile \\
