@@ -83,7 +83,9 @@ def start_compile_workers() -> bool:
     take seconds to import torch and Triton. Until one answers, Inductor compiles each kernel in this process,
     one after another (`async_compile.precompile`): 2.2-6.7 s of a cold first step at ViT-B/16 to SigLIP B/16,
     more for SwitchBack's first graph, which holds more kernels (BENCHMARKS.md, compile warm-up). Started while
-    the model and the data load, the pool is ready when the first graph's kernels are. torch's own switch,
+    the model and the data load, the pool is usually ready when the first graph's kernels are; where the model
+    builds in a second or two (the benchmark's rows) it still lost that race in 10 of 26 cold starts, and those
+    compiled 0.4-2.6 s in this process. torch's own switch,
     TORCH_WARM_POOL=0, still turns the early pool off (its function honours it).
     """
     if not torch.cuda.is_available():
