@@ -36,6 +36,7 @@ from pathlib import Path
 import torch
 
 from hf_switchback.compile_cache import allow_compile_cache, load_compile_artifacts, save_compile_artifacts
+from hf_switchback.kernels import early_compile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common
@@ -274,7 +275,7 @@ def run_row(name: str, variant: str, args, profile: bool = False, batch: int | N
         if artifacts:  # before the first step, where the model compiles
             load_compile_artifacts(artifacts)
         caches_before, phases_before = common.cache_counts(), common.compile_phase_seconds()
-        compiles_before = common.compiles_so_far()
+        compiles_before, early_before = common.compiles_so_far(), early_compile.stats["submitted"]
         with (
             common.python_profile(first_step_profile_path(args, name, variant)),
             common.ttir_generation() as ttir,
@@ -289,6 +290,8 @@ def run_row(name: str, variant: str, args, profile: bool = False, batch: int | N
         row["first_step_compile_s"] = {k: round(v - phases_before.get(k, 0.0), 3) for k, v in phases.items()}
         row["first_step_ttir"] = ttir  # torch's TTIR generations of our kernels: calls and seconds
         row["first_step_kernel_compiles"] = common.kernel_compiles_since(compiles_before)  # per graph
+        # our kernels handed to the compile workers when Inductor wrote their launch (kernels/early_compile.py)
+        row["first_step_early_kernels"] = early_compile.stats["submitted"] - early_before
         timed(lambda: finish(forward()), args.warmup, device)
         if cuda:  # steady state, not the compile / autotune step
             torch.cuda.reset_peak_memory_stats()

@@ -41,7 +41,7 @@ from pathlib import Path
 
 import torch
 
-from . import kernel_access, ttir_cache
+from . import early_compile, kernel_access, ttir_cache
 from .options import KernelOptions
 
 _OPS: dict[str, Callable] = {}
@@ -106,6 +106,7 @@ def _register_with_dynamo() -> bool:
     if not _registered:
         torch._dynamo.allow_in_graph(_leaf)
         kernel_access.install()  # what our Triton kernels read and write, declared: no analysis by torch
+        early_compile.install()  # our kernels' compiles start when Inductor writes their launch
         ttir_cache.install()  # torch's analysis of any other call on our kernels, once per specialization
         _registered = True
     # AOT autograd's and Inductor's caches refuse graphs that call functions they do not know, unless marked
