@@ -182,14 +182,13 @@ def test_gpu_a_compiled_layer_submits_our_kernels_early_and_compiles_each_once(m
         early = compiled_step(layer, x)
     finally:
         early_compile.uninstall()
-    ours = [(name, source) for name, source, _ in calls if name.startswith("_") and "_kernel" in name]
-    assert len({source for _, source in ours}) >= 3, calls  # LayerNorm-quantize, GEMM, act-quantize at least
-    for source in {source for _, source in ours}:
-        seen = [already for name, text, already in calls if text == source]
-        assert seen == [False, True], (
-            source[:200],
-            seen,
-        )  # submitted early, then found under way by the module
+    ours = {source for name, source, _ in calls if name.startswith("_") and "_kernel" in name}
+    summary = [(name, already) for name, _, already in calls]
+    assert early_compile.stats["submitted"] > 0 and len(ours) >= 3, summary  # LayerNorm-quantize, GEMM, act
+    for source in ours:
+        # each graph that launches the kernel submits it early, then its module finds that compile under way
+        seen = [already for _, text, already in calls if text == source]
+        assert seen and seen == [False, True] * (len(seen) // 2), (source[:120], seen, summary)
     # The same kernels: Inductor may autotune its own reductions to another config in the second compile.
     for got, want in zip(early, late, strict=True):
         torch.testing.assert_close(got, want, rtol=2e-2, atol=1e-3)
