@@ -14,9 +14,9 @@ Inductor compiled in the main process, one kernel after another, before its comp
     print_kernel_compiles(kernel_compiles(rows))       # the slowest Triton kernel compiles of each graph
 
 The "kernels" stage is a wait on Inductor's compile workers, which compile a graph's kernels in parallel, so
-what sets it is how long the slowest kernels of each graph take in their workers (longer when more kernels share
-the CPU at once): bench_train.py records each kernel's compile time in its worker, per graph
-(`first_step_kernel_compiles`), which kernel_compiles summarizes.
+what sets it is how long the slowest kernels of each graph take in their workers: bench_train.py records each
+kernel's compile time in its worker, per graph (`first_step_kernel_compiles`), which kernel_compiles summarizes;
+kernel_compile_times.py compiles the same kernels one by one, for their own compile time without the host's load.
 """
 
 from __future__ import annotations

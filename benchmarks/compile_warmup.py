@@ -84,7 +84,11 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=None, help="per-step batch (default: bench_train.py's)")
     parser.add_argument("--steps", type=int, default=3, help="timed steps per row (the ms/step column)")
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps after the first")
-    parser.add_argument("--cache_root", default=None, help="where the cache folders go (default: a temp dir)")
+    parser.add_argument(
+        "--cache_root",
+        default=None,
+        help="where the cache folders go (default: a temp dir); kernel_compile_times.py reads a row's inductor/ there",
+    )
     parser.add_argument("--repeats", type=int, default=1, help="measure every row this often, on new caches")
     parser.add_argument("--no_prime", action="store_true", help="skip the untimed first (eager) process")
     parser.add_argument("--moved", action="store_true", help="a third pass: empty caches + cold's artifacts")

@@ -851,3 +851,37 @@ def test_bench_linear_cpu_smoke():
             (label, "switchback fp8/row"),
         } <= timed
     assert any(r[3] == "1.00" for r in rows)  # bf16 is its own baseline
+
+
+def test_kernel_compile_times_finds_each_kernel_module_inductor_wrote(tmp_path, capsys):
+    """kernel_compile_times.py reads the kernel modules of an Inductor cache folder (one @triton.jit under
+    Inductor's decorator each) and leaves the graphs' modules (which call async_compile) and other files out."""
+    times = load_script("kernel_compile_times")
+    kernel = (
+        "import triton\nfrom torch._inductor.runtime import triton_heuristics\n\n@triton_heuristics.{}(\n)\n"
+    )
+    (tmp_path / "ab").mkdir()
+    (tmp_path / "ab" / "cab.py").write_text(
+        kernel.format("pointwise") + "@triton.jit\ndef triton_poi_add_0(x):\n"
+    )
+    (tmp_path / "cd.py").write_text(
+        kernel.format("user_autotune") + "@triton.jit\ndef _scaled_mm_kernel(a):\n"
+    )
+    graph = (
+        "async_compile = AsyncCompile()\n" + kernel.format("pointwise") + "@triton.jit\ndef triton_x(y):\n"
+    )
+    (tmp_path / "graph.py").write_text(graph)
+    (tmp_path / "helper.py").write_text("@triton.jit\ndef not_inductors(x):\n")
+    found = times.kernel_sources(tmp_path)
+    assert found == [
+        ("_scaled_mm_kernel", tmp_path / "cd.py"),
+        ("triton_poi_add_0", tmp_path / "ab" / "cab.py"),
+    ]
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert times.main([str(empty), "--json", str(tmp_path / "rows.json")]) == 0
+    assert "0 kernels" in capsys.readouterr().out
+    assert json.loads((tmp_path / "rows.json").read_text())["rows"] == []
+    with pytest.raises(SystemExit):
+        times.main([str(tmp_path / "missing")])
+    assert "is not a folder" in capsys.readouterr().err
