@@ -81,6 +81,7 @@ def test_compile_call_reads_what_the_module_will_pass():
         "x = 1\nasync_compile.triton('k', '''src''')",  # more than the one call
         "async_compile.triton('k', '''unterminated",
         "other.triton('k', '''src''')",
+        "async_compile.triton('k', '''a\x00b''')",  # a null byte: Python refuses the text
     ],
 )
 def test_compile_call_refuses_other_text(text):
@@ -195,3 +196,19 @@ def test_gpu_a_compiled_layer_submits_our_kernels_early_and_compiles_each_once(m
     # The same kernels: Inductor may autotune its own reductions to another config in the second compile.
     for got, want in zip(early, late, strict=True):
         torch.testing.assert_close(got, want, rtol=2e-2, atol=1e-3)
+
+
+def test_a_failed_head_start_leaves_the_kernel_to_the_modules_own_call(installed, monkeypatch):
+    defined = []
+
+    def refuse(self, *args, **kwargs):
+        raise RuntimeError("SubprocPool closed")
+
+    monkeypatch.setattr(AsyncCompile, "use_process_pool", classmethod(lambda cls: True))
+    monkeypatch.setattr(AsyncCompile, "triton", refuse)
+    monkeypatch.setattr(
+        PythonWrapperCodegen.define_kernel, "hf_switchback_original", lambda *a, **k: defined.append(a[1])
+    )
+    codegen = object.__new__(PythonWrapperCodegen)
+    codegen.define_kernel("k", _definition("k", _KERNEL_SOURCE), f"# Original path: {_OUR_KERNEL_FILE}:1")
+    assert defined == ["k"] and early_compile.stats["submitted"] == 0

@@ -45,7 +45,7 @@ def compile_call(kernel_body: str) -> tuple[str, str, dict[str, str]] | None:
     as the graph's module will evaluate it, or None for any other text."""
     try:
         tree = ast.parse(kernel_body.strip())
-    except SyntaxError:
+    except (SyntaxError, ValueError):  # ValueError: a null byte
         return None
     if len(tree.body) != 1 or not isinstance(tree.body[0], ast.Expr):
         return None
@@ -86,7 +86,10 @@ def _submit(kernel_body: str) -> None:
     if found is None or not AsyncCompile.use_process_pool():
         return
     name, source, keywords = found
-    AsyncCompile().triton(name, source, **keywords)
+    try:
+        AsyncCompile().triton(name, source, **keywords)
+    except Exception:  # only a head start: the module's own call compiles the kernel, and reports its errors
+        return
     stats["submitted"] += 1
 
 
