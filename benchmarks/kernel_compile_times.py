@@ -66,6 +66,28 @@ def compile_time(name: str, path: Path) -> dict:
     )
 
 
+def compile_all(sources: list[tuple[str, Path]], no_gpu: bool = False) -> list[dict]:
+    """compile_time of each kernel, one after another, on a new Triton cache that is removed afterwards (this
+    process's own cache folder and driver check are restored)."""
+    from torch._inductor.runtime import triton_helpers
+    from torch._inductor.runtime.compile_tasks import _set_triton_ptxas_path
+
+    _set_triton_ptxas_path()  # the ptxas torch's workers use
+    previous_dir, previous_check = os.environ.get("TRITON_CACHE_DIR"), triton_helpers.set_driver_to_gpu
+    with tempfile.TemporaryDirectory(prefix="kernel_compile_times_") as cache:
+        os.environ["TRITON_CACHE_DIR"] = cache
+        if no_gpu:  # the target comes from each module, not from a device
+            triton_helpers.set_driver_to_gpu = lambda: None
+        try:
+            return [compile_time(name, path) for name, path in sources]
+        finally:
+            triton_helpers.set_driver_to_gpu = previous_check
+            if previous_dir is None:
+                os.environ.pop("TRITON_CACHE_DIR", None)
+            else:
+                os.environ["TRITON_CACHE_DIR"] = previous_dir
+
+
 def print_table(rows: list[dict], top: int) -> None:
     total = sum(row["s"] for row in rows)
     print(
@@ -92,16 +114,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{args.inductor_cache} is not a folder: pass a row's cache, e.g. DIR/<model>_<variant>/repeat0/inductor"
         )
     sources = kernel_sources(args.inductor_cache)
-    os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="kernel_compile_times_")  # before triton loads
-    if sources:
-        from torch._inductor.runtime.compile_tasks import _set_triton_ptxas_path
-
-        _set_triton_ptxas_path()  # the ptxas torch's workers use
-        if args.no_gpu:
-            from torch._inductor.runtime import triton_helpers
-
-            triton_helpers.set_driver_to_gpu = lambda: None  # the target comes from each module, not a device
-    rows = [compile_time(name, path) for name, path in sources]
+    rows = compile_all(sources, args.no_gpu) if sources else []
     print_table(rows, args.top)
     if args.json:
         args.json.write_text(json.dumps(dict(inductor_cache=str(args.inductor_cache), rows=rows), indent=1))

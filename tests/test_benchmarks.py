@@ -3,6 +3,7 @@
 import argparse
 import json
 import math
+import os
 import shutil
 import subprocess
 import sys
@@ -885,3 +886,42 @@ def test_kernel_compile_times_finds_each_kernel_module_inductor_wrote(tmp_path, 
     with pytest.raises(SystemExit):
         times.main([str(tmp_path / "missing")])
     assert "is not a folder" in capsys.readouterr().err
+
+
+# A kernel module as Inductor writes one for a user-defined kernel (its header, torch 2.11-2.13; an sm90 target)
+_TINY_KERNEL_MODULE = """
+import triton
+import triton.language as tl
+
+from torch._inductor.runtime import triton_heuristics
+from torch._inductor.runtime.hints import DeviceProperties
+
+@triton_heuristics.user_autotune(
+    configs=[{'num_warps': 1, 'num_stages': 1}],
+    inductor_meta={'grid_type': 'FixedGrid', 'fixed_grid': ['_grid_0', '_grid_1', '_grid_2'],
+        'extra_launcher_args': ['_grid_0', '_grid_1', '_grid_2'], 'kernel_name': '_double_kernel_0'},
+    triton_meta={'signature': {'x_ptr': '*fp32', 'n': 'i32', 'BLOCK': 'constexpr'},
+        'device': DeviceProperties(type='cuda', index=0, multi_processor_count=132, cc=90, major=9,
+            regs_per_multiprocessor=65536, max_threads_per_multi_processor=2048, max_threads_per_block=1024,
+            warp_size=32),
+        'constants': {'BLOCK': 64}, 'configs': [{(0,): [['tt.divisibility', 16]]}]},
+    filename=__file__,
+    custom_kernel=True,
+)
+@triton.jit
+def _double_kernel(x_ptr, n, BLOCK: tl.constexpr):
+    offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(x_ptr + offsets, 2 * tl.load(x_ptr + offsets, mask=offsets < n), mask=offsets < n)
+"""
+
+
+def test_kernel_compile_times_compiles_a_kernel_module_for_its_target_without_a_gpu(tmp_path, monkeypatch):
+    pytest.importorskip("triton.backends.nvidia.compiler", reason="Triton without its CUDA backend")
+    times = load_script("kernel_compile_times")
+    (tmp_path / "cab.py").write_text(_TINY_KERNEL_MODULE)
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "mine"))
+    rows = times.compile_all(times.kernel_sources(tmp_path), no_gpu=True)
+    assert [(r["kernel"], r["configs"]) for r in rows] == [("_double_kernel", 1)]
+    assert 0 < rows[0]["s"] < 60
+    assert os.environ["TRITON_CACHE_DIR"] == str(tmp_path / "mine")  # its own cache was temporary
+    assert not (tmp_path / "mine").exists()

@@ -9,7 +9,7 @@ was submitted before the graph's module asked for it, with the same text (so it 
 layer computes what it computes without the early start.
 """
 
-import itertools
+import functools
 import textwrap
 from pathlib import Path
 
@@ -52,14 +52,21 @@ def _definition(name: str, source: str, device: str = "cuda") -> str:
 
 
 def _evaluated(definition: str):
-    """What the graph's module passes when it runs the definition (Python's evaluation, the reference)."""
+    """What the graph's module passes when it runs the definition: the text as torch places it in the module
+    (its header), run by Python (the reference)."""
+    from torch._inductor.utils import IndentedBuffer
+
     seen = []
 
     class _Recorder:
         def triton(self, name, source, **keywords):
             seen.append((name, source, keywords))
 
-    exec(definition, {"async_compile": _Recorder()})  # text this test wrote
+    module = IndentedBuffer()
+    module.splice(
+        PythonWrapperCodegen._format_kernel_definition("kernel", definition, "# Original path: k.py:1")
+    )
+    exec(module.getvalue(), {"async_compile": _Recorder()})  # text this test wrote
     (call,) = seen
     return call
 
@@ -102,10 +109,13 @@ def test_only_kernels_whose_file_is_in_this_package_are_ours():
 
 @pytest.fixture
 def installed():
+    was = early_compile.is_installed()  # (the session's first compile installed it where one ran)
     early_compile.uninstall()
     assert early_compile.install()
     yield
     early_compile.uninstall()
+    if was:
+        early_compile.install()
 
 
 def test_our_kernel_goes_to_the_pool_once_and_every_definition_on_to_torch(installed, monkeypatch):
@@ -142,16 +152,49 @@ def test_nothing_is_submitted_before_the_pool_is_ready(installed, monkeypatch):
     assert submitted == []  # the module's own call compiles it, as without the early start
 
 
-def test_the_switch_leaves_torchs_function_alone(monkeypatch):
+def test_the_switch_leaves_torchs_function_alone(installed, monkeypatch):
     early_compile.uninstall()
     monkeypatch.setenv("HF_SWITCHBACK_EARLY_KERNEL_COMPILE", "0")
-    assert not early_compile.install()
+    assert not early_compile.install() and not early_compile.is_installed()
     assert not hasattr(PythonWrapperCodegen.define_kernel, "hf_switchback_original")
     monkeypatch.delenv("HF_SWITCHBACK_EARLY_KERNEL_COMPILE")
     assert early_compile.install() and early_compile.install()  # twice: wrapped once
     assert not hasattr(PythonWrapperCodegen.define_kernel.hf_switchback_original, "hf_switchback_original")
     early_compile.uninstall()
     assert not hasattr(PythonWrapperCodegen.define_kernel, "hf_switchback_original")
+
+
+def test_a_definition_of_another_form_is_counted_and_defined_as_before(installed, monkeypatch):
+    submitted, defined = [], []
+    monkeypatch.setattr(AsyncCompile, "use_process_pool", classmethod(lambda cls: True))
+    monkeypatch.setattr(AsyncCompile, "triton", lambda self, *a, **k: submitted.append(a))
+    monkeypatch.setattr(
+        PythonWrapperCodegen.define_kernel, "hf_switchback_original", lambda *a, **k: defined.append(a[1])
+    )
+    codegen = object.__new__(PythonWrapperCodegen)
+    body = "async_compile.triton_v2('k', '''src''')"  # a torch that writes its definitions otherwise
+    codegen.define_kernel("k", body, f"# Original path: {_OUR_KERNEL_FILE}:1")
+    assert submitted == [] and defined == ["k"]
+    assert early_compile.stats == {"submitted": 0, "not_read": 1}
+
+
+def test_uninstalled_under_another_wrapper_ours_passes_every_call_on(installed, monkeypatch):
+    submitted, defined = [], []
+    monkeypatch.setattr(AsyncCompile, "use_process_pool", classmethod(lambda cls: True))
+    monkeypatch.setattr(AsyncCompile, "triton", lambda self, *a, **k: submitted.append(a))
+    ours = PythonWrapperCodegen.define_kernel
+    monkeypatch.setattr(ours, "hf_switchback_original", lambda *a, **k: defined.append(a[1]))
+
+    @functools.wraps(ours)  # copies our attributes too
+    def theirs(*args, **kwargs):
+        return ours(*args, **kwargs)
+
+    monkeypatch.setattr(PythonWrapperCodegen, "define_kernel", theirs)
+    early_compile.uninstall()
+    assert PythonWrapperCodegen.define_kernel is theirs  # not taken out from under them
+    codegen = object.__new__(PythonWrapperCodegen)
+    codegen.define_kernel("k", _definition("k", _KERNEL_SOURCE), f"# Original path: {_OUR_KERNEL_FILE}:1")
+    assert submitted == [] and defined == ["k"]
 
 
 @pytest.mark.gpu
@@ -164,6 +207,7 @@ def test_gpu_a_compiled_layer_submits_our_kernels_early_and_compiles_each_once(m
         pytest.skip("this torch cannot start its compile workers ahead of the first compile")
     AsyncCompile.wait_pool_ready()
     layer, x = small_layer_and_input()
+    was = early_compile.is_installed()
     early_compile.uninstall()
     # (switched off: the process's first trace would install it)
     monkeypatch.setenv("HF_SWITCHBACK_EARLY_KERNEL_COMPILE", "0")
@@ -184,15 +228,18 @@ def test_gpu_a_compiled_layer_submits_our_kernels_early_and_compiles_each_once(m
         submitted = early_compile.stats["submitted"]
     finally:
         early_compile.uninstall()  # (which zeroes the count)
+        if was:
+            early_compile.install()
     ours = {source for name, source, _ in calls if name.startswith("_") and "_kernel" in name}
     summary = [(name, already) for name, _, already in calls]
 
-    def found_under_way(source: str) -> bool:  # submitted early, then the module's call found that compile
+    # Each graph that launches one of our kernels submits it early, then its module's call finds that compile
+    # under way: a text that differed would start a second compile instead (two submissions, no find).
+    for source in ours:
         seen = [already for _, text, already in calls if text == source]
-        return any(not first and then for first, then in itertools.pairwise(seen))
-
-    # Where the module's text differed from what was submitted, its call would start a second compile instead.
-    assert submitted > 0 and sum(map(found_under_way, ours)) >= 3, summary  # LayerNorm-quantize, GEMM, act
+        assert seen and seen == [False, True] * (len(seen) // 2), (source[:120], seen, summary)
+    pairs = sum(already for _, text, already in calls if text in ours)
+    assert submitted == pairs and len(ours) >= 3, summary  # LayerNorm-quantize, GEMM, act-quantize at least
     # The same kernels: Inductor may autotune its own reductions to another config in the second compile.
     for got, want in zip(early, late, strict=True):
         torch.testing.assert_close(got, want, rtol=2e-2, atol=1e-3)

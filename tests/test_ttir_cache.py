@@ -184,10 +184,12 @@ def compiled_step(layer, x) -> list[torch.Tensor]:
     torch._dynamo.reset()
     layer.zero_grad()
     inputs = x.clone().requires_grad_()
-    with inductor_config.patch(force_disable_caches=True), torch.autocast("cuda", dtype=torch.bfloat16):
-        out = torch.compile(layer)(inputs, None)
-    out = out[0] if isinstance(out, tuple) else out
-    out.float().square().mean().backward()
+    # the backward graph compiles at .backward(): inside the patch too, or it is read from an earlier compile's cache
+    with inductor_config.patch(force_disable_caches=True):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            out = torch.compile(layer)(inputs, None)
+        out = out[0] if isinstance(out, tuple) else out
+        out.float().square().mean().backward()
     return [out, inputs.grad, *(p.grad for p in layer.parameters())]
 
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import ast
 import functools
 import inspect
+import logging
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -28,8 +29,12 @@ from pathlib import Path
 # torch writes this comment above a user-defined kernel's definition: "# Original path: <file>:<line>"
 _ORIGIN = "# Original path: "
 _PACKAGE = os.path.realpath(Path(__file__).resolve().parents[1])
-# Since install: our kernels handed to the workers early (benchmarks and tests read it).
-stats = {"submitted": 0}
+# Since install: our kernels handed to the workers early, and those whose definition could not be read
+# (benchmarks and tests read it).
+stats = {"submitted": 0, "not_read": 0}
+logger = logging.getLogger(__name__)
+_installed: Callable | None = None  # our function in front of torch's define_kernel, once installed
+_active = False  # whether it submits (uninstall leaves it inert where it cannot be taken out)
 
 
 def is_ours(metadata: object) -> bool:
@@ -45,7 +50,7 @@ def compile_call(kernel_body: str) -> tuple[str, str, dict[str, str]] | None:
     as the graph's module will evaluate it, or None for any other text."""
     try:
         tree = ast.parse(kernel_body.strip())
-    except (SyntaxError, ValueError):  # ValueError: a null byte
+    except (SyntaxError, ValueError, RecursionError):  # ValueError: a null byte; RecursionError: deep nesting
         return None
     if len(tree.body) != 1 or not isinstance(tree.body[0], ast.Expr):
         return None
@@ -69,7 +74,7 @@ def compile_call(kernel_body: str) -> tuple[str, str, dict[str, str]] | None:
 def _submitting(define_kernel: Callable) -> Callable:
     @functools.wraps(define_kernel)
     def define_and_submit(self, kernel_name, kernel_body, metadata=None, *args, **kwargs):
-        if is_ours(metadata) and isinstance(kernel_body, str):
+        if _active and is_ours(metadata) and isinstance(kernel_body, str):
             _submit(kernel_body)
         return define_and_submit.hf_switchback_original(
             self, kernel_name, kernel_body, metadata, *args, **kwargs
@@ -80,15 +85,22 @@ def _submitting(define_kernel: Callable) -> Callable:
 
 
 def _submit(kernel_body: str) -> None:
-    from torch._inductor.async_compile import AsyncCompile
-
-    found = compile_call(kernel_body)
-    if found is None or not AsyncCompile.use_process_pool():
-        return
-    name, source, keywords = found
     try:
+        from torch._inductor.async_compile import AsyncCompile
+
+        if os.environ.get("TRITON_INTERPRET", "0") == "1" or not AsyncCompile.use_process_pool():
+            return  # no workers to hand it to: the module's call compiles it, here, as without a head start
+        found = compile_call(kernel_body)
+        if found is None:
+            stats["not_read"] += 1
+            logger.debug(
+                "early_compile: a kernel definition of another form than known; compiled at module load"
+            )
+            return
+        name, source, keywords = found
         AsyncCompile().triton(name, source, **keywords)
     except Exception:  # only a head start: the module's own call compiles the kernel, and reports its errors
+        logger.debug("early_compile: no head start for a kernel", exc_info=True)
         return
     stats["submitted"] += 1
 
@@ -114,24 +126,33 @@ def _wrapper_class():
 def install() -> bool:
     """Submit our kernels early from now on (once). False where this torch's wrapper codegen differs from the
     known one, or HF_SWITCHBACK_EARLY_KERNEL_COMPILE=0."""
+    global _active, _installed
     if os.environ.get("HF_SWITCHBACK_EARLY_KERNEL_COMPILE", "1") == "0":
         return False
     wrapper = _wrapper_class()
     if wrapper is None:
         return False
-    if not hasattr(wrapper.define_kernel, "hf_switchback_original"):
-        wrapper.define_kernel = _submitting(wrapper.define_kernel)
+    if _installed is None:
+        _installed = _submitting(wrapper.define_kernel)
+        wrapper.define_kernel = _installed
+    _active = True
     return True
 
 
+def is_installed() -> bool:
+    return _installed is not None and _active
+
+
 def uninstall() -> None:
-    """Restore torch's function (tests)."""
+    """Stop submitting early and restore torch's function where ours is still the one in front (tests); where
+    another wrapper has since been put in front of ours, ours stays below it, passing every call on."""
+    global _active, _installed
+    _active = False
     wrapper = _wrapper_class()
-    if wrapper is not None:
-        wrapper.define_kernel = getattr(
-            wrapper.define_kernel, "hf_switchback_original", wrapper.define_kernel
-        )
-    stats.update(submitted=0)
+    if wrapper is not None and _installed is not None and wrapper.define_kernel is _installed:
+        wrapper.define_kernel = _installed.hf_switchback_original
+        _installed = None
+    stats.update(submitted=0, not_read=0)
 
 
-__all__ = ["compile_call", "install", "is_ours", "stats", "uninstall"]
+__all__ = ["compile_call", "install", "is_installed", "is_ours", "stats", "uninstall"]
