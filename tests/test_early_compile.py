@@ -109,7 +109,7 @@ def test_only_kernels_whose_file_is_in_this_package_are_ours():
 
 @pytest.fixture
 def installed():
-    was = early_compile.is_installed()  # (the session's first compile installed it where one ran)
+    was = early_compile.is_installed()  # (the test run's first compile installed it where one ran)
     early_compile.uninstall()
     assert early_compile.install()
     yield
