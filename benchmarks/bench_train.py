@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 
 from hf_switchback.compile_cache import allow_compile_cache, load_compile_artifacts, save_compile_artifacts
-from hf_switchback.kernels import early_compile
+from hf_switchback.kernels import early_compile, tiled_quantize_configs
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common
@@ -276,6 +276,7 @@ def run_row(name: str, variant: str, args, profile: bool = False, batch: int | N
             load_compile_artifacts(artifacts)
         caches_before, phases_before = common.cache_counts(), common.compile_phase_seconds()
         compiles_before, early_before = common.compiles_so_far(), early_compile.stats["submitted"]
+        one_config_before = tiled_quantize_configs.stats["one_config"]
         with (
             common.python_profile(first_step_profile_path(args, name, variant)),
             common.ttir_generation() as ttir,
@@ -292,6 +293,8 @@ def run_row(name: str, variant: str, args, profile: bool = False, batch: int | N
         row["first_step_kernel_compiles"] = common.kernel_compiles_since(compiles_before)  # per graph
         # our kernels handed to the compile workers when Inductor wrote their launch (kernels/early_compile.py)
         row["first_step_early_kernels"] = early_compile.stats["submitted"] - early_before
+        # Inductor's transposed 8-bit writes generated with one tile config (kernels/tiled_quantize_configs.py)
+        row["first_step_one_config_kernels"] = tiled_quantize_configs.stats["one_config"] - one_config_before
         timed(lambda: finish(forward()), args.warmup, device)
         if cuda:  # steady state, not the compile / autotune step
             torch.cuda.reset_peak_memory_stats()
