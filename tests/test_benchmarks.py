@@ -925,3 +925,13 @@ def test_kernel_compile_times_compiles_a_kernel_module_for_its_target_without_a_
     assert 0 < rows[0]["s"] < 60
     assert os.environ["TRITON_CACHE_DIR"] == str(tmp_path / "mine")  # its own cache was temporary
     assert not (tmp_path / "mine").exists()
+
+
+def test_launch_shapes_times_each_launch_of_the_layernorm_kernel_on_the_interpreter(tmp_path):
+    pytest.importorskip("triton")
+    out = tmp_path / "launches.json"
+    args = ["benchmarks/launch_shapes.py", "--device", "cpu", "--shapes", "4x64", "--launches", "1x1", "2x2"]
+    run_script([*args, "--rounds", "1", "--qdtypes", "int8", "--json", str(out)], timeout=300)
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["rows"], r["warps"], r["values_per_thread"]) for r in rows] == [(1, 1, 2), (2, 2, 2)]
+    assert min(r["vs_best"] for r in rows) == 1.0 and all(r["us"] > 0 for r in rows)

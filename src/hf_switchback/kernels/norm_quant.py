@@ -89,11 +89,14 @@ def _layernorm_quantize_kernel(
     tl.store(q_ptr + out, _to_q(y, safe[:, None], inv[:, None], QMAX_C, IS_INT, Q_DTYPE), mask=mask)
 
 
-# block_k -> (rows per program, warps), the fastest of a sweep over 1-8 rows and 1-16 warps on the H200 at ViT
-# widths (768 and 1,024: block 1,024; 1,280: block 2,048; BENCHMARKS.md, Whole training step): few values per
-# thread and two rows per program, so the next row's loads are in flight while one row reduces. Other widths:
-# one row per program, a warp per 256 values.
-_LAUNCH: dict[int, tuple[int, int]] = {1024: (2, 1), 2048: (2, 2)}
+# block_k -> (rows per program, warps). At 2,048 (width 1,280) two rows per program over 2 warps, the fastest of a
+# sweep over 1-8 rows and 1-16 warps on the H200 (BENCHMARKS.md, Whole training step): the next row's loads are in
+# flight while one row reduces. At 1,024 (widths 768 and 1,024) one row over one warp: as fast as two rows (1.00x of
+# the two rows' time at 50,432 x 768, 0.98-0.995x at 1,024 wide) and 40% less to compile (0.36-0.48 s
+# against 0.63-0.72 s for the residual add's specialization), since compile time follows the values each thread
+# holds (`benchmarks/launch_shapes.py`; BENCHMARKS.md, compile warm-up). Other widths: one row per program, a
+# warp per 256 values.
+_LAUNCH: dict[int, tuple[int, int]] = {1024: (1, 1), 2048: (2, 2)}
 
 
 def _launch_shape(block_k: int) -> tuple[int, int]:
