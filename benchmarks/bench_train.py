@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 
 from hf_switchback.compile_cache import allow_compile_cache, load_compile_artifacts, save_compile_artifacts
-from hf_switchback.kernels import early_compile, tiled_quantize_configs
+from hf_switchback.kernels import direct_kernel_calls, early_compile, tiled_quantize_configs
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common
@@ -277,6 +277,7 @@ def run_row(name: str, variant: str, args, profile: bool = False, batch: int | N
         caches_before, phases_before = common.cache_counts(), common.compile_phase_seconds()
         compiles_before, early_before = common.compiles_so_far(), early_compile.stats["submitted"]
         one_config_before = tiled_quantize_configs.stats["one_config"]
+        rewritten_before = direct_kernel_calls.stats["rewritten"]
         with (
             common.python_profile(first_step_profile_path(args, name, variant)),
             common.ttir_generation() as ttir,
@@ -295,6 +296,8 @@ def run_row(name: str, variant: str, args, profile: bool = False, batch: int | N
         row["first_step_early_kernels"] = early_compile.stats["submitted"] - early_before
         # Inductor's transposed 8-bit writes generated with one tile config (kernels/tiled_quantize_configs.py)
         row["first_step_one_config_kernels"] = tiled_quantize_configs.stats["one_config"] - one_config_before
+        # our kernels' calls made mutating without torch's per-call tracing (kernels/direct_kernel_calls.py)
+        row["first_step_direct_kernel_calls"] = direct_kernel_calls.stats["rewritten"] - rewritten_before
         timed(lambda: finish(forward()), args.warmup, device)
         if cuda:  # steady state, not the compile / autotune step
             torch.cuda.reset_peak_memory_stats()

@@ -1,0 +1,151 @@
+"""Our Triton kernel calls turned into their mutating form directly, not by tracing a graph twice per call.
+
+In the graph Inductor lowers, every Triton kernel call first appears in functional form
+(`triton_kernel_wrapper_functional`: it returns clones of the tensors the kernel writes), and torch's post-grad
+pass `decompose_triton_kernel_wrapper_functional` rewrites each into the clones and the mutating call
+(`triton_kernel_wrapper_mutation`) through the pattern matcher's `replace_by_example`, which traces a small
+replacement graph with make_fx twice per call (once on the eager input values, once on Inductor's). Our kernels
+write only buffers their op allocated, so once torch's reinplacing pass has run, a call of ours clones nothing
+and nothing reads its result: its mutating form is the same node without `tensors_to_clone`. Those 30-40 calls of
+a ViT-B/16 step made that pass 0.36-0.73 s of its cold first step (0.09-0.16 s at ViT-L/14 and ViT-H/14, whose
+text tower is 16-bit; BENCHMARKS.md, compile warm-up).
+
+`install()` puts a function in front of that pass (torch's post-grad module calls it by its module name) that
+rewrites such calls of our kernels in place, the node's metadata carried over as torch's replacement carries it
+(the tests compare the two graphs), and then runs torch's pass for every other call. A call that still clones a
+tensor or has a user, or a kernel not of this package, is left to torch. HF_SWITCHBACK_DIRECT_KERNEL_CALLS=0
+leaves torch's pass alone.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from collections.abc import Callable
+
+from .kernel_access import python_function
+
+_PACKAGE = __name__.split(".")[0]
+# Since install: calls rewritten here (benchmarks and tests read it).
+stats = {"rewritten": 0}
+logger = logging.getLogger(__name__)
+_installed: Callable | None = None  # our function in front of torch's pass, once installed
+_active = False  # whether it rewrites (uninstall leaves it inert where it cannot be taken out)
+_MUTATION_KWARGS = ("kernel_idx", "constant_args_idx", "grid", "tma_descriptor_metadata", "kwargs")
+
+
+def _is_ours(kernel_idx: int) -> bool:
+    from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
+
+    function = python_function(kernel_side_table.get_kernel(kernel_idx))
+    return getattr(function, "__module__", "").startswith(f"{_PACKAGE}.")
+
+
+def rewrite_calls(graph) -> int:
+    """Rewrite, in `graph`, each functional call of one of our kernels that clones nothing and has no user into its
+    mutating call; returns how many."""
+    import torch
+    from torch._inductor.pattern_matcher import _transfer_meta
+
+    functional = torch.ops.higher_order.triton_kernel_wrapper_functional
+    mutation = torch.ops.higher_order.triton_kernel_wrapper_mutation
+    rewritten = 0
+    for node in list(graph.find_nodes(op="call_function", target=functional)):
+        kwargs = node.kwargs
+        if (
+            node.args
+            or node.users
+            or kwargs.get("tensors_to_clone")
+            or set(kwargs)
+            != {
+                *_MUTATION_KWARGS,
+                "tensors_to_clone",
+            }
+        ):
+            continue
+        if not _is_ours(kwargs["kernel_idx"]):
+            continue
+        with graph.inserting_before(node):
+            call = graph.call_function(mutation, kwargs={key: kwargs[key] for key in _MUTATION_KWARGS})
+        # what torch's replacement keeps: the fields every pattern replacement copies, the stack trace, the
+        # functional node's value, and its eager input values without the argument the mutating call lacks
+        _transfer_meta(new_meta=call.meta, old_node=node, pass_name="replace_by_example")
+        if "val" in node.meta:
+            call.meta["val"] = node.meta["val"]
+        eager = node.meta.get("eager_input_vals")
+        if eager is not None:
+            args, eager_kwargs = eager
+            call.meta["eager_input_vals"] = (args, {key: eager_kwargs[key] for key in _MUTATION_KWARGS})
+        graph.erase_node(node)
+        rewritten += 1
+    return rewritten
+
+
+def _rewriting_first(decompose: Callable) -> Callable:
+    @functools.wraps(decompose)
+    def rewrite_then_decompose(graph, *args, **kwargs):
+        if _active:
+            try:
+                stats["rewritten"] += rewrite_calls(graph)
+            except Exception:  # torch's pass below decomposes whatever is left, as without this module
+                logger.debug("direct_kernel_calls: calls left to torch's pass", exc_info=True)
+        return rewrite_then_decompose.hf_switchback_original(graph, *args, **kwargs)
+
+    rewrite_then_decompose.hf_switchback_original = decompose
+    return rewrite_then_decompose
+
+
+def _post_grad_module():
+    """torch's post-grad pass module where it has the known pass and the pieces the rewrite uses, else None."""
+    try:
+        import torch
+        from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table  # noqa: F401
+        from torch._inductor.fx_passes import post_grad
+        from torch._inductor.pattern_matcher import _transfer_meta  # noqa: F401
+    except ImportError:
+        return None
+    if not callable(getattr(post_grad, "decompose_triton_kernel_wrapper_functional", None)):
+        return None
+    if not hasattr(torch.ops.higher_order, "triton_kernel_wrapper_mutation"):
+        return None
+    return post_grad
+
+
+def install() -> bool:
+    """Rewrite our kernels' calls directly from now on (once). False where this torch's post-grad module differs
+    from the known one, or HF_SWITCHBACK_DIRECT_KERNEL_CALLS=0."""
+    global _active, _installed
+    if os.environ.get("HF_SWITCHBACK_DIRECT_KERNEL_CALLS", "1") == "0":
+        return False
+    post_grad = _post_grad_module()
+    if post_grad is None:
+        return False
+    if _installed is None:
+        _installed = _rewriting_first(post_grad.decompose_triton_kernel_wrapper_functional)
+        post_grad.decompose_triton_kernel_wrapper_functional = _installed
+    _active = True
+    return True
+
+
+def is_installed() -> bool:
+    return _installed is not None and _active
+
+
+def uninstall() -> None:
+    """Leave every call to torch's pass again, restoring it where ours is still the one in front (tests); where
+    another wrapper has since been put in front of ours, ours stays below it, passing every call on."""
+    global _active, _installed
+    _active = False
+    post_grad = _post_grad_module()
+    if (
+        post_grad is not None
+        and _installed is not None
+        and post_grad.decompose_triton_kernel_wrapper_functional is _installed
+    ):
+        post_grad.decompose_triton_kernel_wrapper_functional = _installed.hf_switchback_original
+        _installed = None
+    stats.update(rewritten=0)
+
+
+__all__ = ["install", "is_installed", "rewrite_calls", "stats", "uninstall"]
