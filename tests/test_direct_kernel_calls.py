@@ -198,7 +198,7 @@ def test_gpu_a_compiled_layer_rewrites_every_call_of_our_kernels(restored, monke
     monkeypatch.delenv("HF_SWITCHBACK_DIRECT_KERNEL_CALLS")
     assert direct_kernel_calls.install()
     left = []
-    decompose = direct_kernel_calls._installed.hf_switchback_original
+    decompose = direct_kernel_calls.front.ours.hf_switchback_original
 
     def counting(graph, *args, **kwargs):
         functional = torch.ops.higher_order.triton_kernel_wrapper_functional
@@ -207,7 +207,7 @@ def test_gpu_a_compiled_layer_rewrites_every_call_of_our_kernels(restored, monke
         )
         return decompose(graph, *args, **kwargs)
 
-    monkeypatch.setattr(direct_kernel_calls._installed, "hf_switchback_original", counting)
+    monkeypatch.setattr(direct_kernel_calls.front.ours, "hf_switchback_original", counting)
     ours = compiled_step(layer, x)
     assert direct_kernel_calls.stats["rewritten"] >= 10 and left == [], (direct_kernel_calls.stats, left)
     for got, want in zip(ours, torchs, strict=True):

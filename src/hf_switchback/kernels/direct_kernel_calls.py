@@ -24,14 +24,13 @@ import logging
 import os
 from collections.abc import Callable
 
+from .in_front import FunctionInFront
 from .kernel_access import python_function
 
 _PACKAGE = __name__.split(".")[0]
 # Since install: calls rewritten here (benchmarks and tests read it).
 stats = {"rewritten": 0}
 logger = logging.getLogger(__name__)
-_installed: Callable | None = None  # our function in front of torch's pass, once installed
-_active = False  # whether it rewrites (uninstall leaves it inert where it cannot be taken out)
 _MUTATION_KWARGS = ("kernel_idx", "constant_args_idx", "grid", "tma_descriptor_metadata", "kwargs")
 
 
@@ -85,15 +84,18 @@ def rewrite_calls(graph) -> int:
 def _rewriting_first(decompose: Callable) -> Callable:
     @functools.wraps(decompose)
     def rewrite_then_decompose(graph, *args, **kwargs):
-        if _active:
+        if front.active:
             try:
                 stats["rewritten"] += rewrite_calls(graph)
             except Exception:  # torch's pass below decomposes whatever is left, as without this module
                 logger.debug("direct_kernel_calls: calls left to torch's pass", exc_info=True)
         return rewrite_then_decompose.hf_switchback_original(graph, *args, **kwargs)
 
-    rewrite_then_decompose.hf_switchback_original = decompose
     return rewrite_then_decompose
+
+
+front = FunctionInFront(_rewriting_first)  # in front of post_grad.decompose_triton_kernel_wrapper_functional
+_PASS = "decompose_triton_kernel_wrapper_functional"
 
 
 def _post_grad_module():
@@ -105,7 +107,7 @@ def _post_grad_module():
         from torch._inductor.pattern_matcher import _transfer_meta  # noqa: F401
     except ImportError:
         return None
-    if not callable(getattr(post_grad, "decompose_triton_kernel_wrapper_functional", None)):
+    if not callable(getattr(post_grad, _PASS, None)):
         return None
     if not hasattr(torch.ops.higher_order, "triton_kernel_wrapper_mutation"):
         return None
@@ -115,36 +117,22 @@ def _post_grad_module():
 def install() -> bool:
     """Rewrite our kernels' calls directly from now on (once). False where this torch's post-grad module differs
     from the known one, or HF_SWITCHBACK_DIRECT_KERNEL_CALLS=0."""
-    global _active, _installed
     if os.environ.get("HF_SWITCHBACK_DIRECT_KERNEL_CALLS", "1") == "0":
         return False
     post_grad = _post_grad_module()
     if post_grad is None:
         return False
-    if _installed is None:
-        _installed = _rewriting_first(post_grad.decompose_triton_kernel_wrapper_functional)
-        post_grad.decompose_triton_kernel_wrapper_functional = _installed
-    _active = True
+    front.install(post_grad, _PASS)
     return True
 
 
 def is_installed() -> bool:
-    return _installed is not None and _active
+    return front.is_installed()
 
 
 def uninstall() -> None:
-    """Leave every call to torch's pass again, restoring it where ours is still the one in front (tests); where
-    another wrapper has since been put in front of ours, ours stays below it, passing every call on."""
-    global _active, _installed
-    _active = False
-    post_grad = _post_grad_module()
-    if (
-        post_grad is not None
-        and _installed is not None
-        and post_grad.decompose_triton_kernel_wrapper_functional is _installed
-    ):
-        post_grad.decompose_triton_kernel_wrapper_functional = _installed.hf_switchback_original
-        _installed = None
+    """Leave every call to torch's pass again, restoring it where ours is still the one in front (tests)."""
+    front.uninstall(_post_grad_module(), _PASS)
     stats.update(rewritten=0)
 
 

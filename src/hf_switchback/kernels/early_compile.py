@@ -26,6 +26,8 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
+from .in_front import FunctionInFront
+
 # torch writes this comment above a user-defined kernel's definition: "# Original path: <file>:<line>"
 _ORIGIN = "# Original path: "
 _PACKAGE = os.path.realpath(Path(__file__).resolve().parents[1])
@@ -33,8 +35,6 @@ _PACKAGE = os.path.realpath(Path(__file__).resolve().parents[1])
 # (benchmarks and tests read it).
 stats = {"submitted": 0, "not_read": 0}
 logger = logging.getLogger(__name__)
-_installed: Callable | None = None  # our function in front of torch's define_kernel, once installed
-_active = False  # whether it submits (uninstall leaves it inert where it cannot be taken out)
 
 
 def is_ours(metadata: object) -> bool:
@@ -74,14 +74,16 @@ def compile_call(kernel_body: str) -> tuple[str, str, dict[str, str]] | None:
 def _submitting(define_kernel: Callable) -> Callable:
     @functools.wraps(define_kernel)
     def define_and_submit(self, kernel_name, kernel_body, metadata=None, *args, **kwargs):
-        if _active and is_ours(metadata) and isinstance(kernel_body, str):
+        if front.active and is_ours(metadata) and isinstance(kernel_body, str):
             _submit(kernel_body)
         return define_and_submit.hf_switchback_original(
             self, kernel_name, kernel_body, metadata, *args, **kwargs
         )
 
-    define_and_submit.hf_switchback_original = define_kernel
     return define_and_submit
+
+
+front = FunctionInFront(_submitting)  # in front of PythonWrapperCodegen.define_kernel
 
 
 def _submit(kernel_body: str) -> None:
@@ -126,32 +128,22 @@ def _wrapper_class():
 def install() -> bool:
     """Submit our kernels early from now on (once). False where this torch's wrapper codegen differs from the
     known one, or HF_SWITCHBACK_EARLY_KERNEL_COMPILE=0."""
-    global _active, _installed
     if os.environ.get("HF_SWITCHBACK_EARLY_KERNEL_COMPILE", "1") == "0":
         return False
     wrapper = _wrapper_class()
     if wrapper is None:
         return False
-    if _installed is None:
-        _installed = _submitting(wrapper.define_kernel)
-        wrapper.define_kernel = _installed
-    _active = True
+    front.install(wrapper, "define_kernel")
     return True
 
 
 def is_installed() -> bool:
-    return _installed is not None and _active
+    return front.is_installed()
 
 
 def uninstall() -> None:
-    """Stop submitting early and restore torch's function where ours is still the one in front (tests); where
-    another wrapper has since been put in front of ours, ours stays below it, passing every call on."""
-    global _active, _installed
-    _active = False
-    wrapper = _wrapper_class()
-    if wrapper is not None and _installed is not None and wrapper.define_kernel is _installed:
-        wrapper.define_kernel = _installed.hf_switchback_original
-        _installed = None
+    """Stop submitting early and restore torch's function where ours is still the one in front (tests)."""
+    front.uninstall(_wrapper_class(), "define_kernel")
     stats.update(submitted=0, not_read=0)
 
 

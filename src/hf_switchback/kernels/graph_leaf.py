@@ -29,8 +29,8 @@ and the caches key a traced graph by the package's files, not by such patches. `
 for the process: eager code in another thread while a leaf is being traced would take the compiled kernel set
 (correct results, another code path). This module imports only kernels/options.py and the five modules that
 meet torch.compile's internals (kernels/kernel_access.py, early_compile.py, ttir_cache.py,
-tiled_quantize_configs.py, direct_kernel_calls.py) from the package, and torch._dynamo only once torch.compile already traces (it
-imports triton where installed).
+tiled_quantize_configs.py, direct_kernel_calls.py) from the package, and torch._dynamo only once torch.compile
+already traces (it imports triton where installed).
 """
 
 from __future__ import annotations

@@ -26,6 +26,8 @@ from collections.abc import Callable
 
 import torch
 
+from .in_front import FunctionInFront
+
 _EIGHT_BIT = frozenset(
     getattr(torch, name)
     for name in ("int8", "uint8", "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")
@@ -34,8 +36,6 @@ _EIGHT_BIT = frozenset(
 # Since install: kernels generated with one config (benchmarks and tests read it).
 stats = {"one_config": 0}
 logger = logging.getLogger(__name__)
-_installed: Callable | None = None  # our function in front of torch's codegen_kernel, once installed
-_active = False  # whether it changes anything (uninstall leaves it inert where it cannot be taken out)
 
 
 def is_tiled_8bit_write(kernel) -> bool:
@@ -59,7 +59,7 @@ def _one_config_for_tiled_8bit(codegen_kernel: Callable) -> Callable:
     @functools.wraps(codegen_kernel)
     def codegen(self, *args, **kwargs):
         original = codegen.hf_switchback_original
-        if not (_active and is_tiled_8bit_write(self)):
+        if not (front.active and is_tiled_8bit_write(self)):
             return original(self, *args, **kwargs)
         from torch._inductor import config
 
@@ -68,8 +68,10 @@ def _one_config_for_tiled_8bit(codegen_kernel: Callable) -> Callable:
         stats["one_config"] += 1
         return code
 
-    codegen.hf_switchback_original = codegen_kernel
     return codegen
+
+
+front = FunctionInFront(_one_config_for_tiled_8bit)  # in front of TritonKernel.codegen_kernel
 
 
 def _kernel_class():
@@ -93,33 +95,23 @@ def _kernel_class():
 def install() -> bool:
     """Generate tiled 8-bit kernels with one config from now on (once). False where this torch's Inductor
     differs from the known one, or HF_SWITCHBACK_TUNE_TILED_QUANTIZE=1."""
-    global _active, _installed
     if os.environ.get("HF_SWITCHBACK_TUNE_TILED_QUANTIZE", "0") == "1":
         return False
     kernel_class = _kernel_class()
     if kernel_class is None:
         return False
-    if _installed is None:
-        _installed = _one_config_for_tiled_8bit(kernel_class.codegen_kernel)
-        kernel_class.codegen_kernel = _installed
-    _active = True
+    front.install(kernel_class, "codegen_kernel")
     return True
 
 
 def is_installed() -> bool:
-    return _installed is not None and _active
+    return front.is_installed()
 
 
 def uninstall() -> None:
     """Generate every kernel as torch does again, restoring torch's function where ours is still the one in front
-    (tests); where another wrapper has since been put in front of ours, ours stays below it, passing every call
-    on."""
-    global _active, _installed
-    _active = False
-    kernel_class = _kernel_class()
-    if kernel_class is not None and _installed is not None and kernel_class.codegen_kernel is _installed:
-        kernel_class.codegen_kernel = _installed.hf_switchback_original
-        _installed = None
+    (tests)."""
+    front.uninstall(_kernel_class(), "codegen_kernel")
     stats.update(one_config=0)
 
 
