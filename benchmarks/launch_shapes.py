@@ -69,9 +69,17 @@ def _time_us(run, device: str) -> float:
 def main(argv=None) -> list[dict]:
     args = parse_args(argv)
     # a new Triton cache: each launch's first call compiles (set before Triton reads it); removed afterwards
+    saved = {name: os.environ.get(name) for name in ("TRITON_CACHE_DIR", "TRITON_INTERPRET")}
     with tempfile.TemporaryDirectory(prefix="launch_shapes_") as cache:
         os.environ["TRITON_CACHE_DIR"] = cache
-        return sweep(args)
+        try:
+            return sweep(args)
+        finally:  # the caller's environment again (the launch shape patch is undone by sweep)
+            for name, value in saved.items():
+                if value is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value
 
 
 def sweep(args) -> list[dict]:
@@ -87,66 +95,75 @@ def sweep(args) -> list[dict]:
     def launch_shape(block):
         return shape_of["now"]
 
+    original = norm_quant._launch_shape
     norm_quant._launch_shape = launch_shape  # this process only: every launch below takes shape_of["now"]
-    # Triton's one-time start (its key, the backend) on a launch not measured, so no row pays it
-    shape_of["now"] = (1, 16)
-    small = torch.randn(4, 64, device=device)
-    norm_quant.add_layernorm_quantize_rowwise(small, small, None, None, 1e-5, torch.int8, torch.bfloat16)
-    _sync(device)
-    rows = []
-    for m, k in _pairs(args.shapes):
-        x = torch.randn(m, k, device=device)  # the residual stream: float32 under autocast
-        delta = torch.randn(m, k, device=device, dtype=torch.bfloat16)  # the attention / MLP output
-        weight, bias = torch.rand(k, device=device) + 0.5, torch.randn(k, device=device)
-        for qname in args.qdtypes:
-            qdtype = getattr(torch, qname)
+    try:
+        # Triton's one-time start (its key, the backend) on a launch not measured, so no row pays it
+        shape_of["now"] = (1, 16)
+        small = torch.randn(4, 64, device=device)
+        norm_quant.add_layernorm_quantize_rowwise(small, small, None, None, 1e-5, torch.int8, torch.bfloat16)
+        _sync(device)
+        rows = []
+        for m, k in _pairs(args.shapes):
+            x = torch.randn(m, k, device=device)  # the residual stream: float32 under autocast
+            delta = torch.randn(m, k, device=device, dtype=torch.bfloat16)  # the attention / MLP output
+            weight, bias = torch.rand(k, device=device) + 0.5, torch.randn(k, device=device)
+            for qname in args.qdtypes:
+                qdtype = getattr(torch, qname)
 
-            run = functools.partial(
-                norm_quant.add_layernorm_quantize_rowwise,
-                x,
-                delta,
-                weight,
-                bias,
-                1e-5,
-                qdtype,
-                torch.bfloat16,
-            )
+                if args.without_add:  # LayerNorm 1: x alone
+                    run = functools.partial(
+                        norm_quant.layernorm_quantize_rowwise, x, weight, bias, 1e-5, qdtype, torch.bfloat16
+                    )
+                else:  # the residual add + LayerNorm 2: h = x + delta written, then normalized
+                    run = functools.partial(
+                        norm_quant.add_layernorm_quantize_rowwise,
+                        x,
+                        delta,
+                        weight,
+                        bias,
+                        1e-5,
+                        qdtype,
+                        torch.bfloat16,
+                    )
 
-            timed = {}
-            for launch in _pairs(args.launches):
-                shape_of["now"] = launch
-                _sync(device)
-                start = time.perf_counter()
-                run()
-                _sync(device)
-                timed[launch] = dict(first_launch_s=round(time.perf_counter() - start, 3), us=[])
-            for _ in range(args.rounds):
+                timed = {}
                 for launch in _pairs(args.launches):
                     shape_of["now"] = launch
-                    timed[launch]["us"].append(_time_us(run, device))
-            best = min(statistics.median(t["us"]) for t in timed.values())
-            for (per_program, warps), t in timed.items():
-                us = statistics.median(t["us"])
-                values = per_program * triton.next_power_of_2(k) // (32 * warps)
-                row = dict(
-                    tokens=m,
-                    width=k,
-                    qdtype=qname,
-                    residual_add=not args.without_add,
-                    rows=per_program,
-                    warps=warps,
-                    values_per_thread=values,
-                    first_launch_s=t["first_launch_s"],
-                    us=round(us, 1),
-                    vs_best=round(us / best, 3),
-                )
-                rows.append(row)
-                print(json.dumps(row), flush=True)
-            if args.json:
-                gpu = torch.cuda.get_device_name() if device == "cuda" else "cpu"
-                with open(args.json, "w") as f:
-                    json.dump({"gpu": gpu, "torch": torch.__version__, "rows": rows}, f)
-    return rows
+                    _sync(device)
+                    start = time.perf_counter()
+                    run()
+                    _sync(device)
+                    timed[launch] = dict(first_launch_s=round(time.perf_counter() - start, 3), us=[])
+                for _ in range(args.rounds):
+                    for launch in _pairs(args.launches):
+                        shape_of["now"] = launch
+                        timed[launch]["us"].append(_time_us(run, device))
+                best = min(statistics.median(t["us"]) for t in timed.values())
+                for (per_program, warps), t in timed.items():
+                    us = statistics.median(t["us"])
+                    values = per_program * triton.next_power_of_2(k) // (32 * warps)
+                    row = dict(
+                        tokens=m,
+                        width=k,
+                        qdtype=qname,
+                        residual_add=not args.without_add,
+                        rows=per_program,
+                        warps=warps,
+                        values_per_thread=values,
+                        first_launch_s=t["first_launch_s"],
+                        us=round(us, 1),
+                        vs_best=round(us / best, 3),
+                    )
+                    rows.append(row)
+                    print(json.dumps(row), flush=True)
+                if args.json:
+                    gpu = torch.cuda.get_device_name() if device == "cuda" else "cpu"
+                    with open(args.json, "w") as f:
+                        json.dump({"gpu": gpu, "torch": torch.__version__, "rows": rows}, f)
+        return rows
+    finally:
+        norm_quant._launch_shape = original
 
 
 if __name__ == "__main__":

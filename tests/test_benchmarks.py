@@ -935,3 +935,31 @@ def test_launch_shapes_times_each_launch_of_the_layernorm_kernel_on_the_interpre
     rows = json.loads(out.read_text())["rows"]
     assert [(r["rows"], r["warps"], r["values_per_thread"]) for r in rows] == [(1, 1, 2), (2, 2, 2)]
     assert min(r["vs_best"] for r in rows) == 1.0 and all(r["us"] > 0 for r in rows)
+
+
+def test_launch_shapes_without_add_times_layernorm_1(monkeypatch):
+    """--without_add measures the LayerNorm without the residual add (the add kernel runs once, to start Triton)."""
+    from hf_switchback.kernels import norm_quant
+
+    calls = []
+    monkeypatch.setattr(norm_quant, "layernorm_quantize_rowwise", lambda *a: calls.append("layernorm"))
+    monkeypatch.setattr(norm_quant, "add_layernorm_quantize_rowwise", lambda *a: calls.append("add"))
+    shapes = load_script("launch_shapes")
+    launch_shape, interpret = norm_quant._launch_shape, os.environ.get("TRITON_INTERPRET")
+    argv = [
+        "--device",
+        "cpu",
+        "--shapes",
+        "4x64",
+        "--launches",
+        "1x1",
+        "2x1",
+        "--rounds",
+        "1",
+        "--qdtypes",
+        "int8",
+    ]
+    rows = shapes.main([*argv, "--without_add"])
+    assert calls == ["add"] + ["layernorm"] * 4 and [r["residual_add"] for r in rows] == [False, False]
+    # the process as it was: the launch rule and the environment
+    assert norm_quant._launch_shape is launch_shape and os.environ.get("TRITON_INTERPRET") == interpret

@@ -47,7 +47,7 @@ def _step(x):
 def restored():
     """Leave the rewrite and the declarations installed or not as the test found them."""
     was = direct_kernel_calls.is_installed()
-    declarations_were = kernel_access.torch_analysis() is not _current_analysis()
+    declarations_were = kernel_access.is_installed()
     direct_kernel_calls.uninstall()
     yield
     direct_kernel_calls.uninstall()
@@ -55,13 +55,6 @@ def restored():
         direct_kernel_calls.install()
     if not declarations_were:
         kernel_access.uninstall()
-
-
-def _current_analysis():
-    import torch._higher_order_ops.triton_kernel_wrap as triton_kernel_wrap
-
-    name = "identify_accessed_tensors" if hasattr(triton_kernel_wrap, "identify_accessed_tensors") else None
-    return getattr(triton_kernel_wrap, name or "identify_mutated_tensors")
 
 
 def _decomposed(fn, x, monkeypatch) -> list[tuple]:
@@ -78,9 +71,14 @@ def _decomposed(fn, x, monkeypatch) -> list[tuple]:
     graphs = []
     decompose = post_grad.decompose_triton_kernel_wrapper_functional
 
+    errors = []
+
     def recording(graph, *args, **kwargs):
         result = decompose(graph, *args, **kwargs)
-        graphs.append([_node_summary(node) for node in graph.nodes])
+        try:
+            graphs.append([_node_summary(node) for node in graph.nodes])
+        except Exception as error:  # raised below: the compile's own failure is suppressed
+            errors.append(error)
         return result
 
     # (put back at once, not at the test's end: the test may install the rewrite in front of torch's pass next)
@@ -97,6 +95,8 @@ def _decomposed(fn, x, monkeypatch) -> list[tuple]:
     finally:
         post_grad.decompose_triton_kernel_wrapper_functional = decompose
         torch._dynamo.reset()
+    if errors:
+        raise errors[0]
     assert len(graphs) == 1, graphs
     return graphs[0]
 
@@ -106,8 +106,8 @@ def _value(value):
         return ("tensor", tuple(value.shape), tuple(value.stride()), value.dtype)
     if isinstance(value, dict):
         return {key: _value(v) for key, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(_value(v) for v in value)
+    if isinstance(value, (list, tuple)):  # (a named tuple, e.g. tensor_meta, as its name and fields)
+        return (type(value).__name__, *(_value(v) for v in value))
     if isinstance(value, torch.fx.Node):
         return ("node", value.name)
     if isinstance(value, torch._ops.OpOverload):  # (compares by identity)
@@ -116,9 +116,8 @@ def _value(value):
 
 
 def _node_summary(node) -> tuple:
-    meta = {
-        key: _value(node.meta.get(key)) for key in ("val", "eager_input_vals", "stack_trace", "original_aten")
-    }
+    # every metadata field but the provenance record, which names the compile's graph objects
+    meta = {key: _value(value) for key, value in node.meta.items() if key != "from_node"}
     return (node.op, str(node.target), _value(node.args), _value(dict(node.kwargs)), meta)
 
 
@@ -137,28 +136,50 @@ def test_rewritten_calls_give_the_graph_torchs_pass_gives(restored, monkeypatch)
     assert ours == torchs
 
 
-def test_a_call_that_clones_or_has_a_user_is_left_to_torch(monkeypatch):
-    """Calls whose functional form torch must keep some of (a clone, or a result read after) stay as they are."""
+def test_a_call_of_another_form_is_left_to_torch(monkeypatch):
+    """Calls whose functional form torch must keep some of (a clone, a result read after), or that differ from
+    the known form, stay as they are."""
     monkeypatch.setattr(direct_kernel_calls, "_is_ours", lambda kernel_idx: True)
     functional = torch.ops.higher_order.triton_kernel_wrapper_functional
     graph = torch.fx.Graph()
     x = graph.placeholder("x")
     common = dict(kernel_idx=0, constant_args_idx=0, grid=[(1, 1, 1)], tma_descriptor_metadata={})
-    cloning = graph.call_function(
-        functional, kwargs={**common, "kwargs": {"x_ptr": x}, "tensors_to_clone": ["x_ptr"]}
-    )
-    read = graph.call_function(functional, kwargs={**common, "kwargs": {"x_ptr": x}, "tensors_to_clone": []})
+    eager = ((), {**dict.fromkeys(common), "kwargs": {"x_ptr": None}, "tensors_to_clone": []})
+
+    def call(args=(), **kwargs):
+        node = graph.call_function(functional, args, kwargs={**common, "kwargs": {"x_ptr": x}, **kwargs})
+        node.meta["eager_input_vals"] = eager
+        return node
+
+    cloning = call(tensors_to_clone=["x_ptr"])
+    read = call(tensors_to_clone=[])
+    call((x,), tensors_to_clone=[])  # positional arguments
+    call(tensors_to_clone=[], extra=1)  # an argument the known form lacks
+    call(tensors_to_clone=[]).meta.pop(
+        "eager_input_vals"
+    )  # nothing to carry over as torch's replacement does
     graph.output(graph.call_function(operator.getitem, (read, "x_ptr")))
-    before = [(node.target, dict(node.kwargs)) for node in graph.nodes]
+    before = [(node.target, node.args, dict(node.kwargs)) for node in graph.nodes]
     assert direct_kernel_calls.rewrite_calls(graph) == 0
-    assert [(node.target, dict(node.kwargs)) for node in graph.nodes] == before and cloning in graph.nodes
+    assert [
+        (node.target, node.args, dict(node.kwargs)) for node in graph.nodes
+    ] == before and cloning in graph.nodes
+    # the same call in the known form is rewritten: the cases above differ from it in one thing each
+    call(tensors_to_clone=[])
+    assert direct_kernel_calls.rewrite_calls(graph) == 1
 
 
 def test_a_kernel_of_another_package_is_left_to_torch(restored, monkeypatch):
     x = torch.randn(100)
+    answers = []
+    is_ours = direct_kernel_calls._is_ours
+    monkeypatch.setattr(
+        direct_kernel_calls, "_is_ours", lambda idx: answers.append(is_ours(idx)) or answers[-1]
+    )
     assert direct_kernel_calls.install()
     _decomposed(_step, x, monkeypatch)
-    assert direct_kernel_calls.stats["rewritten"] == 0  # this test module's kernel is not this package's
+    # asked for both calls and answered no (this test module's kernel is not this package's): nothing rewritten
+    assert answers == [False, False] and direct_kernel_calls.stats["rewritten"] == 0
 
 
 def test_the_switch_leaves_torchs_pass_alone(restored, monkeypatch):
@@ -177,6 +198,7 @@ def test_install_once_and_uninstall_restores_torchs_pass(restored):
 
 
 def test_a_failed_rewrite_leaves_the_graph_to_torchs_pass(restored, monkeypatch):
+    """The kernel table unreadable, or the eager values of another form: every call is torch's pass's, once."""
     x = torch.randn(100)
     torchs = _decomposed(_step, x, monkeypatch)
 
@@ -186,6 +208,14 @@ def test_a_failed_rewrite_leaves_the_graph_to_torchs_pass(restored, monkeypatch)
     monkeypatch.setattr(direct_kernel_calls, "_is_ours", refuse)
     assert direct_kernel_calls.install()
     assert _decomposed(_step, x, monkeypatch) == torchs and direct_kernel_calls.stats["rewritten"] == 0
+    monkeypatch.setattr(direct_kernel_calls, "_is_ours", lambda kernel_idx: True)
+    # the new node's metadata fails to build (a field the eager values lack): the call stays whole
+    monkeypatch.setattr(
+        direct_kernel_calls, "_MUTATION_KWARGS", (*direct_kernel_calls._MUTATION_KWARGS, "absent")
+    )
+    decomposed = _decomposed(_step, x, monkeypatch)
+    assert decomposed == torchs and len(_mutations(decomposed)) == 2
+    assert direct_kernel_calls.stats["rewritten"] == 0
 
 
 @pytest.mark.gpu

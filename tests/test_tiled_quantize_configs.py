@@ -21,6 +21,7 @@ from hf_switchback.kernels import reference, tiled_quantize_configs
 
 triton_codegen = pytest.importorskip("torch._inductor.codegen.triton")
 async_compile_module = pytest.importorskip("torch._inductor.async_compile")
+triton = pytest.importorskip("triton")
 TritonKernel = triton_codegen.TritonKernel
 
 
@@ -105,6 +106,9 @@ def test_a_transposed_8bit_write_gets_one_config_and_a_16bit_one_keeps_torchs(
 ):
     w, scale = torch.randn(96, 320), torch.tensor(0.25)
     assert tiled_quantize_configs.install()
+    other_library = _generated_kernels(_transposed_fp8, w, scale, monkeypatch=monkeypatch)
+    # (the graphs below as SwitchBack graphs: on the CPU our ops run their torch twins, not our kernels)
+    monkeypatch.setattr(tiled_quantize_configs, "launches_our_kernels", lambda graph: True)
     fp8 = _generated_kernels(_transposed_fp8, w, scale, monkeypatch=monkeypatch)
     bf16 = _generated_kernels(_transposed_bf16, w, scale, monkeypatch=monkeypatch)
     assert tiled_quantize_configs.stats["one_config"] == 1
@@ -113,8 +117,9 @@ def test_a_transposed_8bit_write_gets_one_config_and_a_16bit_one_keeps_torchs(
 
     assert [_configs(s, tmp_path) for s in fp8.values()] == [1]
     assert [_meta(s) for s in fp8.values()] == [["False"]]
-    # without the function, and for a 16-bit write with it, torch's six tile shapes
+    # without the function, in a graph without our kernels, and for a 16-bit write: torch's six tile shapes
     assert [_configs(s, tmp_path) for s in fp8_torch.values()] == [6]
+    assert [_configs(s, tmp_path) for s in other_library.values()] == [6]
     assert [_configs(s, tmp_path) for s in bf16.values()] == [6]
     assert [_meta(s) for s in bf16.values()] == [["True"]]
     assert tiled_quantize_configs.stats["one_config"] == 0  # (uninstall zeroes it)
@@ -124,6 +129,7 @@ def test_our_weight_quantize_for_the_grad_input_gemm_gets_one_config(restored, m
     """The twin the compiled kernel set uses for the transposed weight operand: its 2-D kernel has one config,
     its absmax reduction is generated as before."""
     assert tiled_quantize_configs.install()
+    monkeypatch.setattr(tiled_quantize_configs, "launches_our_kernels", lambda graph: True)  # (as above)
     w = torch.randn(192, 64)
     kernels = _generated_kernels(
         lambda w: reference.quantize_tensorwise_transposed(w, torch.float8_e4m3fn), w, monkeypatch=monkeypatch
@@ -131,6 +137,74 @@ def test_our_weight_quantize_for_the_grad_input_gemm_gets_one_config(restored, m
     tiled = {name: s for name, s in kernels.items() if "tile_hint=" in s}
     assert len(tiled) == 1 and [_configs(s, tmp_path) for s in tiled.values()] == [1], list(kernels)
     assert all(_meta(s) == ["True"] for name, s in kernels.items() if name not in tiled)
+
+
+@torch.library.triton_op("hf_switchback_test::normalized_rows", mutates_args=())
+def normalized_rows(x: torch.Tensor) -> torch.Tensor:
+    """Our LayerNorm + quantize kernel launched as the compiled kernel set launches it: the 8-bit rows."""
+    from hf_switchback.kernels import norm_quant
+
+    wrap = torch.library.wrap_triton
+    return norm_quant.layernorm_quantize_rowwise(x, None, None, 1e-5, torch.int8, torch.float32, wrap=wrap)[0]
+
+
+def _switchback_like(w, scale, x):
+    return _transposed_fp8(w, scale), normalized_rows(x)
+
+
+def test_in_a_graph_that_launches_our_kernel_the_tiled_8bit_write_gets_one_config(
+    restored, monkeypatch, tmp_path
+):
+    """No stand-in: the graph calls one of our Triton kernels, which the function finds in Inductor's graph."""
+    from hf_switchback.kernels import kernel_access
+
+    was_declared = kernel_access.is_installed()
+    assert (
+        kernel_access.install() and tiled_quantize_configs.install()
+    )  # (declared writes: no GPU to analyze on)
+    try:
+        kernels = _generated_kernels(
+            _switchback_like,
+            torch.randn(96, 320),
+            torch.tensor(0.25),
+            torch.randn(8, 64),
+            monkeypatch=monkeypatch,
+        )
+    finally:
+        if not was_declared:
+            kernel_access.uninstall()
+    tiled = [s for s in kernels.values() if "tile_hint=" in s]
+    assert "_layernorm_quantize_kernel" in kernels and [_configs(s, tmp_path) for s in tiled] == [1], list(
+        kernels
+    )
+
+
+class _Lowering:
+    """What launches_our_kernels reads of Inductor's GraphLowering: its FX graph."""
+
+    def __init__(self, graph):
+        self.graph = graph
+
+
+def test_a_graph_launches_our_kernels_when_a_call_is_to_a_kernel_of_this_package():
+    from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
+
+    from hf_switchback.kernels import norm_quant
+
+    @triton.jit
+    def _not_ours(x_ptr):
+        pass
+
+    def lowering(kernel) -> _Lowering:
+        graph = torch.fx.Graph()
+        kwargs = dict(kernel_idx=kernel_side_table.add_kernel(kernel), constant_args_idx=0, grid=[(1, 1, 1)])
+        mutation = torch.ops.higher_order.triton_kernel_wrapper_mutation
+        graph.call_function(mutation, kwargs={**kwargs, "tma_descriptor_metadata": {}, "kwargs": {}})
+        return _Lowering(graph)
+
+    assert tiled_quantize_configs.launches_our_kernels(lowering(norm_quant._layernorm_quantize_kernel))
+    assert not tiled_quantize_configs.launches_our_kernels(lowering(_not_ours))
+    assert not tiled_quantize_configs.launches_our_kernels(_Lowering(torch.fx.Graph()))
 
 
 def test_what_cannot_be_read_is_generated_as_torch_would():

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import os
 from collections.abc import Callable
 from pathlib import Path
 
@@ -88,13 +89,16 @@ def _leaf(name: str, *args):
 
 @functools.cache
 def source_key() -> str:
-    """A hash of the package's files (code and the shipped tables): what a leaf's traced graph depends on
-    beyond its arguments, the torch version and the GPU, which torch's cache keys hold already."""
+    """A hash of the package's files (code and the shipped tables) and of the switch that changes our graphs'
+    generated code: what a leaf's traced graph depends on beyond its arguments, the torch version and the GPU,
+    which torch's cache keys hold already. Read once per process."""
     package = Path(__file__).resolve().parents[1]
     digest = hashlib.sha256()
     for path in sorted(p for p in package.rglob("*") if p.suffix in (".py", ".json")):
         digest.update(str(path.relative_to(package)).encode())
         digest.update(path.read_bytes())
+    # the one switch that changes the code Inductor generates for our graphs (kernels/tiled_quantize_configs.py)
+    digest.update(os.environ.get("HF_SWITCHBACK_TUNE_TILED_QUANTIZE", "0").encode())
     return digest.hexdigest()[:16]
 
 

@@ -83,6 +83,15 @@ def python_function(kernel) -> object:
     return kernel
 
 
+def of_this_package(kernel_idx: int) -> bool:
+    """Whether the kernel that torch's kernel table holds at `kernel_idx` (the index a traced call records) is
+    one of this package's."""
+    from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
+
+    function = python_function(kernel_side_table.get_kernel(kernel_idx))
+    return getattr(function, "__module__", "").startswith(f"{__name__.split('.')[0]}.")
+
+
 def _is_tensor(value) -> bool:
     # a tensor (real, fake or functional) while tracing; Inductor's IR of one while lowering
     return isinstance(value, torch.Tensor) or type(value).__name__ == "TensorBox"
@@ -187,6 +196,11 @@ def install() -> bool:
     return True
 
 
+def is_installed() -> bool:
+    found = _torch_function()
+    return found is not None and hasattr(getattr(found[0], found[1]), "hf_switchback_original")
+
+
 def uninstall() -> None:
     """Restore torch's function (tests)."""
     found = _torch_function()
@@ -207,4 +221,14 @@ def torch_analysis() -> Callable | None:
     return getattr(current, "hf_switchback_original", current)
 
 
-__all__ = ["declare_access", "declared", "install", "python_function", "torch_analysis", "uninstall", "when"]
+__all__ = [
+    "declare_access",
+    "declared",
+    "install",
+    "is_installed",
+    "of_this_package",
+    "python_function",
+    "torch_analysis",
+    "uninstall",
+    "when",
+]
