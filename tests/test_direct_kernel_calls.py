@@ -128,7 +128,9 @@ def _mutations(graph: list[tuple]) -> list[tuple]:
 def test_rewritten_calls_give_the_graph_torchs_pass_gives(restored, monkeypatch):
     x = torch.randn(100)
     torchs = _decomposed(_step, x, monkeypatch)
-    monkeypatch.setattr(direct_kernel_calls, "_is_ours", lambda kernel_idx: True)  # the test's kernel as ours
+    monkeypatch.setattr(
+        direct_kernel_calls, "of_this_package", lambda kernel_idx: True
+    )  # the test's kernel as ours
     assert direct_kernel_calls.install()
     ours = _decomposed(_step, x, monkeypatch)
     assert direct_kernel_calls.stats["rewritten"] == 2
@@ -139,7 +141,7 @@ def test_rewritten_calls_give_the_graph_torchs_pass_gives(restored, monkeypatch)
 def test_a_call_of_another_form_is_left_to_torch(monkeypatch):
     """Calls whose functional form torch must keep some of (a clone, a result read after), or that differ from
     the known form, stay as they are."""
-    monkeypatch.setattr(direct_kernel_calls, "_is_ours", lambda kernel_idx: True)
+    monkeypatch.setattr(direct_kernel_calls, "of_this_package", lambda kernel_idx: True)
     functional = torch.ops.higher_order.triton_kernel_wrapper_functional
     graph = torch.fx.Graph()
     x = graph.placeholder("x")
@@ -172,9 +174,9 @@ def test_a_call_of_another_form_is_left_to_torch(monkeypatch):
 def test_a_kernel_of_another_package_is_left_to_torch(restored, monkeypatch):
     x = torch.randn(100)
     answers = []
-    is_ours = direct_kernel_calls._is_ours
+    is_ours = direct_kernel_calls.of_this_package
     monkeypatch.setattr(
-        direct_kernel_calls, "_is_ours", lambda idx: answers.append(is_ours(idx)) or answers[-1]
+        direct_kernel_calls, "of_this_package", lambda idx: answers.append(is_ours(idx)) or answers[-1]
     )
     assert direct_kernel_calls.install()
     _decomposed(_step, x, monkeypatch)
@@ -205,10 +207,10 @@ def test_a_failed_rewrite_leaves_the_graph_to_torchs_pass(restored, monkeypatch)
     def refuse(kernel_idx):
         raise RuntimeError("no kernel table")
 
-    monkeypatch.setattr(direct_kernel_calls, "_is_ours", refuse)
+    monkeypatch.setattr(direct_kernel_calls, "of_this_package", refuse)
     assert direct_kernel_calls.install()
     assert _decomposed(_step, x, monkeypatch) == torchs and direct_kernel_calls.stats["rewritten"] == 0
-    monkeypatch.setattr(direct_kernel_calls, "_is_ours", lambda kernel_idx: True)
+    monkeypatch.setattr(direct_kernel_calls, "of_this_package", lambda kernel_idx: True)
     # the new node's metadata fails to build (a field the eager values lack): the call stays whole
     monkeypatch.setattr(
         direct_kernel_calls, "_MUTATION_KWARGS", (*direct_kernel_calls._MUTATION_KWARGS, "absent")

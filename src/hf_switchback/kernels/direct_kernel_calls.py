@@ -37,10 +37,6 @@ _MUTATION_KWARGS = ("kernel_idx", "constant_args_idx", "grid", "tma_descriptor_m
 _FUNCTIONAL_KWARGS = frozenset({*_MUTATION_KWARGS, "tensors_to_clone"})
 
 
-def _is_ours(kernel_idx: int) -> bool:
-    return of_this_package(kernel_idx)
-
-
 def _rewritable(node) -> bool:
     """A functional call torch's pass would turn into the mutating call alone: no clone, no user, the known
     arguments, eager input values recorded (torch's replacement carries them), a kernel of this package."""
@@ -51,7 +47,7 @@ def _rewritable(node) -> bool:
         and not kwargs.get("tensors_to_clone")
         and set(kwargs) == _FUNCTIONAL_KWARGS
         and node.meta.get("eager_input_vals") is not None
-        and _is_ours(kwargs["kernel_idx"])
+        and of_this_package(kwargs["kernel_idx"])
     )
 
 
