@@ -229,19 +229,30 @@ def test_layernorm_before_three_projections_sums_their_gradients_in_its_input_dt
         torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("layer_leaves", [True, False])
 @pytest.mark.parametrize("fuse_qkv", [False, True])
-def test_out_proj_takes_its_input_from_the_quantize_kernel(fuse_qkv, monkeypatch):
+def test_out_proj_takes_its_input_from_the_quantize_kernel(fuse_qkv, layer_leaves, monkeypatch):
     """With fuse_norm, every attention block's out_proj runs on quantize_rows' 8-bit form of the attention
-    output (our one-pass kernel under torch.compile too), with or without fuse_qkv."""
+    output (our one-pass kernel under torch.compile too), with or without fuse_qkv, through the layer's leaves
+    (blocks/layer_leaves.py) or the attention block's forward."""
     from hf_switchback.blocks import attention
+    from hf_switchback.blocks import layer_leaves as leaves
 
-    seen = []
-    monkeypatch.setattr(
-        attention, "quantize_rows", lambda x, cfg: seen.append(x.shape) or quantize_rows(x, cfg)
-    )
+    monkeypatch.setattr(leaves, "ENABLED", layer_leaves)
+    seen = {"attention": 0, "layer_leaves": 0}
+
+    def spy(module):
+        def counted(x, cfg):
+            seen[module.__name__.rpartition(".")[2]] += 1
+            return quantize_rows(x, cfg)
+
+        monkeypatch.setattr(module, "quantize_rows", counted)
+
+    spy(attention)
+    spy(leaves)
     model = apply_switchback(tiny_pair_model("clip"), TORCH.replace(fuse_qkv=fuse_qkv))
     loss_and_grads(model)
-    assert len(seen) == 4
+    assert seen == ({"attention": 0, "layer_leaves": 4} if layer_leaves else {"attention": 4, "layer_leaves": 0})
 
 
 @pytest.mark.parametrize("modes", BLOCK_MODES)

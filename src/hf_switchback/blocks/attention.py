@@ -164,10 +164,17 @@ def _fused_forward(
         return getattr(cls, _BASE_ATTR).forward(self, hidden_states, attention_mask, **kwargs)
     if not cfg.fuse_norm:
         quantized_input = projection_inputs = None
-    attention_functions, eager_attention, passes_kwargs = cls._switchback_attention_impl
-
     queries, keys, values = _projections(self, cfg, hidden_states, quantized_input, projection_inputs)
-    input_shape = hidden_states.shape[:-1]
+    attn_output, attn_weights = attend(self, queries, keys, values, attention_mask, kwargs)
+    return _out_projection(self, attn_output), attn_weights
+
+
+def attend(self, queries, keys, values, attention_mask, kwargs: dict) -> tuple:
+    """The stock forward between the projections and out_proj, for a block of our class: (the attention's output
+    as (batch, tokens, heads x head_dim), contiguous, as out_proj reads it; its weights or None). queries, keys,
+    values: (batch, tokens, heads x head_dim); kwargs: the block's keyword arguments."""
+    attention_functions, eager_attention, passes_kwargs = type(self)._switchback_attention_impl
+    input_shape = queries.shape[:-1]
     hidden_shape = (*input_shape, -1, self.head_dim)
     queries = queries.view(hidden_shape).transpose(1, 2)
     keys = keys.view(hidden_shape).transpose(1, 2)
@@ -186,8 +193,7 @@ def _fused_forward(
         dropout=0.0 if not self.training else self.dropout,
         **extra,
     )
-    attn_output = attn_output.reshape(*input_shape, -1).contiguous()
-    return _out_projection(self, attn_output), attn_weights
+    return attn_output.reshape(*input_shape, -1).contiguous(), attn_weights
 
 
 # base class -> its generated subclass, as _fused_class made them: read per call by quantized_input_config,
@@ -251,4 +257,4 @@ def sync_fused_attention(model: nn.Module) -> int:
     return fused
 
 
-__all__ = ["is_fused_attention", "quantized_input_config", "sync_fused_attention"]
+__all__ = ["attend", "is_fused_attention", "quantized_input_config", "sync_fused_attention"]

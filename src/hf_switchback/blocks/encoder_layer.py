@@ -23,6 +23,7 @@ from torch import nn
 
 from ..functional import runs_8bit
 from ..stock_blocks import runs_stock_forward
+from . import layer_leaves
 from .attention import quantized_input_config as attention_quantized_input_config
 from .mlp import quantized_input_config as mlp_quantized_input_config
 from .producers import add_layernorm_quantize, fusable_norm, layernorm_quantize
@@ -86,6 +87,12 @@ def _fused_forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tens
     attn, mlp = self.self_attn, self.mlp
     residual = hidden_states
     attn_config = attention_quantized_input_config(attn)
+    mlp_config = mlp_quantized_input_config(mlp)
+    if attn_config is not None and mlp_config is not None:
+        # every part 8-bit: two graph leaves around the stock attention (blocks/layer_leaves.py)
+        layer_plan = layer_leaves.plan(self, hidden_states, attn_config, mlp_config)
+        if layer_plan is not None:
+            return layer_leaves.forward(self, layer_plan, hidden_states, attention_mask, kwargs)
     shapes = _attention_shapes(attn) if attn_config is not None else ()
     fan_out = attn_config is not None and not attn_config.fuse_qkv
     normed, quantized = _normalize(self.layer_norm1, hidden_states, attn_config, shapes, fan_out)
@@ -93,7 +100,6 @@ def _fused_forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tens
         quantized["checked_config"] = attn_config
     attn_out, _ = attn(hidden_states=normed, attention_mask=attention_mask, **quantized, **kwargs)
 
-    mlp_config = mlp_quantized_input_config(mlp)
     # fc1 alone decides a separate fc1's floor; a fused block needs both linears to pay (switchback_mlp)
     shapes = _mlp_shapes(mlp, mlp_config.fuses_mlp) if mlp_config is not None else ()
     # the residual add joins LayerNorm 2's kernel: a separate add would write its sum and the LayerNorm read it

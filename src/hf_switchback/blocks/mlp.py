@@ -35,7 +35,7 @@ from .producers import activation_quantize
 
 # Instance attribute set on blocks of our class: (activation name for the kernels or None, type of activation_fn
 # at fuse time, whether fc1 -> act -> fc2 runs as one op).
-_ACTIVATION_ATTR = "_switchback_activation"
+ACTIVATION_ATTR = "_switchback_activation"
 
 
 def activation_kind(act: nn.Module) -> str | None:
@@ -93,7 +93,7 @@ def _fused_config(module: nn.Module):
     """The SwitchBackConfig with which `module` (a block of our class) runs its own forward right now, else None
     (then the stock forward runs)."""
     fc1, fc2 = module.fc1, module.fc2
-    _, act_type, whole = getattr(module, _ACTIVATION_ATTR)
+    _, act_type, whole = getattr(module, ACTIVATION_ATTR)
     cfg = fc1.switchback_config if isinstance(fc1, SwitchBackLinear) else None
     # Inference mode (prepare_for_inference) serves no-grad forwards from the layers' weight caches.
     if cfg is None or has_weight_cache(fc1):
@@ -125,10 +125,10 @@ def quantized_input_config(module: nn.Module):
     return cfg if cfg is not None and cfg.fuse_norm else None
 
 
-def _activation_feeds_fc2(module: nn.Module, cfg, x: torch.Tensor) -> str | None:
+def activation_feeds_fc2(module: nn.Module, cfg, x: torch.Tensor) -> str | None:
     """The activation kind when the activation should write fc2's 8-bit input right now (fuse_activation, fc2 a
     plain layer of the same config running its 8-bit path for the block's input x), else None."""
-    kind, act_type, _ = getattr(module, _ACTIVATION_ATTR)
+    kind, act_type, _ = getattr(module, ACTIVATION_ATTR)
     fc2 = module.fc2
     if (
         not cfg.fuse_activation
@@ -161,7 +161,7 @@ def _fused_forward(
     if not cfg.fuse_norm:
         quantized_input = None
     fc1, fc2 = self.fc1, self.fc2
-    kind, _, whole = getattr(self, _ACTIVATION_ATTR)
+    kind, _, whole = getattr(self, ACTIVATION_ATTR)
     # the cached weight operands: the 8-bit path runs where the LayerNorm wrote the input's 8-bit form, else
     # operands_for asks the token floor
     probe = hidden_states if quantized_input is None else None
@@ -178,7 +178,7 @@ def _fused_forward(
             quantized_input=quantized_input,
             weight_operands=None if None in operands else operands,
         )
-    kind = _activation_feeds_fc2(self, cfg, hidden_states)
+    kind = activation_feeds_fc2(self, cfg, hidden_states)
     if kind is not None and runs_8bit(cfg, hidden_states, (fc1.in_features, fc1.out_features)):
         # fc1 and the activation as one backward node: the activation's backward writes fc1's 8-bit gradient
         a, a_quantized = switchback_linear_activation(
@@ -229,7 +229,7 @@ def _fused_class(base: type) -> type:
 def is_fused_mlp(module: nn.Module) -> bool:
     """True when `module` runs fc1 -> act -> fc2 as one op (our class, fuse_mlp): not for a block of our class that
     runs the layers' own ops with their producers' 8-bit inputs (fuse_norm, fuse_activation)."""
-    return _has_our_class(module) and getattr(module, _ACTIVATION_ATTR, (None, None, False))[2]
+    return _has_our_class(module) and getattr(module, ACTIVATION_ATTR, (None, None, False))[2]
 
 
 def _has_our_class(module: nn.Module) -> bool:
@@ -248,13 +248,20 @@ def sync_fused_mlps(model: nn.Module) -> int:
                 # fully_shard's state) is untouched, and no other library's private state is read or written.
                 module.__class__ = _fused_class(type(module))
             kind, whole = qualified
-            setattr(module, _ACTIVATION_ATTR, (kind, type(module.activation_fn), whole))
+            setattr(module, ACTIVATION_ATTR, (kind, type(module.activation_fn), whole))
             fused += whole
         elif _has_our_class(module) and type(module) is _fused_class(_unfused_class(module)):
             # (A class derived from ours later, e.g. by fully_shard, is left as is: its forward falls back.)
             module.__class__ = _unfused_class(module)
-            module.__dict__.pop(_ACTIVATION_ATTR, None)
+            module.__dict__.pop(ACTIVATION_ATTR, None)
     return fused
 
 
-__all__ = ["activation_kind", "is_fused_mlp", "quantized_input_config", "sync_fused_mlps"]
+__all__ = [
+    "ACTIVATION_ATTR",
+    "activation_feeds_fc2",
+    "activation_kind",
+    "is_fused_mlp",
+    "quantized_input_config",
+    "sync_fused_mlps",
+]

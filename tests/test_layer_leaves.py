@@ -1,0 +1,186 @@
+"""A fused encoder layer with every part 8-bit as two graph leaves (blocks/layer_leaves.py), against the block
+path it replaces (the attention block's and the MLP's forwards, HF_SWITCHBACK_LAYER_LEAVES=0).
+
+The leaves call the same ops in the same order as the blocks, so the claim is bitwise: logits and every gradient
+equal (torch.equal), eager and under torch.compile (aot_eager: the graph AOT autograd traces, run op by op), for
+each way the blocks run (separate q/k/v or one op; MLP as fc1 + activation feeding fc2 or as one op), int8 and
+fp8, with and without autocast. Every case that the leaves do not cover takes the block path.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from helpers import tiny_pair_inputs, tiny_pair_model
+from torch import nn
+
+from hf_switchback import SwitchBackConfig, apply_switchback
+from hf_switchback.blocks import layer_leaves
+from hf_switchback.kernels import graph_leaf
+
+TORCH = SwitchBackConfig(backend="torch", min_tokens=0)
+BLOCK_MODES = [{}, {"fuse_qkv": True}, {"fuse_mlp": True}, {"fuse_qkv": True, "memory_efficient": True}]
+LAYERS = 4  # tiny_pair_model: two encoder layers per tower
+
+
+def run(model: nn.Module, device: str = "cpu", autocast: bool = False):
+    with torch.autocast(device, dtype=torch.bfloat16, enabled=autocast):
+        out = model(**tiny_pair_inputs(device=device), return_loss=True)
+    out.loss.backward()
+    grads = {n.removeprefix("_orig_mod."): p.grad for n, p in model.named_parameters() if p.grad is not None}
+    return out.logits_per_image, grads
+
+
+def count_leaf_layers(monkeypatch) -> list:
+    """Appends one entry per layer forward that took the leaves."""
+    calls = []
+    forward = layer_leaves.forward
+
+    def counted(*args):
+        calls.append(1)
+        return forward(*args)
+
+    monkeypatch.setattr(layer_leaves, "forward", counted)
+    return calls
+
+
+def assert_equal(got, want):
+    assert torch.equal(got[0], want[0])
+    assert got[1].keys() == want[1].keys()
+    for name in want[1]:
+        assert torch.equal(got[1][name], want[1][name]), name
+
+
+def leaves_and_blocks(monkeypatch, base, config, device="cpu", autocast=False, compile_backend=None):
+    """(the model's results with the leaves, without them, the number of layer forwards that took the leaves)."""
+    results = []
+    calls = count_leaf_layers(monkeypatch)
+    for enabled in (True, False):
+        monkeypatch.setattr(layer_leaves, "ENABLED", enabled)
+        model = apply_switchback(copy.deepcopy(base), config)
+        if compile_backend is not None:
+            torch._dynamo.reset()
+            model = torch.compile(model, backend=compile_backend, fullgraph=True)
+        results.append(run(model, device, autocast))
+    return results[0], results[1], len(calls)
+
+
+@pytest.mark.parametrize("kind", ["clip", "siglip"])
+@pytest.mark.parametrize("precision", ["int8", "fp8"])
+@pytest.mark.parametrize("modes", BLOCK_MODES)
+def test_leaves_compute_what_the_blocks_compute(kind, precision, modes, monkeypatch):
+    got, want, calls = leaves_and_blocks(
+        monkeypatch, tiny_pair_model(kind), TORCH.replace(precision=precision, **modes)
+    )
+    assert calls == LAYERS
+    assert_equal(got, want)
+
+
+@pytest.mark.parametrize("modes", [{}, {"fuse_qkv": True, "memory_efficient": True}])
+def test_leaves_under_autocast(modes, monkeypatch):
+    # float32 residual stream, bfloat16 linears: the residual add's dtype is float32 (plan's promotion)
+    got, want, calls = leaves_and_blocks(
+        monkeypatch, tiny_pair_model("clip"), TORCH.replace(**modes), autocast=True
+    )
+    assert calls == LAYERS
+    assert_equal(got, want)
+
+
+@pytest.mark.parametrize("modes", [{}, {"fuse_qkv": True, "fuse_mlp": True}])
+def test_compiled_leaves_compute_what_the_compiled_blocks_compute(modes, monkeypatch):
+    got, want, calls = leaves_and_blocks(
+        monkeypatch, tiny_pair_model("clip"), TORCH.replace(**modes), compile_backend="aot_eager"
+    )
+    assert calls == LAYERS  # each layer traced once into the whole model's graph
+    assert_equal(got, want)
+
+
+def test_dynamo_records_two_leaves_per_layer():
+    """What Dynamo's graph of a layer holds: the two layer leaves around the stock attention, no block-level leaf."""
+    model = apply_switchback(tiny_pair_model("clip"), TORCH)
+    layer = model.vision_model.encoder.layers[0]
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    h = torch.randn(3, 5, 64, requires_grad=True)
+    want = layer(h, None)
+    got = torch.compile(layer, backend=backend, fullgraph=True)(h, None)
+    assert torch.equal(got, want)
+    (gm,) = graphs
+    leaves = [n.args[0] for n in gm.graph.nodes if n.op == "call_function" and n.target is graph_leaf._leaf]
+    assert leaves == ["layer_attention_inputs", "layer_attention_output"]
+
+
+def _hook_attention(model):
+    model.vision_model.encoder.layers[0].self_attn.register_forward_hook(lambda m, args, out: None)
+
+
+def _hook_mlp(model):
+    model.text_model.encoder.layers[1].mlp.register_forward_pre_hook(lambda m, args: None)
+
+
+def _narrow_out_proj(model):
+    # out_proj back to nn.Linear: its quantize kernel has no 8-bit op to feed
+    attn = model.vision_model.encoder.layers[0].self_attn
+    attn.out_proj = attn.out_proj.to_linear()
+
+
+@pytest.mark.parametrize(
+    ("change", "leaf_layers"),
+    [(_hook_attention, LAYERS - 1), (_hook_mlp, LAYERS - 1), (_narrow_out_proj, LAYERS - 1)],
+)
+def test_what_the_leaves_do_not_cover_takes_the_block_path(change, leaf_layers, monkeypatch):
+    base = tiny_pair_model("clip")
+    calls = count_leaf_layers(monkeypatch)
+    results = []
+    for enabled in (True, False):
+        monkeypatch.setattr(layer_leaves, "ENABLED", enabled)
+        model = apply_switchback(copy.deepcopy(base), TORCH)
+        change(model)
+        results.append(run(model))
+    assert len(calls) == leaf_layers
+    assert_equal(*results)
+
+
+def test_a_global_module_hook_or_the_token_floor_takes_the_block_path(monkeypatch):
+    calls = count_leaf_layers(monkeypatch)
+    model = apply_switchback(tiny_pair_model("clip"), TORCH)
+    seen = []
+    handle = nn.modules.module.register_module_forward_hook(
+        lambda m, args, out: seen.append(type(m).__name__)
+    )
+    try:
+        run(model)
+    finally:
+        handle.remove()
+    assert not calls and "SwitchBackCLIPMLP" in seen and "SwitchBackCLIPAttention" in seen
+    run(apply_switchback(tiny_pair_model("clip"), TORCH.replace(min_tokens=10**6)))
+    assert not calls
+    run(model)
+    assert len(calls) == LAYERS
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision", ["int8", "fp8"])
+@pytest.mark.parametrize("modes", BLOCK_MODES)
+def test_gpu_leaves_compute_what_the_blocks_compute(precision, modes, monkeypatch):
+    """The Triton kernels under bf16 autocast: eager bitwise; compiled with Inductor within float32 summation
+    order of the block path compiled (the graphs hold the same operators; Inductor may fuse their pointwise
+    neighbours otherwise)."""
+    base = tiny_pair_model("clip").cuda()
+    config = SwitchBackConfig(min_tokens=0, precision=precision, **modes)
+    got, want, calls = leaves_and_blocks(monkeypatch, base, config, "cuda", autocast=True)
+    assert calls == LAYERS
+    assert_equal(got, want)
+    got, want, _ = leaves_and_blocks(
+        monkeypatch, base, config, "cuda", autocast=True, compile_backend="inductor"
+    )
+    torch.testing.assert_close(got[0], want[0], rtol=1e-2, atol=1e-2)
+    for name in want[1]:
+        torch.testing.assert_close(got[1][name], want[1][name], rtol=2e-2, atol=1e-3, msg=name)
