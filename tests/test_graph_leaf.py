@@ -73,13 +73,25 @@ def _dynamo_graph_calls(layer, x) -> collections.Counter:
         ),
     ],
 )
-def test_each_switchback_op_is_one_node_of_dynamos_graph(config, ops):
+def test_each_switchback_op_is_one_node_of_dynamos_graph(config, ops, monkeypatch):
+    """With the blocks' forwards (the layer's two leaves off: blocks/layer_leaves.py)."""
+    from hf_switchback.blocks import layer_leaves
+
+    monkeypatch.setattr(layer_leaves, "ENABLED", False)
     calls = _dynamo_graph_calls(_layer(**config), torch.randn(2, 16, 64))
     leaves = {name.removeprefix("leaf:"): n for name, n in calls.items() if name.startswith("leaf:")}
     assert (
         leaves == ops
     )  # one node per public call: the op inside it (e.g. "switchback_linear") is not traced
     # nothing of an op's autograd Function was traced by Dynamo
+    assert "autograd_function_apply" not in calls, calls
+
+
+@pytest.mark.parametrize("config", [dict(), dict(fuse_qkv=True, fuse_mlp=True)])
+def test_a_layer_with_every_part_8bit_is_two_nodes_of_dynamos_graph(config):
+    calls = _dynamo_graph_calls(_layer(**config), torch.randn(2, 16, 64))
+    leaves = {name.removeprefix("leaf:"): n for name, n in calls.items() if name.startswith("leaf:")}
+    assert leaves == {"layer_attention_inputs": 1, "layer_attention_output": 1}
     assert "autograd_function_apply" not in calls, calls
 
 
