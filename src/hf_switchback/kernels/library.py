@@ -25,12 +25,12 @@ from __future__ import annotations
 import functools
 import inspect
 import typing
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
 
-from . import named_triton_kernels, reference
+from . import reference
 from .cublas import MIXED_FP8_PAIRS
 from .options import KernelOptions
 
@@ -267,11 +267,10 @@ def _device_dispatch(op: KernelOp, cuda: Callable) -> Callable:
     return body
 
 
-def declare(cuda: Mapping[str, Callable] | None = None, kernels: Sequence[object] = ()) -> None:
+def declare(cuda: Mapping[str, Callable] | None = None) -> None:
     """Register every operator of OPS with torch (once per process), with `cuda`'s implementations for CUDA.
 
-    kernels/ops.py calls this with the Triton implementations when it is imported (CUDA and triton present),
-    and `kernels`, every Triton kernel they launch (kernels/named_triton_kernels.py says why);
+    kernels/ops.py calls this with the Triton implementations when it is imported (CUDA and triton present);
     elsewhere the operators run their torch twins on every device. Operators declared before the CUDA
     implementations arrived get them as opaque CUDA kernels (correct, but not traced by torch.compile).
     """
@@ -280,8 +279,7 @@ def declare(cuda: Mapping[str, Callable] | None = None, kernels: Sequence[object
         impl = cuda.get(op.name)
         if op.name not in _declared:
             if impl is not None and op.traceable:
-                with named_triton_kernels.named(kernels):
-                    opdef = torch.library.triton_op(op.qualname, _device_dispatch(op, impl), mutates_args=())
+                opdef = torch.library.triton_op(op.qualname, _device_dispatch(op, impl), mutates_args=())
                 _with_cuda.add(op.name)
             else:
                 opdef = torch.library.custom_op(op.qualname, _run_twin(op), mutates_args=(), schema=op.schema)

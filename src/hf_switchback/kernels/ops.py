@@ -16,11 +16,10 @@ Importing this module imports triton; only the CUDA path does so.
 from __future__ import annotations
 
 import functools
-import os
 from collections.abc import Callable
 
 from . import cublas as _cublas
-from . import graph_leaf, library, named_triton_kernels, reference
+from . import graph_leaf, library, reference
 from . import matmul as _matmul
 from . import norm_quant as _norm_quant
 from . import quantize as _quantize
@@ -75,12 +74,7 @@ CUDA: dict[str, Callable] = {
     "scaled_matmul_act_backward": _gemm_act_backward,
 }
 
-# HF_SWITCHBACK_NAME_TRITON_KERNELS=0 lets torch find them by parsing the sources (measurements)
-_NAMED = os.environ.get("HF_SWITCHBACK_NAME_TRITON_KERNELS", "1") != "0"
-library.declare(
-    CUDA,
-    named_triton_kernels.of_modules(_matmul, _norm_quant, _quantize, _transpose_quantize) if _NAMED else (),
-)
+library.declare(CUDA)
 
 
 @functools.cache
