@@ -963,3 +963,20 @@ def test_launch_shapes_without_add_times_layernorm_1(monkeypatch):
     assert calls == ["add"] + ["layernorm"] * 4 and [r["residual_add"] for r in rows] == [False, False]
     # the process as it was: the launch rule and the environment
     assert norm_quant._launch_shape is launch_shape and os.environ.get("TRITON_INTERPRET") == interpret
+
+
+def test_dynamo_trace_times_each_variant_and_counts_its_graph(tmp_path):
+    """The CPU smoke run: one trace per variant after an untimed one; the fused layer's two leaves record a
+    smaller graph than the blocks' leaves (blocks/layer_leaves.py), and the -blocks variant restores the switch."""
+    out = tmp_path / "trace.json"
+    args = ["benchmarks/dynamo_trace.py", "--device", "cpu", "--tiny", "--rounds", "1"]
+    run_script([*args, "--variants", "bf16", "int8", "int8-blocks", "--json", str(out)], timeout=300)
+    rows = {r["variant"]: r for r in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {"bf16", "int8", "int8-blocks"}
+    assert all(r["trace_s"] > 0 and len(r["traces_s"]) == 1 for r in rows.values())
+    assert rows["int8"]["graph_nodes"] < rows["int8-blocks"]["graph_nodes"]
+
+
+def test_dynamo_trace_refuses_an_unknown_variant():
+    with pytest.raises(SystemExit):
+        load_script("dynamo_trace").parse_args(["--device", "cpu", "--tiny", "--variants", "int4"])
