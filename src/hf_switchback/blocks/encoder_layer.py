@@ -11,7 +11,9 @@ modules and their hooks (they are still called as modules), gradient checkpointi
 remove_switchback restores the class. The encoder holding fused layers gets one forward pre-hook that makes its
 input contiguous (same values; _contiguous_input says why), removed with them. The forward re-checks at every call what still qualifies (a block
 converted back, a LayerNorm replaced or hooked, parameters of another dtype, a batch below the token floor)
-and runs the stock LayerNorm where not.
+and runs the stock LayerNorm where not. Where every part of the layer runs 8-bit, the same ops run as two graph
+leaves around the stock attention instead of through the blocks' forwards (blocks/layer_leaves.py: less for
+torch.compile's Dynamo to interpret).
 """
 
 from __future__ import annotations
