@@ -252,7 +252,9 @@ def test_out_proj_takes_its_input_from_the_quantize_kernel(fuse_qkv, layer_leave
     spy(leaves)
     model = apply_switchback(tiny_pair_model("clip"), TORCH.replace(fuse_qkv=fuse_qkv))
     loss_and_grads(model)
-    assert seen == ({"attention": 0, "layer_leaves": 4} if layer_leaves else {"attention": 4, "layer_leaves": 0})
+    assert seen == (
+        {"attention": 0, "layer_leaves": 4} if layer_leaves else {"attention": 4, "layer_leaves": 0}
+    )
 
 
 @pytest.mark.parametrize("modes", BLOCK_MODES)
