@@ -125,6 +125,23 @@ def _hook_mlp(model):
     model.text_model.encoder.layers[1].mlp.register_forward_pre_hook(lambda m, args: None)
 
 
+def _backward_hook_on_attention(model):
+    model.text_model.encoder.layers[0].self_attn.register_full_backward_hook(lambda m, gin, gout: None)
+
+
+def _forward_set_on_mlp(model):
+    mlp = model.vision_model.encoder.layers[1].mlp
+    mlp.forward = mlp.forward  # an instance attribute, which the module's __call__ runs
+
+
+def _fc2_config_equal_not_same(model):
+    # an equal config object of its own (the block path then runs fc2 with it): not the layer's one config
+    import dataclasses
+
+    fc2 = model.vision_model.encoder.layers[0].mlp.fc2
+    fc2.switchback_config = dataclasses.replace(fc2.switchback_config)
+
+
 def _narrow_out_proj(model):
     # out_proj back to nn.Linear: its quantize kernel has no 8-bit op to feed
     attn = model.vision_model.encoder.layers[0].self_attn
@@ -133,7 +150,14 @@ def _narrow_out_proj(model):
 
 @pytest.mark.parametrize(
     ("change", "leaf_layers"),
-    [(_hook_attention, LAYERS - 1), (_hook_mlp, LAYERS - 1), (_narrow_out_proj, LAYERS - 1)],
+    [
+        (_hook_attention, LAYERS - 1),
+        (_hook_mlp, LAYERS - 1),
+        (_backward_hook_on_attention, LAYERS - 1),
+        (_forward_set_on_mlp, LAYERS - 1),
+        (_fc2_config_equal_not_same, LAYERS - 1),
+        (_narrow_out_proj, LAYERS - 1),
+    ],
 )
 def test_what_the_leaves_do_not_cover_takes_the_block_path(change, leaf_layers, monkeypatch):
     base = tiny_pair_model("clip")
@@ -164,6 +188,48 @@ def test_a_global_module_hook_or_the_token_floor_takes_the_block_path(monkeypatc
     assert not calls
     run(model)
     assert len(calls) == LAYERS
+
+
+def test_without_the_activation_producer_the_blocks_run(monkeypatch):
+    """fuse_activation off: fc2 quantizes its own input, a path the leaves do not cover."""
+    got, want, calls = leaves_and_blocks(
+        monkeypatch, tiny_pair_model("clip"), TORCH.replace(fuse_activation=False)
+    )
+    assert calls == 0
+    assert_equal(got, want)
+
+
+@pytest.mark.parametrize("modes", [{}, {"fuse_mlp": True, "memory_efficient": True}])
+def test_leaves_take_the_cached_weight_operands(modes, monkeypatch):
+    """KernelOptions.cache_weight_operands: each leaf gets the six layers' cached 8-bit weights, as the blocks do."""
+    from hf_switchback import KernelOptions
+
+    handed = []
+    operands_for = layer_leaves.operands_for
+    monkeypatch.setattr(
+        layer_leaves, "operands_for", lambda layer: handed.append(operands_for(layer)) or handed[-1]
+    )
+    config = TORCH.replace(kernel_options=KernelOptions(cache_weight_operands=True), **modes)
+    got, want, calls = leaves_and_blocks(monkeypatch, tiny_pair_model("clip"), config)
+    assert calls == LAYERS and len(handed) == 6 * LAYERS
+    assert all(operands is not None for operands in handed)
+    assert_equal(got, want)
+
+
+def test_output_attentions_runs_the_blocks(monkeypatch):
+    """transformers hooks every attention block to record its weights; the layers then take the block path, with
+    the same outputs, and keep it (the hook stays: the documented cost of asking for attentions once)."""
+    calls = count_leaf_layers(monkeypatch)
+    model = apply_switchback(tiny_pair_model("clip"), TORCH)
+    inputs = tiny_pair_inputs()
+    want = model(**inputs).logits_per_image
+    assert len(calls) == LAYERS
+    out = model(**inputs, output_attentions=True)
+    assert len(calls) == LAYERS  # no layer took the leaves
+    assert all(layer.self_attn._forward_hooks for layer in model.vision_model.encoder.layers)
+    assert torch.equal(out.logits_per_image, want)
+    model(**inputs)
+    assert len(calls) == LAYERS  # the hook stays
 
 
 @pytest.mark.gpu

@@ -18,10 +18,12 @@ attention:
 The leaves call the same public ops in the same order as the blocks' forwards, so eager results are bitwise
 those of the block path, and the graph AOT autograd traces from them holds the same operators. Dynamo records two
 nodes and interprets only the checks. The checks are those of the block path, plus what calling the blocks as
-modules honoured: no hooks on the attention block or the MLP (nor global module hooks), as their __call__ would
-run them. Anything else (a part below its token floor, a hook, another dtype, a replaced module) takes the block
-path. Dynamo's trace of a ViT-B/16 layer on the H200 host: 0.177 s against 0.206 s through the blocks, bf16's
-0.114 s (benchmarks/dynamo_trace.py; BENCHMARKS.md, Compile warm-up). HF_SWITCHBACK_LAYER_LEAVES=0 turns this
+modules honoured: no hooks on the attention block or the MLP (nor global module hooks), no forward set on their
+instances, no module.compile() of them. Anything else (a part below its token floor, a hook, another dtype, a
+replaced module) takes the block path. Note that transformers registers a forward hook on every attention block
+at the first call that asks for output_attentions or output_hidden_states and keeps it: from then on the layers
+take the block path (same results, the block path's longer trace). Dynamo's trace per layer, with and without
+the leaves: benchmarks/dynamo_trace.py, BENCHMARKS.md (Compile warm-up). HF_SWITCHBACK_LAYER_LEAVES=0 turns this
 path off (measurements of the block path).
 """
 
@@ -47,22 +49,34 @@ from .qkv import switchback_qkv
 ENABLED = os.environ.get("HF_SWITCHBACK_LAYER_LEAVES", "1") != "0"
 
 
-def _hooked(module: nn.Module) -> bool:
-    return bool(
+def _called_plainly(module: nn.Module) -> bool:
+    """Whether calling `module` runs just its class's forward: no hooks, no forward set on the instance, no
+    module.compile() (its __call__ honours each of them, and the leaves do not call it)."""
+    return not (
         module._forward_hooks
         or module._forward_pre_hooks
         or module._backward_hooks
         or module._backward_pre_hooks
+        or "forward" in module.__dict__
+        or getattr(module, "_compiled_call_impl", None) is not None
     )
+
+
+# torch's registries of global module hooks (torch.nn.modules.module.register_module_forward_hook & co.): private
+# names, read where present (a torch without one has no such hooks to honour)
+_GLOBAL_FORWARD, _GLOBAL_FORWARD_PRE, _GLOBAL_BACKWARD, _GLOBAL_BACKWARD_PRE = (
+    getattr(module_globals, name, {})
+    for name in (
+        "_global_forward_hooks",
+        "_global_forward_pre_hooks",
+        "_global_backward_hooks",
+        "_global_backward_pre_hooks",
+    )
+)
 
 
 def _global_hooks() -> bool:
-    return bool(
-        module_globals._global_forward_hooks
-        or module_globals._global_forward_pre_hooks
-        or module_globals._global_backward_hooks
-        or module_globals._global_backward_pre_hooks
-    )
+    return bool(_GLOBAL_FORWARD or _GLOBAL_FORWARD_PRE or _GLOBAL_BACKWARD or _GLOBAL_BACKWARD_PRE)
 
 
 def plan(layer: nn.Module, x: torch.Tensor, attn_config, mlp_config) -> tuple | None:
@@ -70,7 +84,7 @@ def plan(layer: nn.Module, x: torch.Tensor, attn_config, mlp_config) -> tuple | 
     else None (the block path runs). attn_config, mlp_config: what the blocks' quantized_input_config returned
     (not None). Written flat, without loops or helper frames where one will do: Dynamo interprets it per trace."""
     attn, mlp = layer.self_attn, layer.mlp
-    if not ENABLED or _hooked(attn) or _hooked(mlp) or _global_hooks():
+    if not ENABLED or not (_called_plainly(attn) and _called_plainly(mlp)) or _global_hooks():
         return None
     width, dtype = x.shape[-1], x.dtype
     device_type = x.device.type
