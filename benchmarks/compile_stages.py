@@ -52,13 +52,15 @@ def stage_seconds(row: dict) -> dict[str, float]:
 
 
 def extra_by_stage(rows: list[dict], baseline: str) -> list[dict]:
-    """Per (model, pass, variant) other than `baseline`: the mean over repeats of its stage seconds minus the
-    baseline's of the same model, pass and repeat ("total": the first step's), with "repeats" counted."""
-    base = {(r["model"], r["pass"], r["repeat"]): r for r in rows if r["variant"] == baseline}
+    """Per (model, pass, variant) other than `baseline`: the mean over repeats (and warm rounds) of its stage
+    seconds minus the baseline's of the same model, pass, repeat and round ("total": the first step's), with
+    "repeats" counted."""
+    same = lambda r: (r["model"], r["pass"], r["repeat"], r.get("round", 0))  # noqa: E731
+    base = {same(r): r for r in rows if r["variant"] == baseline}
     sums: dict[tuple, dict[str, float]] = defaultdict(lambda: defaultdict(float))
     counts: dict[tuple, int] = defaultdict(int)
     for r in rows:
-        reference = base.get((r["model"], r["pass"], r["repeat"]))
+        reference = base.get(same(r))
         if r["variant"] == baseline or reference is None:
             continue
         mine, theirs = stage_seconds(r), stage_seconds(reference)

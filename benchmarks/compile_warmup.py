@@ -1,21 +1,27 @@
 """Compile warm-up of a training step: each row in fresh bench_train.py processes with caches of its own.
 
 Passes per (model, variant), each its own process on its own Inductor and Triton cache folders: cold (empty
-caches), warm (the same caches again), moved (--moved: empty caches plus the artifacts cold saved, as
-train_clip.py --compile_cache_dir on another machine). Per row: the first step's seconds, its ratio to
---baseline and the FX graph cache's hit/miss/bypass; then, per model and pass, the seconds each variant's first
-step takes over the baseline's, split by compile stage, and the slowest Triton kernel compiles of each
-graph (compile_stages.py). An untimed eager process runs first (--no_prime skips it), so that
-reading the libraries from disk does not land on the first row. Flags it does not know go to bench_train.py.
+caches), warm (the same caches again; --warm_passes times), moved (--moved: empty caches plus the artifacts cold
+saved, as train_clip.py --compile_cache_dir on another machine). Each pass runs every variant in turn before the
+next pass starts, so that drift of the host lands on all variants alike. Per row: the first step's seconds, its
+ratio to --baseline within the same pass and the FX graph cache's hit/miss/bypass; where a variant has several
+rows per pass (--repeats, --warm_passes), their median and the ratio of the medians; then, per model and pass,
+the seconds each variant's first step takes over the baseline's, split by compile stage, and the slowest Triton
+kernel compiles of each graph (compile_stages.py). The first step of one process moves by seconds cold and by
+tenths of a second warm between processes of the same variant: a ratio target needs the medians. An untimed
+eager process runs first (--no_prime skips it), so that reading the libraries from disk does not land on the
+first row. Flags it does not know go to bench_train.py.
 
     PYTHONPATH=src python benchmarks/compile_warmup.py --models vit-b-16 --variants bf16+compile int8+compile \\
-        --compile layers --moved --json $OUT/warmup.json
+        --compile layers --warm_passes 3 --moved --json $OUT/warmup.json
     PYTHONPATH=src python benchmarks/compile_warmup.py --tiny --variants bf16 int8  # smoke test
 """
 
 from __future__ import annotations
 
+import json
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -40,6 +46,12 @@ def run_row(model: str, variant: str, cache: Path, args, extra: list[str]) -> di
     return common.row_in_process(command, out, env, args.timeout_s)
 
 
+def passes(args) -> list[tuple[str, int]]:
+    """(pass, round) in the order they run: cold, then the warm rounds, then moved."""
+    order = [("cold", 0), *(("warm", i) for i in range(args.warm_passes))]
+    return order + ([("moved", 0)] if args.moved else [])
+
+
 def measure(args, extra: list[str]) -> list[dict]:
     root = Path(args.cache_root or tempfile.mkdtemp(prefix="compile_warmup_"))
     if not args.no_prime:
@@ -47,10 +59,10 @@ def measure(args, extra: list[str]) -> list[dict]:
     rows = []
     for repeat in range(args.repeats):
         for model in args.models:
-            for variant in args.variants:
-                cache = root / f"{model}_{variant.replace('+', '_')}" / f"repeat{repeat}"
-                artifacts = ["--compile_artifacts", str(cache / "compile_artifacts.bin")]
-                for cache_pass in ("cold", "warm", "moved") if args.moved else ("cold", "warm"):
+            for cache_pass, round_ in passes(args):
+                for variant in args.variants:
+                    cache = root / f"{model}_{variant.replace('+', '_')}" / f"repeat{repeat}"
+                    artifacts = ["--compile_artifacts", str(cache / "compile_artifacts.bin")]
                     # cold saves the artifacts (with --moved), moved loads them; warm's caches hold everything
                     folder = cache / "moved" if cache_pass == "moved" else cache
                     folder.mkdir(parents=True, exist_ok=True)
@@ -58,22 +70,62 @@ def measure(args, extra: list[str]) -> list[dict]:
                     row = dict(
                         run_row(model, variant, folder, args, extra + more), model=model, variant=variant
                     )
-                    rows.append(dict(row, cache=str(folder), repeat=repeat, **{"pass": cache_pass}))
+                    row.update(cache=str(folder), repeat=repeat, round=round_, **{"pass": cache_pass})
+                    rows.append(row)
                     common.emit(rows, dict(args=vars(args), extra=extra), args.json)
     return rows
 
 
+def _same_pass(r: dict) -> tuple:
+    return (r["model"], r["pass"], r["repeat"], r.get("round", 0))
+
+
 def print_table(rows: list[dict], baseline: str) -> None:
-    key = lambda r: (r["model"], r["pass"], r["repeat"])  # noqa: E731
-    base = {key(r): r["first_step_s"] for r in rows if r["variant"] == baseline and "first_step_s" in r}
+    base = {
+        _same_pass(r): r["first_step_s"] for r in rows if r["variant"] == baseline and "first_step_s" in r
+    }
     outcomes = ("fx_graph_hit", "fx_graph_miss", "fx_graph_bypass")
     caches = lambda r: "/".join(str(r["first_step_caches"][o]) for o in outcomes)  # noqa: E731
-    cols = [("1st step s", lambda r: r["first_step_s"], ".1f")]
-    cols += [(f"x {baseline}", lambda r: common.ratio(r["first_step_s"], base.get(key(r))), "")]
+    cols = [("1st step s", lambda r: r["first_step_s"], ".2f")]
+    cols += [(f"x {baseline}", lambda r: common.ratio(r["first_step_s"], base.get(_same_pass(r))), "")]
     cols += [("ms/step", lambda r: r["ms_per_step"], ".1f")]
     cols += [("graphs hit/miss/bypass", lambda r: caches(r) if r.get("first_step_caches") else "-", "")]
     lead = [("model", "model", 9), ("variant", "variant", 28), ("pass", "pass", 5), ("rep", "repeat", 3)]
+    lead += [("rnd", "round", 3)]
     common.print_table(rows, lead, cols, "first_step_s")
+
+
+def medians(rows: list[dict], baseline: str) -> list[dict]:
+    """Per (model, pass, variant) with first steps: their median, how many, and the ratio of that median to the
+    baseline's median of the same model and pass."""
+    groups: dict[tuple, list[float]] = {}
+    for r in rows:
+        if "first_step_s" in r:
+            groups.setdefault((r["model"], r["pass"], r["variant"]), []).append(r["first_step_s"])
+    out = []
+    for (model, cache_pass, variant), seconds in groups.items():
+        reference = groups.get((model, cache_pass, baseline))
+        median = statistics.median(seconds)
+        row = dict(
+            model=model,
+            variant=variant,
+            n=len(seconds),
+            median_s=median,
+            spread_s=max(seconds) - min(seconds),
+        )
+        row["ratio"] = median / statistics.median(reference) if reference else None
+        out.append(dict(row, **{"pass": cache_pass}))
+    return out
+
+
+def print_medians(summary: list[dict], baseline: str) -> None:
+    if not any(m["n"] > 1 for m in summary):
+        return  # one row per group: the table above says it all
+    print(f"\nfirst step, median over processes (ratio of the medians to {baseline}'s; spread: max - min)")
+    cols = [("median s", lambda m: m["median_s"], ".2f"), ("spread s", lambda m: m["spread_s"], ".2f")]
+    cols += [(f"x {baseline}", lambda m: "-" if m["ratio"] is None else f"{m['ratio']:.2f}x", "")]
+    lead = [("model", "model", 9), ("variant", "variant", 28), ("pass", "pass", 5), ("n", "n", 2)]
+    common.print_table(summary, lead, cols, "median_s")
 
 
 def main() -> None:
@@ -90,6 +142,9 @@ def main() -> None:
         help="where the cache folders go (default: a temp dir); kernel_compile_times.py reads a row's inductor/ there",
     )
     parser.add_argument("--repeats", type=int, default=1, help="measure every row this often, on new caches")
+    parser.add_argument(
+        "--warm_passes", type=int, default=1, help="warm processes per cold one (their median is reported)"
+    )
     parser.add_argument("--no_prime", action="store_true", help="skip the untimed first (eager) process")
     parser.add_argument("--moved", action="store_true", help="a third pass: empty caches + cold's artifacts")
     parser.add_argument("--timeout_s", type=float, default=900, help="per process")
@@ -102,6 +157,11 @@ def main() -> None:
     rows = measure(args, extra)
     baseline = args.baseline or args.variants[0]
     print_table(rows, baseline)
+    summary = medians(rows, baseline)
+    print_medians(summary, baseline)
+    if args.json:  # the rows as emitted, plus the medians
+        env = dict(args=vars(args), extra=extra)
+        Path(args.json).write_text(json.dumps(dict(env=env, rows=rows, medians=summary), indent=1))
     print_extra_by_stage(extra_by_stage(rows, baseline), baseline)
     print_kernel_compiles(kernel_compiles(rows))
     if any("first_step_s" not in r for r in rows):

@@ -686,13 +686,14 @@ def test_compile_warmup_runs_each_variant_cold_then_warm_in_its_own_caches(tmp_p
         timeout=300,
     )
     rows = json.loads(out.read_text())["rows"]
+    # each pass runs every variant before the next pass starts
     assert [(r["variant"], r["pass"]) for r in rows] == [
         ("bf16", "cold"),
-        ("bf16", "warm"),
         ("int8", "cold"),
+        ("bf16", "warm"),
         ("int8", "warm"),
     ]
-    assert rows[0]["cache"] == rows[1]["cache"] != rows[2]["cache"] == rows[3]["cache"]
+    assert rows[0]["cache"] == rows[2]["cache"] != rows[1]["cache"] == rows[3]["cache"]
     assert {Path(r["cache"]).parent.parent for r in rows} == {cache_root}
     for row in rows:
         assert "error" not in row, row
@@ -701,7 +702,8 @@ def test_compile_warmup_runs_each_variant_cold_then_warm_in_its_own_caches(tmp_p
     lines = [line for line in stdout.splitlines() if line.startswith("vit-b-16")]
     table, by_stage = lines[:4], lines[4:]
     assert len(table) == 4 and all("x" in line for line in table)
-    assert "1.00x" in table[0]  # the baseline's own row
+    assert "1.00x" in table[0] and "1.00x" in table[2]  # the baseline's own rows
+    assert "median" not in stdout  # one process per variant and pass: no medians to print
     # then the extra seconds over the baseline by compile stage: int8's cold and warm passes
     assert [line.split()[1:3] for line in by_stage] == [["int8", "cold"], ["int8", "warm"]]
     assert (cache_root / "prime").is_dir()  # the untimed first process ran, on caches of its own
@@ -720,6 +722,57 @@ def test_compile_warmup_repeats_each_row_on_new_caches(tmp_path):
     assert [(r["repeat"], r["pass"]) for r in rows] == [(0, "cold"), (0, "warm"), (1, "cold"), (1, "warm")]
     assert rows[0]["cache"] == rows[1]["cache"] != rows[2]["cache"] == rows[3]["cache"]
     assert not (cache_root / "prime").exists()
+
+
+@pytest.mark.slow
+def test_compile_warmup_warm_passes_rerun_the_warm_process_and_report_medians(tmp_path):
+    out = tmp_path / "warmup.json"
+    flags = ["--tiny", "--variants", "bf16", "int8", "--steps", "1", "--warmup", "0", "--warm_passes", "2"]
+    cache_root = tmp_path / "caches"
+    stdout = run_script(
+        [
+            "benchmarks/compile_warmup.py",
+            *flags,
+            "--no_prime",
+            "--cache_root",
+            str(cache_root),
+            "--json",
+            str(out),
+        ],
+        timeout=300,
+    )
+    result = json.loads(out.read_text())
+    rows = result["rows"]
+    assert [(r["variant"], r["pass"], r["round"]) for r in rows] == [
+        ("bf16", "cold", 0),
+        ("int8", "cold", 0),
+        ("bf16", "warm", 0),
+        ("int8", "warm", 0),
+        ("bf16", "warm", 1),
+        ("int8", "warm", 1),
+    ]
+    assert len({r["cache"] for r in rows if r["variant"] == "int8"}) == 1  # every warm round on cold's caches
+    warm_int8 = sorted(r["first_step_s"] for r in rows if r["variant"] == "int8" and r["pass"] == "warm")
+    (summary,) = [m for m in result["medians"] if m["variant"] == "int8" and m["pass"] == "warm"]
+    assert summary["n"] == 2 and summary["median_s"] == pytest.approx(sum(warm_int8) / 2)
+    assert "median over processes" in stdout
+
+
+def test_compile_warmup_medians_are_per_pass_with_the_ratio_of_the_medians():
+    load_script("common")
+    warmup = load_script("compile_warmup")
+
+    def row(variant, cache_pass, seconds):
+        return dict(model="m", variant=variant, first_step_s=seconds, **{"pass": cache_pass})
+
+    rows = [row("bf16", "warm", s) for s in (2.0, 2.2, 9.0)] + [
+        row("int8", "warm", s) for s in (2.3, 2.4, 2.5)
+    ]
+    rows += [row("int8", "cold", 13.0), dict(model="m", variant="int8", status="error", **{"pass": "cold"})]
+    summary = {(m["variant"], m["pass"]): m for m in warmup.medians(rows, "bf16")}
+    assert summary["bf16", "warm"]["median_s"] == 2.2 and summary["bf16", "warm"]["spread_s"] == 7.0
+    assert summary["int8", "warm"]["ratio"] == pytest.approx(2.4 / 2.2)  # an outlier moves no median
+    assert summary["int8", "cold"]["n"] == 1 and summary["int8", "cold"]["ratio"] is None  # no bf16 cold row
 
 
 @pytest.mark.slow
