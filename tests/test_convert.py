@@ -228,6 +228,30 @@ def test_importing_the_package_does_not_import_triton():
     assert out.stdout.strip() == "False"
 
 
+def test_apply_time_loads_the_triton_kernels_only_where_they_can_run():
+    """check_backend (apply_switchback, from_pretrained) loads the Triton kernel sets where they can run, so that
+    their import is not left to the first compiled step; a machine without CUDA never imports triton."""
+    import subprocess
+    import sys
+
+    loaded = "print([m in sys.modules for m in ('triton', 'hf_switchback.kernels.ops', 'hf_switchback.kernels.compiled')])"
+    cpu = (
+        "import sys; from hf_switchback.kernels.backends import check_backend; check_backend('auto'); "
+        + loaded
+    )
+    out = subprocess.run([sys.executable, "-c", cpu], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[False, False, False]"
+    # where the Triton kernels can run (stood in for by the check's answer): loaded at apply time, not for 'torch'
+    can_run = "import sys; from hf_switchback.kernels import backends; backends.triton_unavailable_reason = lambda: None; "
+    for backend, expected in (("torch", "False"), ("auto", "True"), ("triton", "True")):
+        code = (
+            can_run
+            + f"backends.check_backend({backend!r}); print('hf_switchback.kernels.compiled' in sys.modules)"
+        )
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+        assert out.stdout.strip() == expected, (backend, out.stderr[-500:])
+
+
 def test_multihead_attention_out_proj_is_never_a_target():
     # nn.MultiheadAttention uses out_proj.weight directly, a swap there would silently stay 16-bit
     class Block(nn.Module):

@@ -44,14 +44,24 @@ def triton_unavailable_reason() -> str | None:
 
 
 def check_backend(backend: str) -> None:
-    """Fail early (at apply time) when backend='triton' cannot run on this machine."""
-    if backend == "triton":
-        reason = triton_unavailable_reason()
-        if reason is not None:
-            raise RuntimeError(
-                f"SwitchBackConfig.backend='triton' but {reason}. Use backend='auto' to fall back to the "
-                "torch reference kernels, or backend='torch'."
-            )
+    """At apply time: fail when backend='triton' cannot run on this machine; where the Triton kernels can run,
+    load them now.
+
+    Loading them (importing kernels/ops.py and kernels/compiled.py: Triton's JIT objects, our operators'
+    registration with torch) takes ~0.1 s on a GPU host. Left to the first use, it landed inside the first
+    compiled step, in Dynamo's first trace; here it is part of setting the model up, as torch's own operators
+    are loaded with torch. A machine without CUDA never imports triton (triton_unavailable_reason says so first).
+    """
+    if backend == "torch":
+        return
+    reason = triton_unavailable_reason()
+    if reason is None:
+        importlib.import_module(COMPILED_MODULE)
+    elif backend == "triton":
+        raise RuntimeError(
+            f"SwitchBackConfig.backend='triton' but {reason}. Use backend='auto' to fall back to the "
+            "torch reference kernels, or backend='torch'."
+        )
 
 
 @functools.cache
