@@ -90,7 +90,7 @@ def print_table(rows: list[dict], baseline: str) -> None:
     cols += [(f"x {baseline}", lambda r: common.ratio(r["first_step_s"], base.get(_same_pass(r))), "")]
     cols += [("ms/step", lambda r: r["ms_per_step"], ".1f")]
     cols += [("graphs hit/miss/bypass", lambda r: caches(r) if r.get("first_step_caches") else "-", "")]
-    lead = [("model", "model", 9), ("variant", "variant", 28), ("pass", "pass", 5), ("rep", "repeat", 3)]
+    lead = [("model", "model", 11), ("variant", "variant", 28), ("pass", "pass", 5), ("rep", "repeat", 3)]
     lead += [("rnd", "round", 3)]
     common.print_table(rows, lead, cols, "first_step_s")
 
@@ -124,7 +124,7 @@ def print_medians(summary: list[dict], baseline: str) -> None:
     print(f"\nfirst step, median over processes (ratio of the medians to {baseline}'s; spread: max - min)")
     cols = [("median s", lambda m: m["median_s"], ".2f"), ("spread s", lambda m: m["spread_s"], ".2f")]
     cols += [(f"x {baseline}", lambda m: "-" if m["ratio"] is None else f"{m['ratio']:.2f}x", "")]
-    lead = [("model", "model", 9), ("variant", "variant", 28), ("pass", "pass", 5), ("n", "n", 2)]
+    lead = [("model", "model", 11), ("variant", "variant", 28), ("pass", "pass", 5), ("n", "n", 2)]
     common.print_table(summary, lead, cols, "median_s")
 
 
