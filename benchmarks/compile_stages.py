@@ -51,16 +51,20 @@ def stage_seconds(row: dict) -> dict[str, float]:
     return stages
 
 
+def same_pass(row: dict) -> tuple:
+    """What a row's ratio to the baseline is taken within: its model, pass, repeat and warm round."""
+    return (row["model"], row["pass"], row["repeat"], row.get("round", 0))
+
+
 def extra_by_stage(rows: list[dict], baseline: str) -> list[dict]:
     """Per (model, pass, variant) other than `baseline`: the mean over repeats (and warm rounds) of its stage
     seconds minus the baseline's of the same model, pass, repeat and round ("total": the first step's), with
     "repeats" counted."""
-    same = lambda r: (r["model"], r["pass"], r["repeat"], r.get("round", 0))  # noqa: E731
-    base = {same(r): r for r in rows if r["variant"] == baseline}
+    base = {same_pass(r): r for r in rows if r["variant"] == baseline}
     sums: dict[tuple, dict[str, float]] = defaultdict(lambda: defaultdict(float))
     counts: dict[tuple, int] = defaultdict(int)
     for r in rows:
-        reference = base.get(same(r))
+        reference = base.get(same_pass(r))
         if r["variant"] == baseline or reference is None:
             continue
         mine, theirs = stage_seconds(r), stage_seconds(reference)

@@ -30,7 +30,13 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 import common  # noqa: E402
-from compile_stages import extra_by_stage, kernel_compiles, print_extra_by_stage, print_kernel_compiles  # noqa: E402
+from compile_stages import (  # noqa: E402
+    extra_by_stage,
+    kernel_compiles,
+    print_extra_by_stage,
+    print_kernel_compiles,
+    same_pass,
+)
 
 
 def run_row(model: str, variant: str, cache: Path, args, extra: list[str]) -> dict:
@@ -76,18 +82,12 @@ def measure(args, extra: list[str]) -> list[dict]:
     return rows
 
 
-def _same_pass(r: dict) -> tuple:
-    return (r["model"], r["pass"], r["repeat"], r.get("round", 0))
-
-
 def print_table(rows: list[dict], baseline: str) -> None:
-    base = {
-        _same_pass(r): r["first_step_s"] for r in rows if r["variant"] == baseline and "first_step_s" in r
-    }
+    base = {same_pass(r): r["first_step_s"] for r in rows if r["variant"] == baseline and "first_step_s" in r}
     outcomes = ("fx_graph_hit", "fx_graph_miss", "fx_graph_bypass")
     caches = lambda r: "/".join(str(r["first_step_caches"][o]) for o in outcomes)  # noqa: E731
     cols = [("1st step s", lambda r: r["first_step_s"], ".2f")]
-    cols += [(f"x {baseline}", lambda r: common.ratio(r["first_step_s"], base.get(_same_pass(r))), "")]
+    cols += [(f"x {baseline}", lambda r: common.ratio(r["first_step_s"], base.get(same_pass(r))), "")]
     cols += [("ms/step", lambda r: r["ms_per_step"], ".1f")]
     cols += [("graphs hit/miss/bypass", lambda r: caches(r) if r.get("first_step_caches") else "-", "")]
     lead = [("model", "model", 11), ("variant", "variant", 28), ("pass", "pass", 5), ("rep", "repeat", 3)]

@@ -676,16 +676,21 @@ def test_common_counts_graph_cache_outcomes_this_torch_records(tmp_path, monkeyp
     assert split_mod.first_step_caches({}, {}) == {}
 
 
-@pytest.mark.slow
-def test_compile_warmup_runs_each_variant_cold_then_warm_in_its_own_caches(tmp_path):
-    out = tmp_path / "warmup.json"
-    flags = ["--tiny", "--models", "vit-b-16", "--variants", "bf16", "int8", "--steps", "1", "--warmup", "0"]
-    cache_root = tmp_path / "caches"
+def _run_warmup(tmp_path, *flags: str, timeout: int = 300) -> tuple[dict, str, Path]:
+    """compile_warmup.py with `flags` on caches under tmp_path: (its JSON, its stdout, the cache root)."""
+    out, cache_root = tmp_path / "warmup.json", tmp_path / "caches"
     stdout = run_script(
         ["benchmarks/compile_warmup.py", *flags, "--cache_root", str(cache_root), "--json", str(out)],
-        timeout=300,
+        timeout=timeout,
     )
-    rows = json.loads(out.read_text())["rows"]
+    return json.loads(out.read_text()), stdout, cache_root
+
+
+@pytest.mark.slow
+def test_compile_warmup_runs_each_variant_cold_then_warm_in_its_own_caches(tmp_path):
+    flags = ["--tiny", "--models", "vit-b-16", "--variants", "bf16", "int8", "--steps", "1", "--warmup", "0"]
+    result, stdout, cache_root = _run_warmup(tmp_path, *flags)
+    rows = result["rows"]
     # each pass runs every variant before the next pass starts
     assert [(r["variant"], r["pass"]) for r in rows] == [
         ("bf16", "cold"),
@@ -711,14 +716,9 @@ def test_compile_warmup_runs_each_variant_cold_then_warm_in_its_own_caches(tmp_p
 
 @pytest.mark.slow
 def test_compile_warmup_repeats_each_row_on_new_caches(tmp_path):
-    out = tmp_path / "warmup.json"
     flags = ["--tiny", "--variants", "bf16", "--steps", "1", "--warmup", "0", "--repeats", "2", "--no_prime"]
-    cache_root = tmp_path / "caches"
-    run_script(
-        ["benchmarks/compile_warmup.py", *flags, "--cache_root", str(cache_root), "--json", str(out)],
-        timeout=300,
-    )
-    rows = json.loads(out.read_text())["rows"]
+    result, _, cache_root = _run_warmup(tmp_path, *flags)
+    rows = result["rows"]
     assert [(r["repeat"], r["pass"]) for r in rows] == [(0, "cold"), (0, "warm"), (1, "cold"), (1, "warm")]
     assert rows[0]["cache"] == rows[1]["cache"] != rows[2]["cache"] == rows[3]["cache"]
     assert not (cache_root / "prime").exists()
@@ -726,22 +726,8 @@ def test_compile_warmup_repeats_each_row_on_new_caches(tmp_path):
 
 @pytest.mark.slow
 def test_compile_warmup_warm_passes_rerun_the_warm_process_and_report_medians(tmp_path):
-    out = tmp_path / "warmup.json"
     flags = ["--tiny", "--variants", "bf16", "int8", "--steps", "1", "--warmup", "0", "--warm_passes", "2"]
-    cache_root = tmp_path / "caches"
-    stdout = run_script(
-        [
-            "benchmarks/compile_warmup.py",
-            *flags,
-            "--no_prime",
-            "--cache_root",
-            str(cache_root),
-            "--json",
-            str(out),
-        ],
-        timeout=300,
-    )
-    result = json.loads(out.read_text())
+    result, stdout, _ = _run_warmup(tmp_path, *flags, "--no_prime")
     rows = result["rows"]
     assert [(r["variant"], r["pass"], r["round"]) for r in rows] == [
         ("bf16", "cold", 0),
@@ -777,15 +763,9 @@ def test_compile_warmup_medians_are_per_pass_with_the_ratio_of_the_medians():
 
 @pytest.mark.slow
 def test_compile_warmup_moved_pass_loads_the_cold_processs_artifacts_on_empty_caches(tmp_path):
-    out = tmp_path / "warmup.json"
     flags = ["--tiny", "--variants", "bf16+compile", "--compile", "layers", "--steps", "1", "--warmup", "0"]
-    cache_root = tmp_path / "caches"
-    run_script(
-        ["benchmarks/compile_warmup.py", *flags, "--no_prime", "--moved", "--cache_root", str(cache_root),
-         "--json", str(out)],
-        timeout=600,
-    )  # fmt: skip
-    cold, warm, moved = json.loads(out.read_text())["rows"]
+    result, _, _ = _run_warmup(tmp_path, *flags, "--no_prime", "--moved", timeout=600)
+    cold, warm, moved = result["rows"]
     assert [r["pass"] for r in (cold, warm, moved)] == ["cold", "warm", "moved"]
     assert cold["cache"] == warm["cache"] and moved["cache"] == str(Path(cold["cache"]) / "moved")
     assert (Path(cold["cache"]) / "compile_artifacts.bin").is_file()  # what the cold process saved
