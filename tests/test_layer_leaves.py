@@ -142,6 +142,31 @@ def _fc2_config_equal_not_same(model):
     fc2.switchback_config = dataclasses.replace(fc2.switchback_config)
 
 
+def _k_config_equal_not_same(model):
+    # the attention block's own check accepts an equal config; the leaves take one config object only
+    import dataclasses
+
+    k = model.text_model.encoder.layers[0].self_attn.k_proj
+    k.switchback_config = dataclasses.replace(k.switchback_config)
+
+
+def _hook_q_proj(model):
+    model.vision_model.encoder.layers[1].self_attn.q_proj.register_forward_pre_hook(lambda m, args: None)
+
+
+def _hook_fc1(model):
+    model.text_model.encoder.layers[1].mlp.fc1.register_forward_hook(lambda m, args, out: None)
+
+
+def _hook_layer_norm2(model):
+    model.vision_model.encoder.layers[0].layer_norm2.register_forward_hook(lambda m, args, out: None)
+
+
+def _activation_replaced(model):
+    # another activation than the one the MLP was fused with: the stock MLP forward runs it
+    model.text_model.encoder.layers[0].mlp.activation_fn = nn.ReLU()
+
+
 def _narrow_out_proj(model):
     # out_proj back to nn.Linear: its quantize kernel has no 8-bit op to feed
     attn = model.vision_model.encoder.layers[0].self_attn
@@ -157,6 +182,11 @@ def _narrow_out_proj(model):
         (_forward_set_on_mlp, LAYERS - 1),
         (_fc2_config_equal_not_same, LAYERS - 1),
         (_narrow_out_proj, LAYERS - 1),
+        (_k_config_equal_not_same, LAYERS - 1),
+        (_hook_q_proj, LAYERS - 1),
+        (_hook_fc1, LAYERS - 1),
+        (_hook_layer_norm2, LAYERS - 1),
+        (_activation_replaced, LAYERS - 1),
     ],
 )
 def test_what_the_leaves_do_not_cover_takes_the_block_path(change, leaf_layers, monkeypatch):

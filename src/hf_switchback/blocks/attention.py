@@ -35,7 +35,7 @@ from .producers import quantize_rows
 from .qkv import switchback_qkv
 
 # Class attribute of the generated subclasses: the stock class they were made from.
-_BASE_ATTR = "_switchback_attention_base"
+BASE_ATTR = "_switchback_attention_base"
 
 
 @functools.cache
@@ -46,7 +46,7 @@ def _attention_classes() -> dict[type, bool]:
 
 
 def _base_class(module: nn.Module) -> type:
-    return getattr(type(module), _BASE_ATTR, type(module))
+    return getattr(type(module), BASE_ATTR, type(module))
 
 
 def _stock_class(base: type) -> type | None:
@@ -97,7 +97,7 @@ def quantized_input_config(module: nn.Module):
     """The SwitchBackConfig with which `module`'s forward takes its input's 8-bit form (`quantized_input`) right
     now, else None. Without fuse_qkv the forward also takes `projection_inputs`: one view of the LayerNorm's
     output per projection (blocks/producers.layernorm_quantize with outputs=3)."""
-    cfg = _fusable(module) if type(module) is _FUSED_CLASSES.get(_base_class(module)) else None
+    cfg = _fusable(module) if type(module) is FUSED_CLASSES.get(_base_class(module)) else None
     return cfg if cfg is not None and cfg.fuse_norm else None
 
 
@@ -161,7 +161,7 @@ def _fused_forward(
     if cfg is None:
         # (a quantized_input is only ever the LayerNorm output's 8-bit form, and projection_inputs views of
         # hidden_states: dropping them changes nothing)
-        return getattr(cls, _BASE_ATTR).forward(self, hidden_states, attention_mask, **kwargs)
+        return getattr(cls, BASE_ATTR).forward(self, hidden_states, attention_mask, **kwargs)
     if not cfg.fuse_norm:
         quantized_input = projection_inputs = None
     queries, keys, values = _projections(self, cfg, hidden_states, quantized_input, projection_inputs)
@@ -196,9 +196,9 @@ def attend(self, queries, keys, values, attention_mask, kwargs: dict) -> tuple:
     return attn_output.reshape(*input_shape, -1).contiguous(), attn_weights
 
 
-# base class -> its generated subclass, as _fused_class made them: read per call by quantized_input_config,
-# where a functools.cache call would be one more frame for torch.compile to trace
-_FUSED_CLASSES: dict[type, type] = {}
+# base class -> its generated subclass, as _fused_class made them: read per call by quantized_input_config and
+# blocks/layer_leaves.plan, where a functools.cache call would be one more frame for torch.compile to trace
+FUSED_CLASSES: dict[type, type] = {}
 
 
 @functools.cache
@@ -216,17 +216,17 @@ def _fused_class(base: type) -> type:
         (base,),
         {
             "forward": _fused_forward,
-            _BASE_ATTR: base,
+            BASE_ATTR: base,
             "_switchback_attention_impl": impl,
             "__module__": __name__,
         },
     )
-    _FUSED_CLASSES[base] = fused
+    FUSED_CLASSES[base] = fused
     return fused
 
 
 def _has_our_class(module: nn.Module) -> bool:
-    return getattr(type(module), _BASE_ATTR, None) is not None
+    return getattr(type(module), BASE_ATTR, None) is not None
 
 
 def is_fused_attention(module: nn.Module) -> bool:

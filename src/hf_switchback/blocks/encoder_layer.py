@@ -11,9 +11,9 @@ modules and their hooks (they are still called as modules), gradient checkpointi
 remove_switchback restores the class. The encoder holding fused layers gets one forward pre-hook that makes its
 input contiguous (same values; _contiguous_input says why), removed with them. The forward re-checks at every call what still qualifies (a block
 converted back, a LayerNorm replaced or hooked, parameters of another dtype, a batch below the token floor)
-and runs the stock LayerNorm where not. Where every part of the layer runs 8-bit, the same ops run as two graph
-leaves around the stock attention instead of through the blocks' forwards (blocks/layer_leaves.py: less for
-torch.compile's Dynamo to interpret).
+and runs the stock LayerNorm where not. Where every part of the layer runs 8-bit (blocks/layer_leaves.plan, asked
+first), the same ops run as two graph leaves around the stock attention instead of through the blocks' forwards
+(blocks/layer_leaves.py: less for torch.compile's Dynamo to interpret).
 """
 
 from __future__ import annotations
@@ -86,15 +86,14 @@ def _add_normalize(norm: nn.Module, x: torch.Tensor, delta: torch.Tensor, config
 
 
 def _fused_forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor, **kwargs) -> torch.Tensor:
+    # every part 8-bit: two graph leaves around the stock attention (blocks/layer_leaves.py)
+    layer_plan = layer_leaves.plan(self, hidden_states)
+    if layer_plan is not None:
+        return layer_leaves.forward(self, layer_plan, hidden_states, attention_mask, kwargs)
     attn, mlp = self.self_attn, self.mlp
     residual = hidden_states
     attn_config = attention_quantized_input_config(attn)
     mlp_config = mlp_quantized_input_config(mlp)
-    if attn_config is not None and mlp_config is not None:
-        # every part 8-bit: two graph leaves around the stock attention (blocks/layer_leaves.py)
-        layer_plan = layer_leaves.plan(self, hidden_states, attn_config, mlp_config)
-        if layer_plan is not None:
-            return layer_leaves.forward(self, layer_plan, hidden_states, attention_mask, kwargs)
     shapes = _attention_shapes(attn) if attn_config is not None else ()
     fan_out = attn_config is not None and not attn_config.fuse_qkv
     normed, quantized = _normalize(self.layer_norm1, hidden_states, attn_config, shapes, fan_out)

@@ -17,10 +17,12 @@ attention:
 
 The leaves call the same public ops in the same order as the blocks' forwards, so eager results are bitwise
 those of the block path, and the graph AOT autograd traces from them holds the same operators. Dynamo records two
-nodes and interprets only the checks. The checks are those of the block path, plus what calling the blocks as
-modules honoured: no hooks on the attention block or the MLP (nor global module hooks), no forward set on their
-instances, no module.compile() of them. Anything else (a part below its token floor, a hook, another dtype, a
-replaced module) takes the block path. Note that transformers registers a forward hook on every attention block
+nodes and interprets only the checks (`plan`, one flat function that the layer's forward asks first). The checks
+are those of the block path, stricter where that reads less (all six linears exactly SwitchBackLinear, unhooked,
+with one config object), plus what calling the blocks as modules honoured: no hooks on the attention block or the
+MLP (nor global module hooks), no forward set on their instances, no module.compile() of them. Anything else (a
+part below its token floor, a hook, another dtype, a replaced module, equal but distinct configs) takes the block
+path, which checks each block on its own. Note that transformers registers a forward hook on every attention block
 at the first call that asks for output_attentions or output_hidden_states and keeps it: from then on the layers
 take the block path (same results, the block path's longer trace). Dynamo's trace per layer, with and without
 the leaves: benchmarks/dynamo_trace.py, BENCHMARKS.md (Compile warm-up). HF_SWITCHBACK_LAYER_LEAVES=0 turns this
@@ -35,31 +37,21 @@ import torch
 from torch import nn
 from torch.nn.modules import module as module_globals
 
-from ..functional import runs_8bit, switchback_linear, switchback_mlp
+from ..functional import switchback_linear, switchback_mlp, token_floor
 from ..kernels import graph_leaf
-from ..modules import is_plain_layer
+from ..modules import SwitchBackLinear
+from ..weight_cache import WEIGHT_Q
 from ..weight_operands import operands_for
+from . import attention
+from . import mlp as mlp_blocks
 from .attention import attend
 from .linear_activation import switchback_linear_activation
-from .mlp import ACTIVATION_ATTR, activation_feeds_fc2
-from .producers import fusable_norm, quantize_rows
+from .mlp import ACTIVATION_ATTR
+from .producers import quantize_rows
 from .qkv import switchback_qkv
 
 # Read once: the switch changes which graph Dynamo records, not what a graph computes.
 ENABLED = os.environ.get("HF_SWITCHBACK_LAYER_LEAVES", "1") != "0"
-
-
-def _called_plainly(module: nn.Module) -> bool:
-    """Whether calling `module` runs just its class's forward: no hooks, no forward set on the instance, no
-    module.compile() (its __call__ honours each of them, and the leaves do not call it)."""
-    return not (
-        module._forward_hooks
-        or module._forward_pre_hooks
-        or module._backward_hooks
-        or module._backward_pre_hooks
-        or "forward" in module.__dict__
-        or getattr(module, "_compiled_call_impl", None) is not None
-    )
 
 
 # torch's registries of global module hooks (torch.nn.modules.module.register_module_forward_hook & co.): private
@@ -75,55 +67,145 @@ _GLOBAL_FORWARD, _GLOBAL_FORWARD_PRE, _GLOBAL_BACKWARD, _GLOBAL_BACKWARD_PRE = (
 )
 
 
-def _global_hooks() -> bool:
-    return bool(_GLOBAL_FORWARD or _GLOBAL_FORWARD_PRE or _GLOBAL_BACKWARD or _GLOBAL_BACKWARD_PRE)
+def plan(layer: nn.Module, x: torch.Tensor) -> tuple | None:
+    """(config, activation kind, whole) when every part of `layer` runs 8-bit on its input x right now, else None
+    (then the block path runs, and each block checks itself again).
 
-
-def plan(layer: nn.Module, x: torch.Tensor, attn_config, mlp_config) -> tuple | None:
-    """What the two leaves need beyond tensors when every part of `layer` runs 8-bit on its input x right now,
-    else None (the block path runs). attn_config, mlp_config: what the blocks' quantized_input_config returned
-    (not None). Written flat, without loops or helper frames where one will do: Dynamo interprets it per trace."""
-    attn, mlp = layer.self_attn, layer.mlp
-    if not ENABLED or not (_called_plainly(attn) and _called_plainly(mlp)) or _global_hooks():
+    What it asks is what the blocks' own checks and calling them as modules would ask, made stricter where that
+    is cheaper (all six linears exactly SwitchBackLinear, unhooked, with one config object; the block path still
+    takes the rest): the blocks of our generated classes (blocks/attention.py, blocks/mlp.py), called plainly (no
+    hooks, global ones included, no forward set on the instance, no module.compile()); their linears without an
+    inference weight cache; both LayerNorms plain, unhooked, over x's width, their parameters in the dtype they
+    will see; the MLP's activation the one it was fused with and, unless the MLP runs as one op, writing fc2's
+    8-bit input; x's rows at or above the token floor of all six linears (the largest of their floors, what
+    each block's own check would require of its part). Written as one flat function that reads each attribute
+    once: Dynamo interprets it at every trace (every process, the warm start too), and each frame it enters and
+    each object it reads costs it time (BENCHMARKS.md, Compile warm-up)."""
+    if not ENABLED:
         return None
-    width, dtype = x.shape[-1], x.dtype
-    device_type = x.device.type
-    if torch.is_autocast_enabled(device_type):
-        # the residual add's dtype: the attention output comes back in the autocast dtype
-        dtype = torch.promote_types(dtype, torch.get_autocast_dtype(device_type))
-    if not (
-        fusable_norm(layer.layer_norm1, width, x.dtype) and fusable_norm(layer.layer_norm2, width, dtype)
+    attn, mlp, norm1, norm2 = layer.self_attn, layer.mlp, layer.layer_norm1, layer.layer_norm2
+    attn_type, mlp_type = type(attn), type(mlp)
+    if attn_type is not attention.FUSED_CLASSES.get(getattr(attn_type, attention.BASE_ATTR, None)):
+        return None
+    if mlp_type is not mlp_blocks.FUSED_CLASSES.get(getattr(mlp_type, mlp_blocks.UNFUSED_ATTR, None)):
+        return None
+    if (
+        attn._forward_hooks
+        or attn._forward_pre_hooks
+        or attn._backward_hooks
+        or attn._backward_pre_hooks
+        or mlp._forward_hooks
+        or mlp._forward_pre_hooks
+        or mlp._backward_hooks
+        or mlp._backward_pre_hooks
+        or "forward" in attn.__dict__
+        or "forward" in mlp.__dict__
+        or getattr(attn, "_compiled_call_impl", None) is not None
+        or getattr(mlp, "_compiled_call_impl", None) is not None
+        or _GLOBAL_FORWARD
+        or _GLOBAL_FORWARD_PRE
+        or _GLOBAL_BACKWARD
+        or _GLOBAL_BACKWARD_PRE
     ):
         return None
-    q, k, v, out = attn.q_proj, attn.k_proj, attn.v_proj, attn.out_proj
-    if not runs_8bit(
-        attn_config,
-        x,
-        (q.in_features, q.out_features),
-        (k.in_features, k.out_features),
-        (v.in_features, v.out_features),
+    q, k, v, out, fc1, fc2 = attn.q_proj, attn.k_proj, attn.v_proj, attn.out_proj, mlp.fc1, mlp.fc2
+    if (
+        type(q) is not SwitchBackLinear
+        or type(k) is not SwitchBackLinear
+        or type(v) is not SwitchBackLinear
+        or type(out) is not SwitchBackLinear
+        or type(fc1) is not SwitchBackLinear
+        or type(fc2) is not SwitchBackLinear
     ):
         return None
+    config = q.switchback_config
+    if (
+        k.switchback_config is not config
+        or v.switchback_config is not config
+        or out.switchback_config is not config
+        or fc1.switchback_config is not config
+        or fc2.switchback_config is not config
+        or not config.fuse_norm
+    ):
+        return None
+    if (
+        q._forward_hooks
+        or q._forward_pre_hooks
+        or k._forward_hooks
+        or k._forward_pre_hooks
+        or v._forward_hooks
+        or v._forward_pre_hooks
+        or out._forward_hooks
+        or out._forward_pre_hooks
+        or fc1._forward_hooks
+        or fc1._forward_pre_hooks
+        or fc2._forward_hooks
+        or fc2._forward_pre_hooks
+    ):
+        return None
+    # (weight_cache.has_weight_cache, written out)
+    if (
+        q._buffers.get(WEIGHT_Q) is not None
+        or k._buffers.get(WEIGHT_Q) is not None
+        or v._buffers.get(WEIGHT_Q) is not None
+        or out._buffers.get(WEIGHT_Q) is not None
+        or fc1._buffers.get(WEIGHT_Q) is not None
+        or fc2._buffers.get(WEIGHT_Q) is not None
+    ):
+        return None
+    width = x.shape[-1]
     # (the residual add joins LayerNorm 2's kernel only for out_proj's output of the residual's shape)
-    if not is_plain_layer(out) or out.out_features != width or out.switchback_config is not attn_config:
+    if (
+        not (q.in_features == k.in_features == v.in_features)
+        or not ((q.bias is None) == (k.bias is None) == (v.bias is None))
+        or out.out_features != width
+    ):
         return None
-    if mlp_config is not attn_config or not runs_8bit(attn_config, x, (out.in_features, out.out_features)):
+    if (
+        type(norm1) is not nn.LayerNorm
+        or type(norm2) is not nn.LayerNorm
+        or norm1._forward_hooks
+        or norm1._forward_pre_hooks
+        or norm2._forward_hooks
+        or norm2._forward_pre_hooks
+        or tuple(norm1.normalized_shape) != (width,)
+        or tuple(norm2.normalized_shape) != (width,)
+    ):
         return None
-    fc1, fc2 = mlp.fc1, mlp.fc2
-    kind, _, whole = getattr(mlp, ACTIVATION_ATTR)
-    fc1_shape = (fc1.in_features, fc1.out_features)
-    if whole:
-        if not runs_8bit(attn_config, x, fc1_shape, (fc2.in_features, fc2.out_features)):
-            return None
-    else:
-        kind = activation_feeds_fc2(mlp, attn_config, x)
-        if (
-            kind is None
-            or fc2.switchback_config is not attn_config
-            or not runs_8bit(attn_config, x, fc1_shape)
-        ):
-            return None
-    return attn_config, kind, whole
+    dtype, device = x.dtype, x.device
+    residual_dtype = dtype
+    if torch.is_autocast_enabled(device.type):
+        # the residual add's dtype: the attention output comes back in the autocast dtype
+        residual_dtype = torch.promote_types(dtype, torch.get_autocast_dtype(device.type))
+    weight1, bias1, weight2, bias2 = norm1.weight, norm1.bias, norm2.weight, norm2.bias
+    if not (
+        (weight1 is None or weight1.dtype == dtype)
+        and (bias1 is None or bias1.dtype == dtype)
+        and (weight2 is None or weight2.dtype == residual_dtype)
+        and (bias2 is None or bias2.dtype == residual_dtype)
+    ):
+        return None
+    kind, activation_type, whole = getattr(mlp, ACTIVATION_ATTR)
+    if type(mlp.activation_fn) is not activation_type or config.fuses_mlp is not whole:
+        return None
+    if not whole and (kind is None or not config.fuse_activation):
+        return None  # fc2 quantizes its own input: a path the leaves do not cover
+    floor = config.min_tokens
+    if floor is None:
+        floor = token_floor(
+            config,
+            device,
+            (q.in_features, q.out_features),
+            (k.in_features, k.out_features),
+            (v.in_features, v.out_features),
+            (out.in_features, out.out_features),
+            (fc1.in_features, fc1.out_features),
+            (fc2.in_features, fc2.out_features),
+        )
+    tokens = x.shape[:-1].numel()
+    if tokens == 0 or tokens < floor:
+        return None
+    return config, kind, whole
 
 
 def forward(layer: nn.Module, layer_plan: tuple, hidden_states: torch.Tensor, attention_mask, kwargs: dict):
@@ -131,6 +213,13 @@ def forward(layer: nn.Module, layer_plan: tuple, hidden_states: torch.Tensor, at
     config, kind, whole = layer_plan
     attn, mlp, norm1, norm2 = layer.self_attn, layer.mlp, layer.layer_norm1, layer.layer_norm2
     q, k, v, out, fc1, fc2 = attn.q_proj, attn.k_proj, attn.v_proj, attn.out_proj, mlp.fc1, mlp.fc2
+    # the cached weight operands, where the option keeps them (six lookups Dynamo would trace for nothing
+    # otherwise; without them the ops quantize the weights themselves, the same numerics)
+    if config.kernel_options.cache_weight_operands:
+        operands = (operands_for(q), operands_for(k), operands_for(v))
+        out_operands, fc1_operands, fc2_operands = operands_for(out), operands_for(fc1), operands_for(fc2)
+    else:
+        operands, out_operands, fc1_operands, fc2_operands = (None, None, None), None, None, None
     queries, keys, values = graph_leaf.call(
         "layer_attention_inputs",
         hidden_states,
@@ -140,17 +229,17 @@ def forward(layer: nn.Module, layer_plan: tuple, hidden_states: torch.Tensor, at
         (q.weight, k.weight, v.weight),
         (q.bias, k.bias, v.bias),
         config,
-        (operands_for(q), operands_for(k), operands_for(v)),
+        operands,
     )
     attn_output, _ = attend(attn, queries, keys, values, attention_mask, kwargs)
     return graph_leaf.call(
         "layer_attention_output",
         attn_output,
         hidden_states,
-        (out.weight, out.bias, operands_for(out)),
+        (out.weight, out.bias, out_operands),
         (norm2.weight, norm2.bias, norm2.eps),
-        (fc1.weight, fc1.bias, operands_for(fc1)),
-        (fc2.weight, fc2.bias, operands_for(fc2)),
+        (fc1.weight, fc1.bias, fc1_operands),
+        (fc2.weight, fc2.bias, fc2_operands),
         kind,
         whole,
         config,

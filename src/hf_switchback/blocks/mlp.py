@@ -36,6 +36,8 @@ from .producers import activation_quantize
 # Instance attribute set on blocks of our class: (activation name for the kernels or None, type of activation_fn
 # at fuse time, whether fc1 -> act -> fc2 runs as one op).
 ACTIVATION_ATTR = "_switchback_activation"
+# Class attribute of the generated subclasses: the class they were made from.
+UNFUSED_ATTR = "_switchback_unfused_class"
 
 
 def activation_kind(act: nn.Module) -> str | None:
@@ -65,7 +67,7 @@ def activation_kind(act: nn.Module) -> str | None:
 
 
 def _unfused_class(module: nn.Module) -> type:
-    return getattr(type(module), "_switchback_unfused_class", type(module))
+    return getattr(type(module), UNFUSED_ATTR, type(module))
 
 
 def _qualifies(module: nn.Module) -> tuple[str | None, bool] | None:
@@ -119,7 +121,7 @@ def _fused_config(module: nn.Module):
 def quantized_input_config(module: nn.Module):
     """The SwitchBackConfig with which `module`'s forward takes its input's 8-bit form (`quantized_input`) right
     now, else None."""
-    if type(module) is not _FUSED_CLASSES.get(_unfused_class(module)):
+    if type(module) is not FUSED_CLASSES.get(_unfused_class(module)):
         return None
     cfg = _fused_config(module)
     return cfg if cfg is not None and cfg.fuse_norm else None
@@ -157,7 +159,7 @@ def _fused_forward(
     cfg = checked_config if checked_config is not None else _fused_config(self)
     if cfg is None:
         # (a quantized_input is only ever the LayerNorm output's 8-bit form: dropping it changes nothing)
-        return self._switchback_unfused_class.forward(self, hidden_states)
+        return getattr(self, UNFUSED_ATTR).forward(self, hidden_states)
     if not cfg.fuse_norm:
         quantized_input = None
     fc1, fc2 = self.fc1, self.fc2
@@ -212,7 +214,7 @@ def _fused_forward(
 
 
 # unfused class -> its generated subclass, as _fused_class made them (read per call: see blocks/attention.py)
-_FUSED_CLASSES: dict[type, type] = {}
+FUSED_CLASSES: dict[type, type] = {}
 
 
 @functools.cache
@@ -220,9 +222,9 @@ def _fused_class(base: type) -> type:
     fused = type(
         f"SwitchBack{base.__name__}",
         (base,),
-        {"forward": _fused_forward, "_switchback_unfused_class": base, "__module__": __name__},
+        {"forward": _fused_forward, UNFUSED_ATTR: base, "__module__": __name__},
     )
-    _FUSED_CLASSES[base] = fused
+    FUSED_CLASSES[base] = fused
     return fused
 
 
@@ -233,7 +235,7 @@ def is_fused_mlp(module: nn.Module) -> bool:
 
 
 def _has_our_class(module: nn.Module) -> bool:
-    return getattr(type(module), "_switchback_unfused_class", None) is not None
+    return getattr(type(module), UNFUSED_ATTR, None) is not None
 
 
 def sync_fused_mlps(model: nn.Module) -> int:
