@@ -89,25 +89,6 @@ def plan(layer: nn.Module, x: torch.Tensor) -> tuple | None:
         return None
     if mlp_type is not mlp_blocks.FUSED_CLASSES.get(getattr(mlp_type, mlp_blocks.UNFUSED_ATTR, None)):
         return None
-    if (
-        attn._forward_hooks
-        or attn._forward_pre_hooks
-        or attn._backward_hooks
-        or attn._backward_pre_hooks
-        or mlp._forward_hooks
-        or mlp._forward_pre_hooks
-        or mlp._backward_hooks
-        or mlp._backward_pre_hooks
-        or "forward" in attn.__dict__
-        or "forward" in mlp.__dict__
-        or getattr(attn, "_compiled_call_impl", None) is not None
-        or getattr(mlp, "_compiled_call_impl", None) is not None
-        or _GLOBAL_FORWARD
-        or _GLOBAL_FORWARD_PRE
-        or _GLOBAL_BACKWARD
-        or _GLOBAL_BACKWARD_PRE
-    ):
-        return None
     q, k, v, out, fc1, fc2 = attn.q_proj, attn.k_proj, attn.v_proj, attn.out_proj, mlp.fc1, mlp.fc2
     if (
         type(q) is not SwitchBackLinear
@@ -126,6 +107,42 @@ def plan(layer: nn.Module, x: torch.Tensor) -> tuple | None:
         or fc1.switchback_config is not config
         or fc2.switchback_config is not config
         or not config.fuse_norm
+    ):
+        return None
+    # the token floor early: a layer below it (a short text tower) leaves here, before the reads the block path
+    # then makes again
+    floor = config.min_tokens
+    if floor is None:
+        floor = token_floor(
+            config,
+            x.device,
+            (q.in_features, q.out_features),
+            (k.in_features, k.out_features),
+            (v.in_features, v.out_features),
+            (out.in_features, out.out_features),
+            (fc1.in_features, fc1.out_features),
+            (fc2.in_features, fc2.out_features),
+        )
+    tokens = x.shape[:-1].numel()
+    if tokens == 0 or tokens < floor:
+        return None
+    if (
+        attn._forward_hooks
+        or attn._forward_pre_hooks
+        or attn._backward_hooks
+        or attn._backward_pre_hooks
+        or mlp._forward_hooks
+        or mlp._forward_pre_hooks
+        or mlp._backward_hooks
+        or mlp._backward_pre_hooks
+        or "forward" in attn.__dict__
+        or "forward" in mlp.__dict__
+        or getattr(attn, "_compiled_call_impl", None) is not None
+        or getattr(mlp, "_compiled_call_impl", None) is not None
+        or _GLOBAL_FORWARD
+        or _GLOBAL_FORWARD_PRE
+        or _GLOBAL_BACKWARD
+        or _GLOBAL_BACKWARD_PRE
     ):
         return None
     if (
@@ -190,21 +207,6 @@ def plan(layer: nn.Module, x: torch.Tensor) -> tuple | None:
         return None
     if not whole and (kind is None or not config.fuse_activation):
         return None  # fc2 quantizes its own input: a path the leaves do not cover
-    floor = config.min_tokens
-    if floor is None:
-        floor = token_floor(
-            config,
-            device,
-            (q.in_features, q.out_features),
-            (k.in_features, k.out_features),
-            (v.in_features, v.out_features),
-            (out.in_features, out.out_features),
-            (fc1.in_features, fc1.out_features),
-            (fc2.in_features, fc2.out_features),
-        )
-    tokens = x.shape[:-1].numel()
-    if tokens == 0 or tokens < floor:
-        return None
     return config, kind, whole
 
 
