@@ -143,7 +143,10 @@ def main() -> None:
     )
     parser.add_argument("--repeats", type=int, default=1, help="measure every row this often, on new caches")
     parser.add_argument(
-        "--warm_passes", type=int, default=1, help="warm processes per cold one (their median is reported)"
+        "--warm_passes",
+        type=int,
+        default=1,
+        help="warm processes per cold one (their median is reported); 0: none (cold, and moved with --moved)",
     )
     parser.add_argument("--no_prime", action="store_true", help="skip the untimed first (eager) process")
     parser.add_argument("--moved", action="store_true", help="a third pass: empty caches + cold's artifacts")
@@ -151,6 +154,8 @@ def main() -> None:
     parser.add_argument("--json", default=None, help="also write the rows here (after every row)")
     common.add_smoke_flags(parser)
     args, extra = parser.parse_known_args()
+    if args.warm_passes < 0 or args.repeats < 1:
+        parser.error("--warm_passes must be >= 0 and --repeats >= 1")
     if args.tiny:
         args.device = "cpu"
     common.check_device(parser, args)
