@@ -257,12 +257,16 @@ def test_out_proj_takes_its_input_from_the_quantize_kernel(fuse_qkv, layer_leave
     )
 
 
+@pytest.mark.parametrize("layer_leaves", [True, False])
 @pytest.mark.parametrize("modes", BLOCK_MODES)
-def test_each_block_is_checked_once_per_layer_forward(modes, monkeypatch):
+def test_each_block_is_checked_once_per_layer_forward(modes, layer_leaves, monkeypatch):
     """The encoder layer hands each block the config its own check just found (`checked_config`): torch.compile's
-    Dynamo interprets every such check at each trace, every process, so the block does not repeat it."""
+    Dynamo interprets every such check at each trace, every process, so the block does not repeat it. Where the
+    layer takes its two leaves (blocks/layer_leaves.py), the layer's one flat check replaces the blocks'."""
     from hf_switchback.blocks import attention, mlp
+    from hf_switchback.blocks import layer_leaves as leaves
 
+    monkeypatch.setattr(leaves, "ENABLED", layer_leaves)
     model = apply_switchback(tiny_pair_model("clip"), TORCH.replace(**modes))
     assert fused_layers(model) == 4
     checks = {"attention": 0, "mlp": 0}
@@ -277,7 +281,9 @@ def test_each_block_is_checked_once_per_layer_forward(modes, monkeypatch):
     monkeypatch.setattr(attention, "_fusable", counted("attention", attention._fusable))
     monkeypatch.setattr(mlp, "_fused_config", counted("mlp", mlp._fused_config))
     loss_and_grads(model)
-    assert checks == {"attention": 4, "mlp": 4}  # one per block: 2 towers x 2 layers
+    # one per block (2 towers x 2 layers) on the block path, none through the leaves
+    per_block = 0 if layer_leaves else 4
+    assert checks == {"attention": per_block, "mlp": per_block}
 
 
 @pytest.mark.parametrize("fuse_qkv", [True, False])
