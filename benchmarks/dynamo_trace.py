@@ -2,12 +2,14 @@
 
 torch.compile's Dynamo interprets the Python of a compiled layer at every start, warm ones included (AOT
 autograd's and Inductor's caches keep what comes after it). This times that trace alone for one encoder layer of
---model (the vision tower's first, bench_train.py's config and batch), converted as bench_train.py converts it,
+--model (the first of --tower's, bench_train.py's config and batch), converted as bench_train.py converts it,
 under bf16 autocast: the layer is compiled with backend="eager" (Dynamo only), each trace after
 torch._dynamo.reset(), its seconds the first call's minus a second call's (which runs the recorded graph without
 tracing). Variants alternate within each of --rounds rounds, so that drift of the host lands on all alike; per
-variant, the median. A variant ending in "-blocks" is its base with the fused layer's two graph leaves turned off
-(blocks/layer_leaves.py: the attention block's and the MLP's forwards run, each op a leaf of its own).
+variant, the median. A variant ending in "-blocks" is its base with the fused layer's own paths turned off
+(blocks/layer_leaves.py: the attention block's and the MLP's forwards run, each op a leaf of its own), where the
+base takes the two graph leaves (every linear 8-bit) or the stock layer's calls (every linear below its token
+floor, e.g. ViT-L/14's text tower at its batch: --model vit-l-14 --tower text).
 
     PYTHONPATH=src python benchmarks/dynamo_trace.py --variants bf16 int8 int8-blocks fp8 fp8-blocks \\
         --json $OUT/dynamo_trace.json
@@ -38,6 +40,13 @@ def parse_args(argv=None):
         help="a bench_train.py base (bf16, int8, fp8, ...), optionally with -blocks",
     )
     parser.add_argument("--rounds", type=int, default=5, help="traces per variant, alternating")
+    parser.add_argument(
+        "--tower",
+        choices=["vision", "text"],
+        default="vision",
+        help="whose first layer: the text tower's runs on bench_train.py's text length (77 tokens for CLIP, 64 for "
+        "SigLIP), without an attention mask (the trace is what is timed)",
+    )
     parser.add_argument("--json", help="write the rows here")
     common.add_smoke_flags(parser)
     args = parser.parse_args(argv)
@@ -51,12 +60,18 @@ def parse_args(argv=None):
 class _Layer:
     """One variant's layer, its input, and what its traces measured."""
 
-    def __init__(self, variant: str, config, device: str, batch: int):
+    def __init__(self, variant: str, config, device: str, batch: int, tower: str = "vision"):
         self.variant, self.base = variant, variant.removesuffix("-blocks")
         model = bench_train.build_model(config, self.base, False, "none", device)
-        self.layer = model.vision_model.encoder.layers[0]
-        tokens = (config.vision_config.image_size // config.vision_config.patch_size) ** 2 + 1
-        self.x = torch.randn(batch, tokens, config.vision_config.hidden_size, device=device)
+        if tower == "vision":
+            self.layer = model.vision_model.encoder.layers[0]
+            tokens = (config.vision_config.image_size // config.vision_config.patch_size) ** 2 + 1
+            width = config.vision_config.hidden_size
+        else:
+            self.layer = model.text_model.encoder.layers[0]
+            tokens = min(bench_train.TEXT_TOKENS, config.text_config.max_position_embeddings)
+            width = config.text_config.hidden_size
+        self.x = torch.randn(batch, tokens, width, device=device)
         self.device, self.seconds, self.nodes = device, [], None
 
     def _call(self, compiled) -> float:
@@ -94,7 +109,7 @@ def main(argv=None) -> list[dict]:
     args = parse_args(argv)
     config = bench_train.clip_config(args.model, tiny=args.tiny)
     batch = 4 if args.tiny else bench_train.MODELS[args.model]["batch"]
-    layers = [_Layer(variant, config, args.device, batch) for variant in args.variants]
+    layers = [_Layer(variant, config, args.device, batch, args.tower) for variant in args.variants]
     for layer in layers:  # untimed: the process's one-time work (Dynamo's, the libraries', our operators')
         layer.trace()
         layer.seconds.clear()
@@ -106,6 +121,7 @@ def main(argv=None) -> list[dict]:
         rows.append(
             dict(
                 model=args.model,
+                tower=args.tower,
                 variant=layer.variant,
                 batch=batch,
                 trace_s=statistics.median(layer.seconds),

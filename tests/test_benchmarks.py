@@ -986,12 +986,14 @@ def test_launch_shapes_without_add_times_layernorm_1(monkeypatch):
 
 def test_dynamo_trace_times_each_variant_and_counts_its_graph(tmp_path):
     """The CPU smoke run: one trace per variant after an untimed one; the fused layer's two leaves record a
-    smaller graph than the blocks' leaves (blocks/layer_leaves.py), and the -blocks variant restores the switch."""
+    smaller graph than the blocks' leaves (blocks/layer_leaves.py), and the -blocks variant restores the switch.
+    The text tower's first layer (the vision tower's is the default)."""
     out = tmp_path / "trace.json"
-    args = ["benchmarks/dynamo_trace.py", "--device", "cpu", "--tiny", "--rounds", "1"]
+    args = ["benchmarks/dynamo_trace.py", "--device", "cpu", "--tiny", "--rounds", "1", "--tower", "text"]
     run_script([*args, "--variants", "bf16", "int8", "int8-blocks", "--json", str(out)], timeout=300)
     rows = {r["variant"]: r for r in json.loads(out.read_text())["rows"]}
     assert set(rows) == {"bf16", "int8", "int8-blocks"}
+    assert all(r["tower"] == "text" for r in rows.values())
     assert all(r["trace_s"] > 0 and len(r["traces_s"]) == 1 for r in rows.values())
     assert rows["int8"]["graph_nodes"] < rows["int8-blocks"]["graph_nodes"]
 

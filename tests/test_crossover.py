@@ -12,7 +12,7 @@ from helpers import KernelSpy
 from torch import nn
 
 from hf_switchback import SwitchBackConfig, SwitchBackLinear, precision_summary
-from hf_switchback.functional import AUTO_MIN_TOKENS_CUDA, switchback_mlp, token_floor
+from hf_switchback.functional import AUTO_MIN_TOKENS_CUDA, switchback_mlp, token_floor, token_floor_range
 from hf_switchback.kernels import crossover
 
 HOPPER = (9, 0)
@@ -119,6 +119,21 @@ def test_token_floor_applies_the_table_to_default_configs_on_cuda_only(table, on
     # memory_efficient keeps its 8-bit saved activations from the old constant on; so do callers without shapes
     assert token_floor(default.replace(memory_efficient=True), "cuda", (3072, 768)) == AUTO_MIN_TOKENS_CUDA
     assert token_floor(default, "cuda") == AUTO_MIN_TOKENS_CUDA
+
+
+def test_token_floor_range_is_the_lowest_and_highest_floor(table, on_hopper):
+    """The fused layer's question (blocks/layer_leaves.plan): is every linear below its floor, or every one above?"""
+    default = SwitchBackConfig()
+    assert token_floor_range(default, "cuda", (768, 768), (1024, 1024)) == (4096, 8192)
+    assert token_floor_range(default, "cuda", (768, 3072), (3072, 768)) == (16384, crossover.NEVER)
+    assert token_floor_range(default.replace(min_tokens=5), "cuda", (3072, 768)) == (5, 5)
+    assert token_floor_range(default.replace(backend="triton"), "cuda", (3072, 768)) == (0, 0)
+    assert token_floor_range(default.replace(memory_efficient=True), "cuda", (768, 768)) == (
+        AUTO_MIN_TOKENS_CUDA,
+        AUTO_MIN_TOKENS_CUDA,
+    )
+    for shapes in [((768, 768), (1024, 1024)), ((768, 3072), (3072, 768)), ((768, 3072),)]:
+        assert token_floor_range(default, "cuda", *shapes)[1] == token_floor(default, "cuda", *shapes)
 
 
 def _pair(in_f, out_f):

@@ -33,17 +33,23 @@ def run(model: nn.Module, device: str = "cpu", autocast: bool = False):
     return out.logits_per_image, grads
 
 
-def count_leaf_layers(monkeypatch) -> list:
-    """Appends one entry per layer forward that took the leaves."""
-    calls = []
+def count_plan_layers(monkeypatch) -> tuple[list, list]:
+    """(a list that gets one entry per layer forward that took the 8-bit leaves, one for each that took the 16-bit
+    path of blocks/layer_16bit.py)."""
+    leaves, below = [], []
     forward = layer_leaves.forward
 
-    def counted(*args):
-        calls.append(1)
-        return forward(*args)
+    def counted(layer, layer_plan, *args):
+        (below if layer_plan[-1] else leaves).append(1)
+        return forward(layer, layer_plan, *args)
 
     monkeypatch.setattr(layer_leaves, "forward", counted)
-    return calls
+    return leaves, below
+
+
+def count_leaf_layers(monkeypatch) -> list:
+    """Appends one entry per layer forward that took the leaves."""
+    return count_plan_layers(monkeypatch)[0]
 
 
 def assert_equal(got, want):
@@ -202,8 +208,8 @@ def test_what_the_leaves_do_not_cover_takes_the_block_path(change, leaf_layers, 
     assert_equal(*results)
 
 
-def test_a_global_module_hook_or_the_token_floor_takes_the_block_path(monkeypatch):
-    calls = count_leaf_layers(monkeypatch)
+def test_a_global_module_hook_takes_the_block_path(monkeypatch):
+    calls, below = count_plan_layers(monkeypatch)
     model = apply_switchback(tiny_pair_model("clip"), TORCH)
     seen = []
     handle = nn.modules.module.register_module_forward_hook(
@@ -213,9 +219,7 @@ def test_a_global_module_hook_or_the_token_floor_takes_the_block_path(monkeypatc
         run(model)
     finally:
         handle.remove()
-    assert not calls and "SwitchBackCLIPMLP" in seen and "SwitchBackCLIPAttention" in seen
-    run(apply_switchback(tiny_pair_model("clip"), TORCH.replace(min_tokens=10**6)))
-    assert not calls
+    assert not calls and not below and "SwitchBackCLIPMLP" in seen and "SwitchBackCLIPAttention" in seen
     run(model)
     assert len(calls) == LAYERS
 
@@ -260,6 +264,73 @@ def test_output_attentions_runs_the_blocks(monkeypatch):
     assert torch.equal(out.logits_per_image, want)
     model(**inputs)
     assert len(calls) == LAYERS  # the hook stays
+
+
+BELOW = TORCH.replace(min_tokens=10**6)  # every linear of the tiny model below its token floor
+
+
+@pytest.mark.parametrize("kind", ["clip", "siglip"])
+@pytest.mark.parametrize("modes", BLOCK_MODES)
+@pytest.mark.parametrize("autocast", [False, True])
+def test_below_every_floor_the_layer_computes_what_the_blocks_compute(kind, modes, autocast, monkeypatch):
+    """Every linear below its token floor: the stock layer's calls (blocks/layer_16bit.py), bitwise what the block
+    path computes (each linear's exact 16-bit matmul), logits and gradients."""
+    leaves, below = count_plan_layers(monkeypatch)
+    got, want, _ = leaves_and_blocks(
+        monkeypatch, tiny_pair_model(kind), BELOW.replace(**modes), autocast=autocast
+    )
+    assert not leaves and len(below) == LAYERS
+    assert_equal(got, want)
+
+
+def test_one_tower_below_its_floor_the_other_above(monkeypatch):
+    """min_tokens between the tiny batch's 20 image tokens and 48 text tokens: the vision layers take the 16-bit
+    path, the text layers the 8-bit leaves; compiled (aot_eager), as the block path computes."""
+    leaves, below = count_plan_layers(monkeypatch)
+    got, want, _ = leaves_and_blocks(
+        monkeypatch,
+        tiny_pair_model("clip"),
+        TORCH.replace(min_tokens=30),
+        autocast=True,
+        compile_backend="aot_eager",
+    )
+    assert len(leaves) == 2 and len(below) == 2  # each layer traced once, with the leaves on
+    assert_equal(got, want)
+
+
+def test_linears_on_both_sides_of_their_floors_take_the_block_path(monkeypatch):
+    """Floors per shape (min_tokens=None reads the GPU's crossover table): with some of the six linears above
+    theirs and some below, neither of the layer's own paths applies."""
+    leaves, below = count_plan_layers(monkeypatch)
+    monkeypatch.setattr(layer_leaves, "token_floor_range", lambda config, device, *shapes: (0, 10**6))
+    got, want, _ = leaves_and_blocks(monkeypatch, tiny_pair_model("clip"), TORCH.replace(min_tokens=None))
+    assert not leaves and not below
+    assert_equal(got, want)
+    monkeypatch.setattr(layer_leaves, "token_floor_range", lambda config, device, *shapes: (10**6, 10**6))
+    monkeypatch.setattr(layer_leaves, "ENABLED", True)
+    run(apply_switchback(tiny_pair_model("clip"), TORCH.replace(min_tokens=None)))
+    assert not leaves and len(below) == LAYERS
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+def test_dynamo_records_the_stock_layers_calls_below_the_floor(autocast):
+    """Below every floor, the graph Dynamo records for a layer holds the stock layer's calls, one for one."""
+    base = tiny_pair_model("clip")
+    stock = copy.deepcopy(base).vision_model.encoder.layers[0]
+    ours = apply_switchback(base, BELOW).vision_model.encoder.layers[0]
+    h = torch.randn(3, 5, 64)
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    for layer in (stock, ours):
+        torch._dynamo.reset()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            torch.compile(layer, backend=backend, fullgraph=True)(h, None)
+    calls = [[n.target for n in gm.graph.nodes if n.op in ("call_function", "call_method")] for gm in graphs]
+    assert len(calls) == 2 and calls[1] == calls[0] and len(calls[0]) > 10
 
 
 @pytest.mark.gpu

@@ -419,16 +419,31 @@ def token_floor(
     """
     if config.min_tokens is not None:
         return config.min_tokens
+    return token_floor_range(config, device, *shapes, compiled=compiled)[1]
+
+
+def token_floor_range(
+    config: SwitchBackConfig,
+    device: torch.device | str,
+    *shapes: tuple[int, int],
+    compiled: bool | None = None,
+) -> tuple[int, int]:
+    """(lowest, highest) of the token floors of the linears of `shapes`, each on its own (token_floor says how
+    one is chosen): below the lowest every one of them runs its exact 16-bit matmul, from the highest on every
+    one runs 8-bit (a call over several of them, e.g. a fused MLP, needs the highest)."""
+    if config.min_tokens is not None:
+        return config.min_tokens, config.min_tokens
     if isinstance(device, str):
         device = torch.device(device)
     capability = crossover.cuda_capability(device.type, device.index) if config.backend == "auto" else None
     if capability is None:
-        return 0
+        return 0, 0
     if not shapes or config.memory_efficient:
-        return AUTO_MIN_TOKENS_CUDA
+        return AUTO_MIN_TOKENS_CUDA, AUTO_MIN_TOKENS_CUDA
     if compiled is None:
         compiled = graph_leaf.compiling()
-    return max(crossover.min_tokens_for(capability, k, n, config.precision, compiled) for k, n in shapes)
+    floors = [crossover.min_tokens_for(capability, k, n, config.precision, compiled) for k, n in shapes]
+    return min(floors), max(floors)
 
 
 def check_config(name: str, config) -> None:
@@ -619,4 +634,5 @@ __all__ = [
     "switchback_linear",
     "switchback_mlp",
     "token_floor",
+    "token_floor_range",
 ]

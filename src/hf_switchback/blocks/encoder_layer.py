@@ -13,7 +13,8 @@ input contiguous (same values; _contiguous_input says why), removed with them. T
 converted back, a LayerNorm replaced or hooked, parameters of another dtype, a batch below the token floor)
 and runs the stock LayerNorm where not. Where every part of the layer runs 8-bit (blocks/layer_leaves.plan, asked
 first), the same ops run as two graph leaves around the stock attention instead of through the blocks' forwards
-(blocks/layer_leaves.py: less for torch.compile's Dynamo to interpret).
+(blocks/layer_leaves.py: less for torch.compile's Dynamo to interpret); where every linear is below its token
+floor, as the stock layer's torch calls (blocks/layer_16bit.py).
 """
 
 from __future__ import annotations
@@ -86,7 +87,8 @@ def _add_normalize(norm: nn.Module, x: torch.Tensor, delta: torch.Tensor, config
 
 
 def _fused_forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor, **kwargs) -> torch.Tensor:
-    # every part 8-bit: two graph leaves around the stock attention (blocks/layer_leaves.py)
+    # every part 8-bit: two graph leaves around the stock attention (blocks/layer_leaves.py); every linear below
+    # its token floor: the stock layer's calls (blocks/layer_16bit.py)
     layer_plan = layer_leaves.plan(self, hidden_states)
     if layer_plan is not None:
         return layer_leaves.forward(self, layer_plan, hidden_states, attention_mask, kwargs)

@@ -20,13 +20,14 @@ those of the block path, and the graph AOT autograd traces from them holds the s
 nodes and interprets only the checks (`plan`, one flat function that the layer's forward asks first). The checks
 are those of the block path, stricter where that reads less (all six linears exactly SwitchBackLinear, unhooked,
 with one config object), plus what calling the blocks as modules honoured: no hooks on the attention block or the
-MLP (nor global module hooks), no forward set on their instances, no module.compile() of them. Anything else (a
-part below its token floor, a hook, another dtype, a replaced module, equal but distinct configs) takes the block
-path, which checks each block on its own. Note that transformers registers a forward hook on every attention block
+MLP (nor global module hooks), no forward set on their instances, no module.compile() of them. Where the same
+checks find every linear below its token floor instead, the layer runs as the stock layer's torch calls
+(blocks/layer_16bit.py). Anything else (some parts above their token floor and others below, a hook, another
+dtype, a replaced module, equal but distinct configs) takes the block path, which checks each block on its own. Note that transformers registers a forward hook on every attention block
 at the first call that asks for output_attentions or output_hidden_states and keeps it: from then on the layers
 take the block path (same results, the block path's longer trace). Dynamo's trace per layer, with and without
-the leaves: benchmarks/dynamo_trace.py, BENCHMARKS.md (Compile warm-up). HF_SWITCHBACK_LAYER_LEAVES=0 turns this
-path off (measurements of the block path).
+the leaves: benchmarks/dynamo_trace.py, BENCHMARKS.md (Compile warm-up). HF_SWITCHBACK_LAYER_LEAVES=0 turns both
+paths off (measurements of the block path).
 """
 
 from __future__ import annotations
@@ -37,12 +38,12 @@ import torch
 from torch import nn
 from torch.nn.modules import module as module_globals
 
-from ..functional import switchback_linear, switchback_mlp, token_floor
+from ..functional import switchback_linear, switchback_mlp, token_floor_range
 from ..kernels import graph_leaf
 from ..modules import SwitchBackLinear
 from ..weight_cache import WEIGHT_Q
 from ..weight_operands import operands_for
-from . import attention
+from . import attention, layer_16bit
 from . import mlp as mlp_blocks
 from .attention import attend
 from .linear_activation import switchback_linear_activation
@@ -68,8 +69,9 @@ _GLOBAL_FORWARD, _GLOBAL_FORWARD_PRE, _GLOBAL_BACKWARD, _GLOBAL_BACKWARD_PRE = (
 
 
 def plan(layer: nn.Module, x: torch.Tensor) -> tuple | None:
-    """(config, activation kind, whole) when every part of `layer` runs 8-bit on its input x right now, else None
-    (then the block path runs, and each block checks itself again).
+    """(config, activation kind, whole, below) when every part of `layer` runs 8-bit on its input x right now
+    (below False), or every linear runs its exact 16-bit matmul, each below its own token floor (below True:
+    blocks/layer_16bit.py), else None (then the block path runs, and each block checks itself again).
 
     What it asks is what the blocks' own checks and calling them as modules would ask, made stricter where that
     is cheaper (all six linears exactly SwitchBackLinear, unhooked, with one config object; the block path still
@@ -78,7 +80,7 @@ def plan(layer: nn.Module, x: torch.Tensor) -> tuple | None:
     inference weight cache; both LayerNorms plain, unhooked, over x's width, their parameters in the dtype they
     will see; the MLP's activation the one it was fused with and, unless the MLP runs as one op, writing fc2's
     8-bit input; x's rows at or above the token floor of all six linears (the largest of their floors, what
-    each block's own check would require of its part). Written as one flat function that reads each attribute
+    each block's own check would require of its part), or below all six (the smallest). Written as one flat function that reads each attribute
     once: Dynamo interprets it at every trace (every process, the warm start too), and each frame it enters and
     each object it reads costs it time (BENCHMARKS.md, Compile warm-up)."""
     if not ENABLED:
@@ -109,11 +111,11 @@ def plan(layer: nn.Module, x: torch.Tensor) -> tuple | None:
         or not config.fuse_norm
     ):
         return None
-    # the token floor early: a layer below it (a short text tower) leaves here, before the reads the block path
-    # then makes again
-    floor = config.min_tokens
+    # the token floors early: a layer with some linears above their floor and some below leaves here, before
+    # the reads the block path then makes again
+    lowest = floor = config.min_tokens
     if floor is None:
-        floor = token_floor(
+        lowest, floor = token_floor_range(
             config,
             x.device,
             (q.in_features, q.out_features),
@@ -124,7 +126,8 @@ def plan(layer: nn.Module, x: torch.Tensor) -> tuple | None:
             (fc2.in_features, fc2.out_features),
         )
     tokens = x.shape[:-1].numel()
-    if tokens == 0 or tokens < floor:
+    below = tokens < floor
+    if tokens == 0 or (below and tokens >= lowest):
         return None
     if (
         attn._forward_hooks
@@ -207,12 +210,15 @@ def plan(layer: nn.Module, x: torch.Tensor) -> tuple | None:
         return None
     if not whole and (kind is None or not config.fuse_activation):
         return None  # fc2 quantizes its own input: a path the leaves do not cover
-    return config, kind, whole
+    return config, kind, whole, below
 
 
 def forward(layer: nn.Module, layer_plan: tuple, hidden_states: torch.Tensor, attention_mask, kwargs: dict):
-    """The layer's output through the two leaves (see the module docstring); layer_plan: what plan returned."""
-    config, kind, whole = layer_plan
+    """The layer's output through the two leaves (see the module docstring), or where every linear is below its
+    token floor, as the stock layer's calls (blocks/layer_16bit.py); layer_plan: what plan returned."""
+    config, kind, whole, below = layer_plan
+    if below:
+        return layer_16bit.forward(layer, kind, whole, hidden_states, attention_mask, kwargs)
     attn, mlp, norm1, norm2 = layer.self_attn, layer.mlp, layer.layer_norm1, layer.layer_norm2
     q, k, v, out, fc1, fc2 = attn.q_proj, attn.k_proj, attn.v_proj, attn.out_proj, mlp.fc1, mlp.fc2
     # the cached weight operands, where the option keeps them (six lookups Dynamo would trace for nothing
