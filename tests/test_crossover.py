@@ -181,6 +181,40 @@ def test_table_threshold_is_a_compile_time_constant(table, on_hopper):
     torch.testing.assert_close(compiled(x), plain(x), rtol=0, atol=0)
 
 
+def test_a_fused_layer_reads_its_floors_as_one_constant_under_dynamo(tmp_path, monkeypatch, on_hopper):
+    """The default config on a GPU with a table: the fused encoder layer asks the table for its six linears'
+    floors in one constant call while Dynamo traces (no graph break), and below them all runs the stock layer's
+    calls (blocks/layer_16bit.py), as the eager layer does."""
+    import torch._dynamo as dynamo
+    from helpers import tiny_pair_model
+
+    from hf_switchback import apply_switchback
+    from hf_switchback.blocks import layer_16bit
+
+    write_table(tmp_path, entries={("int8", 64, 64): 64, ("int8", 64, 128): 512, ("int8", 128, 64): None})
+    monkeypatch.setattr(crossover, "TABLE_DIR", tmp_path)
+    asked = []
+    answer = crossover.min_tokens_range
+
+    def counted(*args):
+        asked.append(args)
+        return answer(*args)
+
+    counted._dynamo_marked_constant = True
+    monkeypatch.setattr(crossover, "min_tokens_range", counted)
+    stock_calls = []
+    stock_forward = layer_16bit.forward
+    monkeypatch.setattr(layer_16bit, "forward", lambda *args: stock_calls.append(1) or stock_forward(*args))
+    layer = apply_switchback(tiny_pair_model("clip"), SwitchBackConfig()).vision_model.encoder.layers[0]
+    h = torch.randn(2, 16, 64)  # 32 rows: below the lowest floor, 64
+    want = layer(h, None)
+    assert asked[-1] == (HOPPER, ((64, 64),) * 4 + ((64, 128), (128, 64)), "int8", False)
+    dynamo.reset()
+    got = torch.compile(layer, backend="eager", fullgraph=True)(h, None)
+    assert asked[-1][-1] is True  # traced: the thresholds measured under torch.compile
+    assert len(stock_calls) == 2 and torch.equal(got, want)
+
+
 def test_compiled_thresholds_apply_while_dynamo_traces(tmp_path, monkeypatch, on_hopper):
     """A table with `crossover_compiled` (bench_linear.py measures the layer eager and compiled): eager calls read
     `crossover`, a call traced by torch.compile reads `crossover_compiled`; an entry without it uses `crossover`."""

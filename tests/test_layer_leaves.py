@@ -351,3 +351,22 @@ def test_gpu_leaves_compute_what_the_blocks_compute(precision, modes, monkeypatc
     torch.testing.assert_close(got[0], want[0], rtol=1e-2, atol=1e-2)
     for name in want[1]:
         torch.testing.assert_close(got[1][name], want[1][name], rtol=2e-2, atol=1e-3, msg=name)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("modes", [{}, {"fuse_mlp": True}])
+def test_gpu_below_every_floor_computes_what_the_blocks_compute(modes, monkeypatch):
+    """The 16-bit path (blocks/layer_16bit.py) on CUDA under bf16 autocast: eager bitwise the block path's (the
+    same cuBLAS matmuls); compiled with Inductor within bf16 rounding of the block path compiled."""
+    base = tiny_pair_model("clip").cuda()
+    config = SwitchBackConfig(min_tokens=10**6, **modes)
+    leaves, below = count_plan_layers(monkeypatch)
+    got, want, _ = leaves_and_blocks(monkeypatch, base, config, "cuda", autocast=True)
+    assert not leaves and len(below) == LAYERS
+    assert_equal(got, want)
+    got, want, _ = leaves_and_blocks(
+        monkeypatch, base, config, "cuda", autocast=True, compile_backend="inductor"
+    )
+    torch.testing.assert_close(got[0], want[0], rtol=1e-2, atol=1e-2)
+    for name in want[1]:
+        torch.testing.assert_close(got[1][name], want[1][name], rtol=2e-2, atol=1e-3, msg=name)

@@ -442,8 +442,7 @@ def token_floor_range(
         return AUTO_MIN_TOKENS_CUDA, AUTO_MIN_TOKENS_CUDA
     if compiled is None:
         compiled = graph_leaf.compiling()
-    floors = [crossover.min_tokens_for(capability, k, n, config.precision, compiled) for k, n in shapes]
-    return min(floors), max(floors)
+    return crossover.min_tokens_range(capability, shapes, config.precision, compiled)
 
 
 def check_config(name: str, config) -> None:

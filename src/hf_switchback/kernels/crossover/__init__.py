@@ -133,11 +133,21 @@ def min_tokens_for(
     return _min_tokens(tuple(capability), k, n, precision, TABLE_DIR, bool(compiled))
 
 
+def min_tokens_range(
+    capability: tuple[int, int], shapes: tuple[tuple[int, int], ...], precision: str, compiled: bool = False
+) -> tuple[int, int]:
+    """(lowest, highest) of min_tokens_for over the (K, N) `shapes`: one call where a caller asks for several
+    linears (an encoder layer's six), so that Dynamo makes one constant call of it, not one per shape."""
+    floors = [min_tokens_for(capability, k, n, precision, compiled) for k, n in shapes]
+    return min(floors), max(floors)
+
+
 # What torch.compiler.assume_constant_result does, without importing torch._dynamo (which imports triton):
 # Dynamo calls these once while tracing and keeps the answer as a constant, so the file reads and caches
 # never reach the graph (they would be graph breaks).
 cuda_capability._dynamo_marked_constant = True
 min_tokens_for._dynamo_marked_constant = True
+min_tokens_range._dynamo_marked_constant = True
 
 
 __all__ = [
@@ -148,5 +158,6 @@ __all__ = [
     "load_table",
     "lookup",
     "min_tokens_for",
+    "min_tokens_range",
     "table_name",
 ]
