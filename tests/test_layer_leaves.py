@@ -94,12 +94,26 @@ def test_leaves_under_autocast(modes, monkeypatch):
     assert_equal(got, want)
 
 
-@pytest.mark.parametrize("modes", [{}, {"fuse_qkv": True, "fuse_mlp": True}])
-def test_compiled_leaves_compute_what_the_compiled_blocks_compute(modes, monkeypatch):
-    got, want, calls = leaves_and_blocks(
-        monkeypatch, tiny_pair_model("clip"), TORCH.replace(**modes), compile_backend="aot_eager"
+@pytest.mark.parametrize(
+    ("modes", "autocast", "leaf_layers"),
+    [
+        # min_tokens between the tiny batch's 20 image tokens and 48 text tokens: the vision layers take the 16-bit
+        # path (blocks/layer_16bit.py), the text layers the 8-bit leaves
+        ({"min_tokens": 30}, True, 2),
+        ({"fuse_qkv": True, "fuse_mlp": True}, False, LAYERS),
+    ],
+)
+def test_compiled_leaves_compute_what_the_compiled_blocks_compute(modes, autocast, leaf_layers, monkeypatch):
+    leaves, below = count_plan_layers(monkeypatch)
+    got, want, _ = leaves_and_blocks(
+        monkeypatch,
+        tiny_pair_model("clip"),
+        TORCH.replace(**modes),
+        autocast=autocast,
+        compile_backend="aot_eager",
     )
-    assert calls == LAYERS  # each layer traced once into the whole model's graph
+    # each layer traced once into the whole model's graph, with the layer's own paths on
+    assert len(leaves) == leaf_layers and len(below) == LAYERS - leaf_layers
     assert_equal(got, want)
 
 
@@ -280,21 +294,6 @@ def test_below_every_floor_the_layer_computes_what_the_blocks_compute(kind, mode
         monkeypatch, tiny_pair_model(kind), BELOW.replace(**modes), autocast=autocast
     )
     assert not leaves and len(below) == LAYERS
-    assert_equal(got, want)
-
-
-def test_one_tower_below_its_floor_the_other_above(monkeypatch):
-    """min_tokens between the tiny batch's 20 image tokens and 48 text tokens: the vision layers take the 16-bit
-    path, the text layers the 8-bit leaves; compiled (aot_eager), as the block path computes."""
-    leaves, below = count_plan_layers(monkeypatch)
-    got, want, _ = leaves_and_blocks(
-        monkeypatch,
-        tiny_pair_model("clip"),
-        TORCH.replace(min_tokens=30),
-        autocast=True,
-        compile_backend="aot_eager",
-    )
-    assert len(leaves) == 2 and len(below) == 2  # each layer traced once, with the leaves on
     assert_equal(got, want)
 
 
