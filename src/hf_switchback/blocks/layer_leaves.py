@@ -23,9 +23,10 @@ with one config object), plus what calling the blocks as modules honoured: no ho
 MLP (nor global module hooks), no forward set on their instances, no module.compile() of them. Where the same
 checks find every linear below its token floor instead, the layer runs as the stock layer's torch calls
 (blocks/layer_16bit.py). Anything else (some parts above their token floor and others below, a hook, another
-dtype, a replaced module, equal but distinct configs) takes the block path, which checks each block on its own. Note that transformers registers a forward hook on every attention block
-at the first call that asks for output_attentions or output_hidden_states and keeps it: from then on the layers
-take the block path (same results, the block path's longer trace). Dynamo's trace per layer, with and without
+dtype, a replaced module, equal but distinct configs) takes the block path, which checks each block on its own.
+Note that transformers registers a forward hook on every attention block at the first call that asks for
+output_attentions or output_hidden_states and keeps it: from then on the layers take the block path (same
+results, the block path's longer trace). Dynamo's trace per layer, with and without
 the leaves: benchmarks/dynamo_trace.py, BENCHMARKS.md (Compile warm-up). HF_SWITCHBACK_LAYER_LEAVES=0 turns both
 paths off (measurements of the block path).
 """
@@ -80,9 +81,9 @@ def plan(layer: nn.Module, x: torch.Tensor) -> tuple | None:
     inference weight cache; both LayerNorms plain, unhooked, over x's width, their parameters in the dtype they
     will see; the MLP's activation the one it was fused with and, unless the MLP runs as one op, writing fc2's
     8-bit input; x's rows at or above the token floor of all six linears (the largest of their floors, what
-    each block's own check would require of its part), or below all six (the smallest). Written as one flat function that reads each attribute
-    once: Dynamo interprets it at every trace (every process, the warm start too), and each frame it enters and
-    each object it reads costs it time (BENCHMARKS.md, Compile warm-up)."""
+    each block's own check would require of its part), or below all six (the smallest). Written as one flat
+    function that reads each attribute once: Dynamo interprets it at every trace (every process, the warm start
+    too), and each frame it enters and each object it reads costs it time (BENCHMARKS.md, Compile warm-up)."""
     if not ENABLED:
         return None
     attn, mlp, norm1, norm2 = layer.self_attn, layer.mlp, layer.layer_norm1, layer.layer_norm2
