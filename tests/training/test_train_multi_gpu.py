@@ -189,11 +189,12 @@ def test_multi_node_config_as_two_machines_on_one_host(tmp_path):
     two_nodes, one_process = losses(tmp_path / "nodes"), losses(tmp_path / "single")
     assert len(two_nodes) == len(one_process) == 3
     # step 1: same weights, same samples, fp32: equal to rounding. Later steps: the all-reduce sums gradients in
-    # another order than one process, and after an update a weight can round to another int8 step (seen: 3.5e-4
-    # at step 3 of a loss of ~3); a wrong global batch would differ at step 1 already.
+    # another order than one process, and after an update a weight can round to another int8 step, which the
+    # next step carries on (seen at step 3 of a loss of ~2.83: 3.5e-4 on one host, 3.1e-3 on another, each the
+    # same in every run there; step 2 within 2e-5). A wrong global batch would differ at step 1 already; twice or
+    # half the update (a wrong gradient average; one process with --lr doubled or halved) moves step 2 from
+    # 3.686 to 3.368 / 3.762.
     assert abs(two_nodes[0] - one_process[0]) < 1e-5, (two_nodes, one_process)
-    assert max(abs(a - b) for a, b in zip(two_nodes, one_process, strict=True)) < 2e-3, (
-        two_nodes,
-        one_process,
-    )
+    assert abs(two_nodes[1] - one_process[1]) < 1e-3, (two_nodes, one_process)
+    assert abs(two_nodes[2] - one_process[2]) < 5e-3 * abs(one_process[2]), (two_nodes, one_process)
     assert CLIPModel.from_pretrained(tmp_path / "nodes").logit_scale.shape == ()
