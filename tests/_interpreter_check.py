@@ -34,10 +34,11 @@ for inp in (x, x.t(), torch.randn(200, 37).bfloat16(), torch.randn(3001, 37)):
     torch.testing.assert_close(cs, cs_ref, rtol=1e-5, atol=1e-4)
 # The same with rows held in 3 or 5 pieces (768, 1280, 3072, 5120), pieces with masked lanes (70, 100), the
 # one-pass limit and past it (8192, 8200); few programs (as on a 1-SM GPU), so each walks several row tiles
-# and the last one stops inside a tile; a zero row; fp32, bf16 and non-contiguous rows.
+# and the last one stops inside its rows (133 x 100: 12 rows a program in tiles of 4, the last program 1 row);
+# a zero row; fp32, bf16 and non-contiguous rows.
 sm_count = quantize._sm_count
 quantize._sm_count = lambda device: 1
-for shape in ((37, 70), (301, 100), (45, 768), (29, 1280), (13, 3072), (11, 5120), (5, 8192), (3, 8200)):
+for shape in ((37, 70), (133, 100), (21, 768), (19, 1280), (13, 3072), (11, 5120), (5, 8192), (3, 8200)):
     base = torch.randn(shape) * 3
     base[shape[0] // 2] = 0
     for inp in (base, base.bfloat16(), base.t().contiguous().t()):
@@ -55,7 +56,7 @@ for shape in ((37, 70), (301, 100), (45, 768), (29, 1280), (13, 3072), (11, 5120
             assert ((s - s_ref).abs() <= tol * s_ref).all() and (q.int() - q_ref.int()).abs().max() <= 1, (
                 shape
             )
-        if shape in ((37, 70), (29, 1280), (11, 5120)):
+        if shape in ((37, 70), (19, 1280), (11, 5120)):
             # the activation backward by whole rows (g and h read once): gh, act(h), q, scale, column sum
             h = torch.randn(shape).to(inp.dtype)
             for activation, want_act in (("gelu", True), ("quick_gelu", False)):
