@@ -332,17 +332,15 @@ def test_dynamo_records_the_stock_layers_calls_below_the_floor(autocast):
     assert len(calls) == 2 and calls[1] == calls[0] and len(calls[0]) > 10
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("precision", ["int8", "fp8"])
-@pytest.mark.parametrize("modes", BLOCK_MODES)
-def test_gpu_leaves_compute_what_the_blocks_compute(precision, modes, monkeypatch):
-    """The Triton kernels under bf16 autocast: eager bitwise; compiled with Inductor within float32 summation
-    order of the block path compiled (the graphs hold the same operators; Inductor may fuse their pointwise
-    neighbours otherwise)."""
+def check_on_gpu(monkeypatch, config, leaf_layers: int) -> None:
+    """The tiny CLIP on CUDA under bf16 autocast, the layers' own paths against the block path: eager bitwise
+    (leaf_layers layers through the 8-bit leaves, the others through the 16-bit path); compiled with Inductor
+    within float32 summation order of the block path compiled (the graphs hold the same operators; Inductor may
+    fuse their pointwise neighbours otherwise)."""
+    leaves, below = count_plan_layers(monkeypatch)
     base = tiny_pair_model("clip").cuda()
-    config = SwitchBackConfig(min_tokens=0, precision=precision, **modes)
-    got, want, calls = leaves_and_blocks(monkeypatch, base, config, "cuda", autocast=True)
-    assert calls == LAYERS
+    got, want, _ = leaves_and_blocks(monkeypatch, base, config, "cuda", autocast=True)
+    assert len(leaves) == leaf_layers and len(below) == LAYERS - leaf_layers
     assert_equal(got, want)
     got, want, _ = leaves_and_blocks(
         monkeypatch, base, config, "cuda", autocast=True, compile_backend="inductor"
@@ -350,22 +348,18 @@ def test_gpu_leaves_compute_what_the_blocks_compute(precision, modes, monkeypatc
     torch.testing.assert_close(got[0], want[0], rtol=1e-2, atol=1e-2)
     for name in want[1]:
         torch.testing.assert_close(got[1][name], want[1][name], rtol=2e-2, atol=1e-3, msg=name)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision", ["int8", "fp8"])
+@pytest.mark.parametrize("modes", BLOCK_MODES)
+def test_gpu_leaves_compute_what_the_blocks_compute(precision, modes, monkeypatch):
+    """The Triton kernels: every layer through the 8-bit leaves."""
+    check_on_gpu(monkeypatch, SwitchBackConfig(min_tokens=0, precision=precision, **modes), LAYERS)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("modes", [{}, {"fuse_mlp": True}])
 def test_gpu_below_every_floor_computes_what_the_blocks_compute(modes, monkeypatch):
-    """The 16-bit path (blocks/layer_16bit.py) on CUDA under bf16 autocast: eager bitwise the block path's (the
-    same cuBLAS matmuls); compiled with Inductor within bf16 rounding of the block path compiled."""
-    base = tiny_pair_model("clip").cuda()
-    config = SwitchBackConfig(min_tokens=10**6, **modes)
-    leaves, below = count_plan_layers(monkeypatch)
-    got, want, _ = leaves_and_blocks(monkeypatch, base, config, "cuda", autocast=True)
-    assert not leaves and len(below) == LAYERS
-    assert_equal(got, want)
-    got, want, _ = leaves_and_blocks(
-        monkeypatch, base, config, "cuda", autocast=True, compile_backend="inductor"
-    )
-    torch.testing.assert_close(got[0], want[0], rtol=1e-2, atol=1e-2)
-    for name in want[1]:
-        torch.testing.assert_close(got[1][name], want[1][name], rtol=2e-2, atol=1e-3, msg=name)
+    """The 16-bit path (blocks/layer_16bit.py): the same cuBLAS matmuls as the block path's exact linears."""
+    check_on_gpu(monkeypatch, SwitchBackConfig(min_tokens=10**6, **modes), 0)
