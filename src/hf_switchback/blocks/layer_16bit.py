@@ -22,17 +22,16 @@ from ..kernels.reference import apply_activation
 from .attention import attend
 
 
-def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, autocast_dtype) -> torch.Tensor:
     """What a SwitchBack linear computes below its token floor (functional's exact path, which casts x, weight and
     bias to the autocast dtype where autocast is on, else to x's dtype, and multiplies x's rows as one 2-D
-    matrix). Under autocast, F.linear on x as it is: autocast makes the same casts, and torch multiplies a
-    contiguous x's rows as one matrix (as with a 2-D x). Casts only where a dtype differs: each is a node more
-    that Dynamo records and runs on fake tensors."""
-    device_type = x.device.type
-    if torch.is_autocast_enabled(device_type):
+    matrix). Under autocast (autocast_dtype: its dtype, else None), F.linear on x as it is: autocast makes the
+    same casts, and torch multiplies a contiguous x's rows as one matrix (as with a 2-D x). Casts only where a
+    dtype differs: each is a node more that Dynamo records and runs on fake tensors."""
+    if autocast_dtype is not None:
         if x.dtype is not torch.float64:  # (which autocast leaves as it is)
             return F.linear(x, weight, bias)
-        dtype = torch.get_autocast_dtype(device_type)
+        dtype = autocast_dtype
         x = x.to(dtype)
     else:
         dtype = x.dtype
@@ -51,22 +50,25 @@ def forward(
     activation as kernels/reference.apply_activation; otherwise the block calls its activation module)."""
     attn, mlp, norm1, norm2 = layer.self_attn, layer.mlp, layer.layer_norm1, layer.layer_norm2
     q, k, v, out, fc1, fc2 = attn.q_proj, attn.k_proj, attn.v_proj, attn.out_proj, mlp.fc1, mlp.fc2
+    # asked once for the six linears (each ask is a call Dynamo interprets at every trace)
+    device_type = hidden_states.device.type
+    cast = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
     residual = hidden_states
     normed = F.layer_norm(hidden_states, norm1.normalized_shape, norm1.weight, norm1.bias, norm1.eps)
     attn_output, _ = attend(
         attn,
-        _linear(normed, q.weight, q.bias),
-        _linear(normed, k.weight, k.bias),
-        _linear(normed, v.weight, v.bias),
+        _linear(normed, q.weight, q.bias, cast),
+        _linear(normed, k.weight, k.bias, cast),
+        _linear(normed, v.weight, v.bias, cast),
         attention_mask,
         kwargs,
     )
-    hidden_states = residual + _linear(attn_output, out.weight, out.bias)
+    hidden_states = residual + _linear(attn_output, out.weight, out.bias, cast)
     residual = hidden_states
     normed = F.layer_norm(hidden_states, norm2.normalized_shape, norm2.weight, norm2.bias, norm2.eps)
-    h = _linear(normed, fc1.weight, fc1.bias)
+    h = _linear(normed, fc1.weight, fc1.bias, cast)
     h = apply_activation(h, kind) if whole else mlp.activation_fn(h)
-    return residual + _linear(h, fc2.weight, fc2.bias)
+    return residual + _linear(h, fc2.weight, fc2.bias, cast)
 
 
 __all__ = ["forward"]
