@@ -27,9 +27,9 @@ look inside a leaf, so a leaf must not read state that can change between calls 
 arguments; a kernel twin patched at run time (tests do this) is therefore not seen by a graph already traced,
 and the caches key a traced graph by the package's files, not by such patches. `compiling()` reads one counter
 for the process: eager code in another thread while a leaf is being traced would take the compiled kernel set
-(correct results, another code path). This module imports only kernels/options.py and the five modules that
+(correct results, another code path). This module imports only kernels/options.py and the six modules that
 meet torch.compile's internals (kernels/kernel_access.py, early_compile.py, ttir_cache.py,
-tiled_quantize_configs.py, direct_kernel_calls.py) from the package, and torch._dynamo only once torch.compile
+tiled_quantize_configs.py, direct_kernel_calls.py, graph_repro.py) from the package, and torch._dynamo only once torch.compile
 already traces (it imports triton where installed).
 """
 
@@ -43,7 +43,14 @@ from pathlib import Path
 
 import torch
 
-from . import direct_kernel_calls, early_compile, kernel_access, tiled_quantize_configs, ttir_cache
+from . import (
+    direct_kernel_calls,
+    early_compile,
+    graph_repro,
+    kernel_access,
+    tiled_quantize_configs,
+    ttir_cache,
+)
 from .options import KernelOptions
 
 _OPS: dict[str, Callable] = {}
@@ -115,6 +122,7 @@ def _register_with_dynamo() -> bool:
         ttir_cache.install()  # torch's analysis of any other call on our kernels, once per specialization
         tiled_quantize_configs.install()  # Inductor's transposed 8-bit writes: one tile config, not six
         direct_kernel_calls.install()  # our kernels' calls made mutating without torch's per-call tracing
+        graph_repro.install()  # torch's runnable copy of each graph written only where a trace log reads it
         _registered = True
     # AOT autograd's and Inductor's caches refuse graphs that call functions they do not know, unless marked
     # cacheable with a key of the caller's choosing: a graph of leaves is then cached, keyed by this package's
