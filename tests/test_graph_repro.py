@@ -127,7 +127,7 @@ def test_the_switch_install_once_and_uninstall(restored, monkeypatch):
 
 
 @pytest.mark.gpu
-def test_gpu_a_layer_compiled_without_the_copies_computes_the_same(restored, monkeypatch):
+def test_gpu_a_layer_compiled_without_the_copies_computes_the_same(restored, monkeypatch, trace_log_off):
     from test_ttir_cache import compiled_step, small_layer_and_input
 
     layer, x = small_layer_and_input()
@@ -136,6 +136,6 @@ def test_gpu_a_layer_compiled_without_the_copies_computes_the_same(restored, mon
     monkeypatch.delenv("HF_SWITCHBACK_GRAPH_REPRO")
     assert graph_repro.install()
     ours = compiled_step(layer, x)
-    assert graph_repro.stats["skipped"] == 2  # the forward's and the backward's graphs
+    assert graph_repro.stats["skipped"] >= 2  # each graph Inductor compiled, forward and backward
     for a, b in zip(ours, torchs, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
