@@ -18,6 +18,7 @@ HF_SWITCHBACK_GRAPH_REPRO=1 keeps torch's copy always.
 from __future__ import annotations
 
 import functools
+import inspect
 import os
 from collections.abc import Callable
 
@@ -78,19 +79,29 @@ front = FunctionInFront(_only_when_read)  # in front of torch._dynamo.repro.afte
 
 
 def _after_aot_module():
-    """torch's module where Inductor finds save_graph_repro and our test's pieces are, else None."""
+    """torch's module where Inductor finds save_graph_repro with the known signature and our test's pieces are,
+    else None."""
     try:
         import torch._dynamo.repro.after_aot as after_aot
         from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table  # noqa: F401
         from torch._logging._internal import trace_log  # noqa: F401
     except ImportError:
         return None
-    return after_aot if callable(getattr(after_aot, _NAME, None)) else None
+    save = getattr(after_aot, _NAME, None)
+    if not callable(save):
+        return None
+    try:  # (ours, if in front, has torch's signature through functools.wraps)
+        parameters = list(inspect.signature(save).parameters)
+    except (TypeError, ValueError):
+        return None
+    if parameters[:4] != ["fd", "gm", "args", "compiler_name"] or "save_dir" not in parameters:
+        return None
+    return after_aot
 
 
 def install() -> bool:
     """Write torch's copy only where it is read, from now on (once). False where this torch lacks the known
-    pieces, or HF_SWITCHBACK_GRAPH_REPRO=1."""
+    pieces or signature, or HF_SWITCHBACK_GRAPH_REPRO=1."""
     if os.environ.get("HF_SWITCHBACK_GRAPH_REPRO", "0") == "1":
         return False
     after_aot = _after_aot_module()
