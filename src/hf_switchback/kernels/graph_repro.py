@@ -9,7 +9,8 @@ for a SwitchBack layer's graph 110-184 kB and 0.05-0.08 s, 0.24 s of a cold ViT-
 0.01 s for bf16's (four graphs each; BENCHMARKS.md, compile warm-up).
 
 `install()` puts a function in front of it that, for Inductor's own call (compiler "inductor", no save_dir)
-while the trace log has no handler and torch's kernel table holds a kernel of this package, writes one comment
+while the trace log has no handler (any logging handler on it counts, pytest's capture too: torch then builds
+its payloads as well) and torch's kernel table holds a kernel of this package, writes one comment
 line instead of the copy. With TORCH_TRACE set, torch's copy is written as before; a graph compiled without it
 and later loaded from the cache with it shows that line as its `fx_graph_runnable`.
 HF_SWITCHBACK_GRAPH_REPRO=1 keeps torch's copy always.
