@@ -55,8 +55,8 @@ def test_inductors_call_writes_one_line_while_no_trace_log_reads_it(restored, mo
     monkeypatch.setattr(graph_repro, "table_holds_ours", lambda: True)
     assert graph_repro.install()
     assert _copy(save_dir=None) == graph_repro.PLACEHOLDER
-    # (at least: a compile another test left running in this process may be counted too, while the test's fakes
-    # are in place)
+    # (at least: CI's captured log showed another Inductor compile running in its xdist worker during such a test,
+    # counted under the test's fakes)
     assert graph_repro.stats["skipped"] >= 1
 
 
